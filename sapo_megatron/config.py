@@ -1,0 +1,362 @@
+"""Typed run configuration, loaded from YAML and validated once, before any process group or model exists.
+
+Every error names the field and the fix. :func:`load_config` returns a :class:`RunConfig`;
+:func:`validate_layout` checks the parallel layout against the model and the world size;
+:meth:`RunConfig.save_resolved` writes the resolved config next to the run's outputs.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+
+from sapo_megatron.arch import ArchError, QwenArch
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the field(s) and what to do."""
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    """Which network to build.
+
+    ``hf_config`` is a path to an HF ``config.json`` (or a directory holding one), relative paths being
+    resolved against the YAML file's folder, or the same fields inline as a mapping.
+    """
+
+    hf_config: str | dict[str, Any]
+    init: Literal["random", "hf", "megatron"] = "random"
+    init_path: str | None = None
+    moe_token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    moe_grouped_gemm: bool = False
+    moe_aux_loss_coeff: float = Field(default=0.0, ge=0.0)
+    init_std: float = Field(default=0.02, gt=0.0)
+    _arch: QwenArch | None = PrivateAttr(default=None)
+
+    @model_validator(mode="after")
+    def _check_init(self) -> ModelConfig:
+        if self.init != "random" and not self.init_path:
+            raise ValueError(f"model.init={self.init!r} needs model.init_path (a checkpoint directory)")
+        return self
+
+    @property
+    def arch(self) -> QwenArch:
+        """The parsed architecture (read once)."""
+        if self._arch is None:
+            source = self.hf_config
+            self._arch = (
+                QwenArch.from_hf_dict(source) if isinstance(source, dict) else QwenArch.from_path(source)
+            )
+        return self._arch
+
+
+class ParallelConfig(Section):
+    """Megatron parallel layout. Data parallelism is whatever the world size leaves over."""
+
+    tp: int = Field(default=1, ge=1, description="tensor parallel size")
+    pp: int = Field(default=1, ge=1, description="pipeline parallel size")
+    ep: int = Field(default=1, ge=1, description="expert parallel size")
+    etp: int = Field(
+        default=1, ge=1, description="expert tensor parallel size (defaults to tp, as in Megatron)"
+    )
+    cp: int = Field(default=1, ge=1, description="context parallel size")
+    sequence_parallel: bool = False
+    micro_batches: int = Field(default=1, ge=1, description="micro-batches per optimizer step and rank")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_etp_to_tp(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "etp" not in data:
+            data = {**data, "etp": data.get("tp", 1)}
+        return data
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp * self.cp
+
+
+class PrecisionConfig(Section):
+    """Parameter / compute precision. fp8 runs bf16 parameters with FP8 GEMMs via a Transformer Engine recipe."""
+
+    dtype: Literal["fp32", "bf16", "fp8"] = "fp32"
+    fp8_recipe: Literal["delayed", "tensorwise", "mxfp8", "blockwise"] = "tensorwise"
+
+    @model_validator(mode="after")
+    def _check_fp8(self) -> PrecisionConfig:
+        if self.dtype == "fp8" and importlib.util.find_spec("transformer_engine") is None:
+            raise ValueError(
+                "precision.dtype=fp8 needs Transformer Engine, which is not installed here; install "
+                "`sapo-megatron[gpu]` on a CUDA machine, or use precision.dtype=bf16"
+            )
+        return self
+
+
+class OptimizerConfig(Section):
+    """Megatron optimizer (plain or distributed) and learning-rate schedule."""
+
+    name: Literal["adam", "sgd"] = "adam"
+    lr: float = Field(default=1e-6, gt=0.0)
+    min_lr: float = Field(default=0.0, ge=0.0)
+    weight_decay: float = Field(default=0.01, ge=0.0)
+    adam_beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
+    adam_beta2: float = Field(default=0.98, ge=0.0, lt=1.0)
+    adam_eps: float = Field(default=1e-8, gt=0.0)
+    clip_grad: float = Field(default=1.0, ge=0.0, description="0 disables clipping")
+    use_distributed_optimizer: bool = False
+    warmup_steps: int = Field(default=0, ge=0)
+    decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    decay_steps: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _check_lrs(self) -> OptimizerConfig:
+        if self.min_lr > self.lr:
+            raise ValueError(f"optimizer.min_lr={self.min_lr} exceeds optimizer.lr={self.lr}")
+        return self
+
+
+class LaunchConfig(Section):
+    """How many processes the job runs on: nodes × processes per node (one per GPU on clusters)."""
+
+    nodes: int = Field(default=1, ge=1)
+    procs_per_node: int = Field(default=1, ge=1)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.procs_per_node
+
+
+class SFTConfig(Section):
+    """Supervised training on prompt/response pairs (the warm start before RL; also a standalone job)."""
+
+    steps: int = Field(default=0, ge=0)
+    global_batch: int = Field(default=32, ge=1, description="sequences per optimizer step, all ranks")
+    lr: float | None = Field(default=None, gt=0.0, description="overrides optimizer.lr during SFT")
+    log_every: int = Field(default=10, ge=1)
+
+
+class RunConfig(Section):
+    """A whole run. ``name`` and ``output_dir`` decide where everything is written."""
+
+    name: str = "run"
+    output_dir: str = "runs/run"
+    seed: int = 1234
+    model: ModelConfig
+    parallel: ParallelConfig = ParallelConfig()
+    precision: PrecisionConfig = PrecisionConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    launch: LaunchConfig = LaunchConfig()
+    sft: SFTConfig = SFTConfig()
+
+    def save_resolved(self, path: str | Path) -> Path:
+        """Write the resolved config (HF architecture inlined) as YAML; returns the path written."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = self.model_dump(mode="json")
+        data["model"]["hf_config"] = self.model.arch.to_hf_dict()
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+        tmp.replace(path)
+        return path
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
+    """Load, resolve and validate a YAML run config (or the embedded default when ``path`` is None)."""
+    if path is None:
+        from sapo_megatron.defaults import embedded_default_dict
+
+        raw, base_dir = embedded_default_dict(), Path.cwd()
+    else:
+        raw, base_dir = _read_yaml(Path(path)), Path(path).resolve().parent
+    for dotted, value in (overrides or {}).items():
+        _set_dotted(raw, dotted, value)
+    _resolve_relative_hf_config(raw, base_dir)
+    return config_from_dict(raw)
+
+
+def config_from_dict(raw: dict[str, Any]) -> RunConfig:
+    """Validate a config mapping; raise :class:`ConfigError` with one readable line per problem."""
+    try:
+        cfg = RunConfig.model_validate(raw)
+        cfg.model.arch  # noqa: B018 - parse the HF config now, not after process groups exist
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err)) from None
+    except ArchError as err:
+        raise ConfigError(f"model.hf_config: {err}") from None
+    validate_layout(cfg, cfg.launch.world_size)
+    return cfg
+
+
+def validate_layout(cfg: RunConfig, world_size: int) -> None:
+    """Check the parallel layout against the model and the world size; raise :class:`ConfigError`."""
+    problems = _layout_problems(cfg, world_size)
+    if problems:
+        raise ConfigError("invalid parallel layout:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def data_parallel_size(cfg: RunConfig, world_size: int) -> int:
+    return world_size // cfg.parallel.model_parallel_size
+
+
+def _layout_problems(cfg: RunConfig, world_size: int) -> list[str]:
+    arch, par = cfg.model.arch, cfg.parallel
+    problems = [
+        *_head_problems(arch, par),
+        *_moe_problems(arch, par),
+        *_pipeline_problems(arch, par),
+    ]
+    if world_size % par.model_parallel_size:
+        problems.append(
+            f"world size {world_size} (launch.nodes × launch.procs_per_node) is not divisible by "
+            f"parallel.tp × parallel.pp × parallel.cp = {par.tp}×{par.pp}×{par.cp}; change one of them"
+        )
+    elif arch.is_moe and (world_size // par.pp) % (par.ep * par.etp):
+        problems.append(
+            f"world size / pp = {world_size // par.pp} is not divisible by parallel.ep × parallel.etp = "
+            f"{par.ep}×{par.etp}; experts cannot be laid out"
+        )
+    if par.cp > 1 and importlib.util.find_spec("transformer_engine") is None:
+        problems.append("parallel.cp > 1 needs Transformer Engine attention; set parallel.cp: 1")
+    if par.sequence_parallel and par.tp == 1:
+        problems.append("parallel.sequence_parallel needs parallel.tp > 1; set it to false or raise tp")
+    return problems
+
+
+def _head_problems(arch: QwenArch, par: ParallelConfig) -> list[str]:
+    problems = []
+    for field, value in (
+        ("num_attention_heads", arch.num_attention_heads),
+        ("num_key_value_heads", arch.num_key_value_heads),
+    ):
+        if value % par.tp:
+            choices = [d for d in _divisors(value)]
+            problems.append(
+                f"parallel.tp={par.tp} does not divide model {field}={value}; choose tp in {choices}"
+            )
+    if arch.vocab_size % par.tp:
+        problems.append(
+            f"parallel.tp={par.tp} does not divide model vocab_size={arch.vocab_size} "
+            "(Megatron would pad the vocabulary and break exact conversion); choose another tp"
+        )
+    return problems
+
+
+def _moe_problems(arch: QwenArch, par: ParallelConfig) -> list[str]:
+    if not arch.is_moe:
+        if par.ep > 1:
+            return [f"parallel.ep={par.ep} but model type {arch.model_type} has no experts; set parallel.ep: 1"]
+        return []
+    problems = []
+    if arch.num_experts % par.ep:
+        problems.append(
+            f"model num_experts={arch.num_experts} is not divisible by parallel.ep={par.ep}; "
+            f"choose ep in {_divisors(arch.num_experts)}"
+        )
+    if par.tp > 1 and not par.sequence_parallel:
+        problems.append(
+            f"MoE with parallel.tp={par.tp} needs sequence parallelism; set parallel.sequence_parallel: true"
+        )
+    if par.ep == 1 and par.etp != par.tp:
+        # Without EP, Megatron treats expert weights as dense ones, replicated over the data-parallel group
+        # only: with etp < tp their gradients would miss the other TP ranks' tokens.
+        problems.append(
+            f"parallel.etp={par.etp} differs from parallel.tp={par.tp} while parallel.ep=1; "
+            "set etp equal to tp (or use ep > 1)"
+        )
+    return problems
+
+
+def _pipeline_problems(arch: QwenArch, par: ParallelConfig) -> list[str]:
+    problems = []
+    if arch.num_hidden_layers % par.pp:
+        problems.append(
+            f"model num_hidden_layers={arch.num_hidden_layers} is not divisible by parallel.pp={par.pp}; "
+            f"choose pp in {_divisors(arch.num_hidden_layers)}"
+        )
+    if par.pp > 1 and arch.tie_word_embeddings:
+        problems.append("tied embeddings with parallel.pp > 1 are not supported; use pp=1 or untied weights")
+    return problems
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path} is not valid YAML: {err}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(
+            f"{path} must hold a mapping of sections (model, parallel, ...), got {type(raw).__name__}"
+        )
+    return raw
+
+
+def _resolve_relative_hf_config(raw: dict[str, Any], base_dir: Path) -> None:
+    model = raw.get("model")
+    if not isinstance(model, dict):
+        return
+    for key in ("hf_config", "init_path"):
+        value = model.get(key)
+        if isinstance(value, str) and not Path(value).is_absolute():
+            model[key] = str((base_dir / value).resolve())
+
+
+def _set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    node = raw
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {dotted}: {key} is not a section")
+    node[leaf] = value
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for item in err.errors():
+        loc = ".".join(str(p) for p in item["loc"] if not str(p).startswith("function-after"))
+        lines.append(f"  - {loc or 'config'}: {_explain(item)}")
+    return "invalid configuration:\n" + "\n".join(lines)
+
+
+def _explain(item: dict[str, Any]) -> str:
+    if item["type"] == "extra_forbidden":
+        return "unknown key" + _suggestion(item)
+    if item["type"] == "missing":
+        return "required field is missing"
+    message = str(item["msg"]).removeprefix("Value error, ")
+    if "input" in item and item["type"] not in ("value_error",):
+        message += f" (got {item['input']!r})"
+    return message
+
+
+def _suggestion(item: dict[str, Any]) -> str:
+    key = str(item["loc"][-1])
+    known = _known_keys(item["loc"][:-1])
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"{hint} accepted keys: {', '.join(sorted(known))}" if known else hint
+
+
+def _known_keys(section_loc: tuple[Any, ...]) -> list[str]:
+    model: type[BaseModel] | None = RunConfig
+    for part in section_loc:
+        field = model.model_fields.get(str(part)) if model else None
+        annotation = field.annotation if field else None
+        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+    return list(model.model_fields) if model else []

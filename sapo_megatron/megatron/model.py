@@ -1,0 +1,156 @@
+"""Build a Megatron-Core GPTModel equivalent to HF ``Qwen3ForCausalLM`` / ``Qwen3MoeForCausalLM``.
+
+Qwen3 in Megatron terms: RMSNorm (eps from the HF config), QK-norm (RMSNorm over head_dim), grouped-query
+attention with an explicit ``kv_channels = head_dim``, RoPE with ``rotary_base = rope_theta``, no linear biases,
+SwiGLU MLP (``gated_linear_unit`` + silu) or SwiGLU experts behind a softmax top-k router, where HF's
+``norm_topk_prob=True`` (softmax over all experts, top-k, renormalise) equals Megatron's softmax *after* top-k,
+and ``norm_topk_prob=False`` equals ``moe_router_pre_softmax``. The router runs in fp32 like HF's.
+
+The layer spec is Transformer Engine's when TE imports (GPU clusters), else Megatron's local pure-torch spec.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from sapo_megatron.arch import ArchError, QwenArch
+from sapo_megatron.config import ModelConfig, ParallelConfig, PrecisionConfig
+
+PARAMS_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """What the model builder needs besides the architecture."""
+
+    model: ModelConfig
+    parallel: ParallelConfig
+    precision: PrecisionConfig
+    use_te: bool | None = None  # None: use TE when it imports
+    routing_replay: bool = False
+
+
+def have_transformer_engine() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def transformer_config(opts: BuildOptions) -> TransformerConfig:
+    """The Megatron ``TransformerConfig`` for an HF Qwen3 / Qwen3-MoE architecture and a parallel layout."""
+    arch, par = opts.model.arch, opts.parallel
+    dtype = PARAMS_DTYPE[opts.precision.dtype]
+    return TransformerConfig(
+        num_layers=arch.num_hidden_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.intermediate_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_key_value_heads,
+        kv_channels=arch.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        qk_layernorm=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=opts.model.init_std,
+        attention_softmax_in_fp32=True,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        pipeline_dtype=dtype,
+        autocast_dtype=dtype,
+        tensor_model_parallel_size=par.tp,
+        pipeline_model_parallel_size=par.pp,
+        context_parallel_size=par.cp,
+        expert_model_parallel_size=par.ep,
+        expert_tensor_parallel_size=par.etp,
+        sequence_parallel=par.sequence_parallel,
+        variable_seq_lengths=False,  # every micro-batch of a step has one shape; see TrainEngine
+        moe_token_dispatcher_type=opts.model.moe_token_dispatcher,
+        **_fp8_fields(opts.precision),
+        **_moe_fields(arch, opts),
+    )
+
+
+def _fp8_fields(precision: PrecisionConfig) -> dict:
+    if precision.dtype != "fp8":
+        return {}
+    return {
+        "fp8": "e4m3" if precision.fp8_recipe != "delayed" else "hybrid",
+        "fp8_recipe": precision.fp8_recipe,
+    }
+
+
+def _moe_fields(arch: QwenArch, opts: BuildOptions) -> dict:
+    if not arch.is_moe:
+        return {}
+    if arch.num_experts_per_tok == 1 and arch.norm_topk_prob:
+        raise ArchError("top-1 routing with norm_topk_prob=true has no Megatron equivalent")
+    pattern = arch.moe_layer_pattern()
+    return {
+        "num_moe_experts": arch.num_experts,
+        "moe_router_topk": arch.num_experts_per_tok,
+        "moe_ffn_hidden_size": arch.moe_intermediate_size,
+        "moe_layer_freq": 1 if all(pattern) else pattern,
+        "moe_router_pre_softmax": not arch.norm_topk_prob,
+        "moe_router_score_function": "softmax",
+        "moe_router_dtype": "fp32",
+        "moe_router_load_balancing_type": "aux_loss" if opts.model.moe_aux_loss_coeff > 0 else "none",
+        "moe_aux_loss_coeff": opts.model.moe_aux_loss_coeff,
+        "moe_grouped_gemm": opts.model.moe_grouped_gemm,
+        "moe_enable_routing_replay": opts.routing_replay,
+    }
+
+
+def layer_spec(config: TransformerConfig, opts: BuildOptions) -> ModuleSpec:
+    """Transformer Engine layer spec on GPU clusters, Megatron's local spec elsewhere."""
+    use_te = have_transformer_engine() if opts.use_te is None else opts.use_te
+    num_experts = config.num_moe_experts
+    if use_te:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=True)
+    if opts.model.moe_grouped_gemm:
+        raise ArchError("model.moe_grouped_gemm needs Transformer Engine; set it to false on this machine")
+    if num_experts and not all(opts.model.arch.moe_layer_pattern()):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    return get_gpt_layer_local_spec(num_experts=num_experts, qk_layernorm=True, normalization="RMSNorm")
+
+
+def build_gpt_model(opts: BuildOptions, *, vp_stage: int | None = None) -> GPTModel:
+    """One model chunk for this rank (pipeline stage decided by Megatron's parallel state)."""
+    config = transformer_config(opts)
+    arch = opts.model.arch
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(config, opts),
+        vocab_size=arch.vocab_size,
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(arch.rope_theta),
+        parallel_output=True,
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model

@@ -1,0 +1,252 @@
+"""A training-step API over Megatron-Core: ``get_forward_backward_func`` + Megatron DDP + the Megatron optimizer.
+
+The caller hands over this rank's micro-batches and a loss function; the engine runs the pipeline schedule,
+reduces gradients, clips, steps the optimizer and the LR schedule, and returns reduced metrics.
+
+Loss convention (why it looks the way it does): a loss function returns this micro-batch's *contribution to the
+global objective* – already divided by a global normaliser (all micro-batches, all data-parallel ranks) – so the
+sum of contributions is the loss, whatever the micro-batch split or the layout. Megatron averages a 2-tuple loss
+over micro-batches and DDP averages gradients over data-parallel ranks; the engine pre-multiplies by both counts
+to undo that averaging exactly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+from megatron.core.optimizer import get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from sapo_megatron.checkpoint.hf_io import HFCheckpointReader
+from sapo_megatron.config import OptimizerConfig, RunConfig
+from sapo_megatron.megatron.model import BuildOptions, build_gpt_model
+from sapo_megatron.megatron.weights import load_hf_weights
+
+MicroBatch = dict[str, torch.Tensor]
+"""One micro-batch: ``input_ids`` [b, s] (right-padded), optional ``position_ids`` [b, s], plus whatever
+tensors the loss function reads (labels, masks, advantages, ...)."""
+
+Metrics = dict[str, torch.Tensor]
+"""Metric name → 2-element tensor ``(weighted_sum, weight)``; the engine sums both over micro-batches and
+data-parallel ranks and reports ``weighted_sum / weight``."""
+
+LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, Metrics]]
+"""``(vocab_parallel_logits [b, s, V/tp], batch) -> (loss contribution, metrics)``, run on the last stage."""
+
+OutputFn = Callable[[torch.Tensor, MicroBatch], torch.Tensor]
+"""Forward-only: ``(vocab_parallel_logits, batch) -> per-micro-batch result`` (e.g. log-probs [b, s])."""
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step reports (identical on every rank)."""
+
+    loss: float
+    grad_norm: float
+    lr: float
+    update_successful: bool
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class TrainEngine:
+    """Model chunks wrapped in Megatron DDP, the Megatron optimizer and its LR schedule, for one rank."""
+
+    def __init__(
+        self, cfg: RunConfig, *, routing_replay: bool = False, total_steps: int | None = None
+    ) -> None:
+        self.cfg = cfg
+        opts = BuildOptions(cfg.model, cfg.parallel, cfg.precision, routing_replay=routing_replay)
+        module = build_gpt_model(opts)
+        init_weights(module, cfg)
+        self.config = module.config
+        self.model = [_wrap_ddp(module, cfg.optimizer)]
+        self.optimizer = get_megatron_optimizer(_megatron_optimizer_config(cfg), self.model)
+        self.scheduler = _build_scheduler(self.optimizer, cfg.optimizer, total_steps)
+        self._wire_config()
+
+    def _wire_config(self) -> None:
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.grad_scale_func = self.optimizer.scale_loss
+        self.config.no_sync_func = self.model[0].no_sync
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """The unwrapped GPTModel of this rank."""
+        return self.model[0].module
+
+    def train_step(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn) -> StepResult:
+        """Forward + backward over this rank's micro-batches, then one optimizer and LR-schedule step."""
+        for chunk in self.model:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        scale = len(micro_batches) * parallel_state.get_data_parallel_world_size()
+        losses, metrics = self._run_schedule(micro_batches, partial(_scaled_loss, loss_fn, scale), False)
+        update_successful, grad_norm, _ = self.optimizer.step()
+        if update_successful:
+            self.scheduler.step(increment=1)
+        loss, reduced = _reduce_metrics(losses, metrics)
+        return StepResult(
+            loss=loss,
+            grad_norm=float(grad_norm or 0.0),
+            lr=float(self.optimizer.param_groups[0]["lr"]),
+            update_successful=bool(update_successful),
+            metrics=reduced,
+        )
+
+    @torch.no_grad()
+    def forward_only(
+        self, micro_batches: Sequence[MicroBatch], output_fn: OutputFn
+    ) -> list[torch.Tensor] | None:
+        """Run the model without gradients; returns ``output_fn``'s result per micro-batch on the last
+        pipeline stage, ``None`` on the other stages."""
+        for chunk in self.model:
+            chunk.eval()
+        try:
+            outputs, _ = self._run_schedule(micro_batches, partial(_collect_output, output_fn), True)
+        finally:
+            for chunk in self.model:
+                chunk.train()
+        return outputs if parallel_state.is_pipeline_last_stage() else None
+
+    def _run_schedule(self, micro_batches: Sequence[MicroBatch], loss_fn, forward_only: bool):
+        if not micro_batches:
+            raise ValueError("train_step/forward_only need at least one micro-batch")
+        shape = micro_batches[0]["input_ids"].shape
+        store = get_forward_backward_func()(
+            forward_step_func=partial(_forward_step, loss_fn),
+            data_iterator=iter(micro_batches),
+            model=self.model,
+            num_microbatches=len(micro_batches),
+            seq_length=shape[1],
+            micro_batch_size=shape[0],
+            forward_only=forward_only,
+        )
+        if not parallel_state.is_pipeline_last_stage():
+            return [], []
+        first = [item[0] for item in store]
+        second = [item[1] for item in store]
+        return first, second
+
+
+def init_weights(module: torch.nn.Module, cfg: RunConfig) -> None:
+    """Load initial weights before DDP and the optimizer exist (so bf16 main params start from them)."""
+    if cfg.model.init == "hf":
+        reader = HFCheckpointReader(cfg.model.init_path)
+        reader.validate(cfg.model.arch)
+        load_hf_weights(module, reader.get, cfg.model.arch)
+    elif cfg.model.init == "megatron":
+        from sapo_megatron.megatron.dist_ckpt import load_model_weights
+
+        load_model_weights(module, cfg.model.init_path)
+
+
+def _forward_step(loss_fn, data_iterator: Iterator[MicroBatch], model):
+    batch = next(data_iterator)
+    input_ids = batch["input_ids"]
+    position_ids = batch.get("position_ids")
+    if position_ids is None:
+        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    logits = model(input_ids, position_ids, attention_mask=None)
+    return logits, partial(loss_fn, batch)
+
+
+def _scaled_loss(loss_fn: LossFn, scale: int, batch: MicroBatch, logits: torch.Tensor):
+    """Megatron divides a 2-tuple loss by the micro-batch count and DDP averages over DP ranks: undo both."""
+    loss, metrics = loss_fn(logits, batch)
+    return loss * scale, (loss.detach(), metrics)
+
+
+def _collect_output(output_fn: OutputFn, batch: MicroBatch, logits: torch.Tensor):
+    result = output_fn(logits, batch)
+    return torch.zeros((), device=logits.device), (result, None)
+
+
+def _reduce_metrics(losses: list[torch.Tensor], metrics: list[Metrics]) -> tuple[float, dict[str, float]]:
+    """Sum loss contributions and ``(weighted_sum, weight)`` metrics over micro-batches, DP ranks, and
+    broadcast from the last pipeline stage so that every rank returns the same numbers."""
+    names = _metric_names_from_last_stage(sorted(metrics[0]) if metrics else [])
+    packed = torch.zeros(1 + 2 * len(names), dtype=torch.float64)
+    if losses:
+        packed[0] = sum(float(x) for x in losses)
+        for i, name in enumerate(names):
+            packed[1 + 2 * i : 3 + 2 * i] = torch.stack([m[name].double().cpu() for m in metrics]).sum(0)
+    packed = _broadcast_from_last_stage(packed)
+    dist.all_reduce(packed, group=parallel_state.get_data_parallel_group())
+    reduced = {n: float(packed[1 + 2 * i] / packed[2 + 2 * i].clamp_min(1e-12)) for i, n in enumerate(names)}
+    return float(packed[0]), reduced
+
+
+def _metric_names_from_last_stage(names: list[str]) -> list[str]:
+    """Pipeline: only the last stage ran the loss function, so only it knows the metric names."""
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return names
+    box = [names]
+    dist.broadcast_object_list(
+        box,
+        src=parallel_state.get_pipeline_model_parallel_last_rank(),
+        group=parallel_state.get_pipeline_model_parallel_group(),
+    )
+    return box[0]
+
+
+def _broadcast_from_last_stage(packed: torch.Tensor) -> torch.Tensor:
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(
+            packed,
+            src=parallel_state.get_pipeline_model_parallel_last_rank(),
+            group=parallel_state.get_pipeline_model_parallel_group(),
+        )
+    return packed
+
+
+def _wrap_ddp(module: torch.nn.Module, opt: OptimizerConfig) -> DistributedDataParallel:
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=opt.use_distributed_optimizer,
+    )
+    return DistributedDataParallel(config=module.config, ddp_config=ddp_config, module=module)
+
+
+def _megatron_optimizer_config(cfg: RunConfig) -> MegatronOptimizerConfig:
+    opt = cfg.optimizer
+    bf16 = cfg.precision.dtype in ("bf16", "fp8")
+    return MegatronOptimizerConfig(
+        optimizer=opt.name,
+        lr=opt.lr,
+        min_lr=opt.min_lr,
+        weight_decay=opt.weight_decay,
+        adam_beta1=opt.adam_beta1,
+        adam_beta2=opt.adam_beta2,
+        adam_eps=opt.adam_eps,
+        clip_grad=opt.clip_grad,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=opt.use_distributed_optimizer,
+    )
+
+
+def _build_scheduler(optimizer, opt: OptimizerConfig, total_steps: int | None) -> OptimizerParamScheduler:
+    decay_steps = opt.decay_steps or max(total_steps or 1, opt.warmup_steps + 1)
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if opt.warmup_steps else opt.lr,
+        max_lr=opt.lr,
+        min_lr=opt.min_lr,
+        lr_warmup_steps=opt.warmup_steps,
+        lr_decay_steps=decay_steps,
+        lr_decay_style=opt.decay_style,
+        start_wd=opt.weight_decay,
+        end_wd=opt.weight_decay,
+        wd_incr_steps=decay_steps,
+        wd_incr_style="constant",
+    )

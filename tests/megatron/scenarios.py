@@ -1,0 +1,69 @@
+"""Per-rank bodies of the multi-process tests (imported by spawned workers)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from sapo_megatron.config import RunConfig, config_from_dict
+from sapo_megatron.megatron.parallel import init_parallel
+from sapo_megatron.megatron.sft import sft_loss
+from sapo_megatron.megatron.train_step import MicroBatch, TrainEngine
+from sapo_megatron.megatron.weights import iter_hf_weights
+
+
+def layout_config(payload: dict[str, Any]) -> RunConfig:
+    hf_dir = payload["hf_dir"]
+    raw = {
+        "model": {"hf_config": hf_dir, "init": "hf", "init_path": hf_dir, **payload.get("model", {})},
+        "parallel": payload["parallel"],
+        "launch": {"procs_per_node": payload["world"]},
+        "optimizer": {
+            "name": "sgd",
+            "lr": 1.0,
+            "weight_decay": 0.0,
+            "clip_grad": 0.0,
+            **payload.get("optimizer", {}),
+        },
+        "precision": payload.get("precision", {}),
+    }
+    return config_from_dict(raw)
+
+
+def sft_micro_batches(ids: torch.Tensor, mask: torch.Tensor, micro_batches: int) -> list[MicroBatch]:
+    """This data-parallel rank's rows of the global batch, split into micro-batches of SFT tensors."""
+    dp, rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    rows = ids.shape[0] // dp
+    ids, mask = ids[rank * rows : (rank + 1) * rows], mask[rank * rows : (rank + 1) * rows]
+    total = mask[:, 1:].sum().double()
+    dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    return [
+        {
+            "input_ids": ids_mb[:, :-1].contiguous(),
+            "labels": ids_mb[:, 1:].contiguous(),
+            "loss_mask": mask_mb[:, 1:].contiguous(),
+            "num_tokens_global": total.float(),
+        }
+        for ids_mb, mask_mb in zip(ids.chunk(micro_batches), mask.chunk(micro_batches))
+    ]
+
+
+def sft_step(payload: dict[str, Any]) -> dict[str, Any]:
+    """One SFT optimizer step under a layout; returns loss, grad norm and the updated weights this rank owns."""
+    cfg = layout_config(payload)
+    init_parallel(cfg.parallel, seed=0, cfg=cfg)
+    engine = TrainEngine(cfg, total_steps=1)
+    batches = sft_micro_batches(payload["ids"], payload["mask"], cfg.parallel.micro_batches)
+    result = engine.train_step(batches, sft_loss)
+    weights = {
+        n: t.float().clone() for n, t in iter_hf_weights(engine.module, cfg.model.arch, owned_only=True)
+    }
+    return {
+        "loss": result.loss,
+        "grad_norm": result.grad_norm,
+        "nll": result.metrics["sft/nll"],
+        "weights": weights,
+    }
