@@ -25,6 +25,9 @@ Call :func:`apply` once, before building a model. It is idempotent. What it patc
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import sys
+import types
 from typing import Any
 
 import torch
@@ -182,8 +185,10 @@ def _patch_all_to_all() -> None:
     if getattr(forward, "_sapo_patched", False):
         return
 
-    def patched(ctx, group, input, output_split_sizes, input_split_sizes):
-        return forward(ctx, group, input, _as_int_list(output_split_sizes), _as_int_list(input_split_sizes))
+    def patched(ctx, group, input, output_split_sizes, input_split_sizes, *rest):
+        return forward(
+            ctx, group, input, _as_int_list(output_split_sizes), _as_int_list(input_split_sizes), *rest
+        )
 
     patched._sapo_patched = True
     mappings._AllToAll.forward = staticmethod(patched)
@@ -247,6 +252,27 @@ def _patch_torch_norm() -> None:
 
     new._sapo_patched = True
     torch_norm.WrappedTorchNorm.__new__ = new
+
+
+_PAGED_STASH_OPS = "megatron.core.transformer.moe.ops.paged_stash"
+
+
+def _unavailable_kernel(*args: Any, **kwargs: Any) -> None:
+    raise RuntimeError("paged-stash kernels need triton (GPU); they are not available on this machine")
+
+
+def register_import_stubs() -> None:
+    """Patch 9 (megatron-core >= 0.19): ``moe/ops/paged_stash.py`` imports triton at import time, and GPTModel
+    imports it. Without triton, register a stand-in for that one module (its kernels raise if ever called).
+    Must run before ``megatron.core.models`` is imported; a no-op when triton is installed."""
+    if _PAGED_STASH_OPS in sys.modules or importlib.util.find_spec("triton") is not None:
+        return
+    stub = types.ModuleType(_PAGED_STASH_OPS)
+    stub.GLOBAL_BLOCK_SIZE = 1024
+    stub.paged_stash_copy_kernel = _unavailable_kernel
+    stub.paged_stash_pop_kernel = _unavailable_kernel
+    stub.__all__ = ["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"]
+    sys.modules[_PAGED_STASH_OPS] = stub
 
 
 def apply() -> bool:

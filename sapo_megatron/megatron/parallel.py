@@ -97,6 +97,10 @@ def rank_info() -> RankInfo:
     )
 
 
+def data_parallel_group() -> dist.ProcessGroup:
+    return parallel_state.get_data_parallel_group()
+
+
 def shutdown_parallel() -> None:
     """Tear down Megatron's parallel state and the process group (safe to call twice)."""
     if parallel_state.model_parallel_is_initialized():

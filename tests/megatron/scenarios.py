@@ -6,10 +6,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
-
 from sapo_megatron.config import RunConfig, config_from_dict
-from sapo_megatron.megatron.parallel import init_parallel
+from sapo_megatron.megatron.parallel import data_parallel_group, init_parallel, rank_info
 from sapo_megatron.megatron.sft import sft_loss
 from sapo_megatron.megatron.train_step import MicroBatch, TrainEngine
 from sapo_megatron.megatron.weights import iter_hf_weights
@@ -35,11 +33,12 @@ def layout_config(payload: dict[str, Any]) -> RunConfig:
 
 def sft_micro_batches(ids: torch.Tensor, mask: torch.Tensor, micro_batches: int) -> list[MicroBatch]:
     """This data-parallel rank's rows of the global batch, split into micro-batches of SFT tensors."""
-    dp, rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    info = rank_info()
+    dp, rank = info.dp_size, info.dp_rank
     rows = ids.shape[0] // dp
     ids, mask = ids[rank * rows : (rank + 1) * rows], mask[rank * rows : (rank + 1) * rows]
     total = mask[:, 1:].sum().double()
-    dist.all_reduce(total, group=parallel_state.get_data_parallel_group())
+    dist.all_reduce(total, group=data_parallel_group())
     return [
         {
             "input_ids": ids_mb[:, :-1].contiguous(),
