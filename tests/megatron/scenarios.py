@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from sapo_megatron.config import RunConfig, config_from_dict
 from sapo_megatron.megatron.parallel import data_parallel_group, init_parallel, rank_info
 from sapo_megatron.megatron.sft import sft_loss
