@@ -1,0 +1,132 @@
+"""The rollout engine interface. The trainer holds a :class:`RolloutEngine` and never knows which one.
+
+Implementations: :class:`~sapo_megatron.rollout.sglang_client.SGLangClient` (SGLang servers over HTTP, also the
+CPU server) and :class:`~sapo_megatron.rollout.cpu_engine.CPUEngine` (transformers, in-process).
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
+
+import torch
+
+from sapo_megatron.rollout.types import GenerationRequest, Sample
+
+
+class RolloutError(RuntimeError):
+    """A rollout engine failed or answered something that cannot be used.
+
+    The message names the server, the request and the offending field so that a bad reply is never used silently.
+    """
+
+    def __init__(
+        self, message: str, *, server: str | None = None, request: str | None = None, field: str | None = None
+    ) -> None:
+        self.server = server
+        self.request = request
+        self.field = field
+        context = ", ".join(
+            f"{name}={value}"
+            for name, value in (("server", server), ("request", request), ("field", field))
+            if value is not None
+        )
+        super().__init__(f"{message} [{context}]" if context else message)
+
+
+class RolloutEngine(abc.ABC):
+    """Generates samples, scores sequences and receives new weights."""
+
+    @abc.abstractmethod
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[list[Sample]]:
+        """Per request, its ``n`` samples in index order; requests keep their order."""
+
+    @abc.abstractmethod
+    def score(
+        self, token_ids_list: Sequence[Sequence[int]], response_start: int | Sequence[int]
+    ) -> list[list[float]]:
+        """Teacher scoring: for each sequence, ``log p(ids[t] | ids[:t])`` for ``t >= response_start``.
+
+        Logprobs come from the raw logits (temperature 1), as SGLang's ``input_token_logprobs`` with
+        ``max_new_tokens=0, logprob_start_len=0``. ``response_start`` is one value for all sequences or one per
+        sequence, and must be >= 1 (the first token has no prefix). Each result has ``len(ids) - response_start``
+        values.
+        """
+
+    @abc.abstractmethod
+    def update_weights_from_disk(self, path: str) -> None:
+        """Load the HF checkpoint directory ``path`` (config + safetensors) into every server, then flush caches."""
+
+    @abc.abstractmethod
+    def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the served model (colocated weight sync)."""
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        rank_offsets: Sequence[int],
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> Future:
+        """Join the servers to a process group with the trainer for NCCL weight broadcast (disaggregated).
+
+        Returns at once; the trainer joins the group, then waits on the future.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no NCCL weight-sync path")
+
+    def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str = "weight_update_group",
+    ) -> Future:
+        """Receive the named tensors that the trainer broadcasts over the group of ``init_weights_update_group``.
+
+        Returns at once; the trainer broadcasts the tensors in this order, then waits on the future.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no NCCL weight-sync path")
+
+    @abc.abstractmethod
+    def flush_cache(self) -> None:
+        """Drop cached prefixes (after a weight change they belong to the old policy)."""
+
+    @abc.abstractmethod
+    def health(self) -> bool:
+        """True when the engine can serve requests now."""
+
+    def metrics(self) -> dict[str, float]:
+        """Cumulative counters (requests, retries, failovers, ...); the caller logs them."""
+        return {}
+
+    def close(self) -> None:  # noqa: B027 - engines without resources need no close
+        """Release threads, connections and models."""
+
+    def __enter__(self) -> RolloutEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def normalize_response_starts(
+    token_ids_list: Sequence[Sequence[int]], response_start: int | Sequence[int]
+) -> list[int]:
+    """One validated ``response_start`` per sequence (shared by the engines' ``score``)."""
+    if isinstance(response_start, int):
+        starts = [response_start] * len(token_ids_list)
+    else:
+        starts = [int(s) for s in response_start]
+        if len(starts) != len(token_ids_list):
+            raise ValueError(
+                f"score: {len(starts)} response_start values for {len(token_ids_list)} sequences"
+            )
+    for i, (ids, start) in enumerate(zip(token_ids_list, starts)):
+        if not 1 <= start <= len(ids):
+            raise ValueError(
+                f"score: sequence {i} has {len(ids)} tokens; response_start={start} is not in [1, len]"
+            )
+    return starts

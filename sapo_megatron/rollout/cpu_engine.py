@@ -1,0 +1,540 @@
+"""A rollout engine on transformers (Qwen3 / Qwen3-MoE causal LMs) for CPUs: development, tests, embedded demo.
+
+It reproduces what the trainer relies on from SGLang, so that swapping engines changes speed, not semantics:
+
+- **Sampling** (SGLang's torch fallback sampler): logits / temperature -> softmax -> top-k and top-p masks on the
+  sorted probabilities (top-p judged on the unfiltered cumulative mass) -> multinomial. ``temperature < 1e-6`` or
+  ``top_k == 1`` is greedy (argmax of the raw logits).
+- **Output logprobs** (SGLang ``layers/sampler.py``): the log-probability of the sampled token under the
+  temperature-scaled, *unfiltered* distribution, ``log_softmax(logits / T)`` over the whole vocabulary; greedy rows
+  use ``T = 1``. With ``return_original_logprob=True`` (SGLang's env ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``) it is
+  ``log_softmax(logits)`` whatever the temperature. At ``T = 1`` both are the trainer's log-probability.
+- **Input logprobs** (teacher scoring, ``logprob_start_len >= 0``): ``log_softmax(logits)`` at temperature 1, the
+  first token's entry None.
+- **Stopping** (SGLang ``Req.check_finished``): ``max_new_tokens`` is checked first ("length"), then the stop token
+  ids and the model's EOS ids ("stop"; the stop token is part of the output).
+- **Routed experts**: each MoE layer's router top-k indices (in ``torch.topk`` order, descending router
+  probability) for every token fed to the model: int32 ``[len(prompt) + len(output) - 1, num_hidden_layers, top_k]``
+  like SGLang's ``--enable-return-routed-experts``. Layers without a router (dense layers of mixed models) hold -1.
+
+Prompts x samples run as one left-padded batch with a KV cache. Each row samples from its own ``torch.Generator``
+(seeded from the request's ``sampling_seed``, or drawn from the engine seed in row order), so results do not depend
+on how rows were batched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import logging
+import re
+import threading
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from sapo_megatron.rollout.base import RolloutEngine, normalize_response_starts
+from sapo_megatron.rollout.types import FinishReason, GenerationRequest, Sample, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# torch already spreads one forward over every core; two engines of one process computing at once only fight over
+# them (OpenMP threads spinning against each other), so forwards of all engines take turns.
+_COMPUTE_LOCK = threading.Lock()
+
+_EXPERT_WEIGHT = re.compile(
+    r"^(?P<prefix>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
+)
+
+
+@dataclasses.dataclass
+class RowSpec:
+    """One sequence to generate (one sample of a request), as the engine sees it.
+
+    ``logprob_start_len``: -1 for no input logprobs, else the first prompt position whose logprob is returned.
+    """
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    seed: int | None = None
+    return_routed_experts: bool = False
+    logprob_start_len: int = -1
+    ignore_eos: bool = False
+
+
+@dataclasses.dataclass
+class RowResult:
+    output_ids: list[int]
+    output_logprobs: list[float]
+    finish_reason: FinishReason
+    matched_stop: int | None
+    # Entries for prompt positions logprob_start_len .. P-1; the entry of position 0 is None.
+    input_logprobs: list[float | None] | None
+    routed_experts: np.ndarray | None
+
+
+class _RouterCapture:
+    """Forward hooks on every MoE router that keep the top-k expert indices of the current forward."""
+
+    def __init__(self, model: torch.nn.Module, top_k: int) -> None:
+        self.top_k = top_k
+        self.enabled = False
+        self.layer_ids: list[int] = []
+        self.captured: dict[int, torch.Tensor] = {}
+        self._handles = []
+        layers = model.get_decoder().layers
+        for layer_id, layer in enumerate(layers):
+            mlp = getattr(layer, "mlp", None)
+            router = getattr(mlp, "gate", None)
+            if router is None or not hasattr(mlp, "experts"):
+                continue
+            self.layer_ids.append(layer_id)
+            self._handles.append(router.register_forward_hook(self._hook(layer_id)))
+        self.num_layers = len(layers)
+
+    def _hook(self, layer_id: int):
+        def hook(_module, _inputs, output):
+            if not self.enabled:
+                return
+            if isinstance(output, tuple):  # transformers >= 5: (router_logits, router_scores, router_indices)
+                indices = output[-1]
+            else:  # older transformers: the gate is a Linear returning router logits
+                probs = torch.softmax(output, dim=-1, dtype=torch.float)
+                indices = torch.topk(probs, self.top_k, dim=-1).indices
+            self.captured[layer_id] = indices.detach().reshape(-1, self.top_k).to(torch.int32)
+
+        return hook
+
+    def take(self, batch: int, seq: int) -> np.ndarray:
+        """What the last forward routed: int32 [batch, seq, num_hidden_layers, top_k] (-1 where no router)."""
+        out = np.full((batch, seq, self.num_layers, self.top_k), -1, dtype=np.int32)
+        for layer_id in self.layer_ids:
+            out[:, :, layer_id, :] = self.captured[layer_id].reshape(batch, seq, self.top_k).numpy()
+        self.captured.clear()
+        return out
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+class CPUEngine(RolloutEngine):
+    """In-process rollout engine around a transformers causal LM. Thread-safe; calls run one at a time.
+
+    ``num_threads`` sets torch's intra-op threads for the engine's forwards (and restores them after): tiny models
+    run as fast on one thread, and one thread does not collapse when other processes load the cores, which
+    OpenMP's spinning threads do. None keeps torch's setting.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        model_path: str | None = None,
+        seed: int = 0,
+        max_batch_size: int = 64,
+        return_original_logprob: bool = False,
+        num_threads: int | None = None,
+    ) -> None:
+        self.model = model.eval().requires_grad_(False)
+        self.num_threads = num_threads
+        self.model_path = model_path
+        self.max_batch_size = max_batch_size
+        self.return_original_logprob = return_original_logprob
+        self.weight_version = 0
+        config = model.config
+        self.vocab_size = int(config.vocab_size)
+        self.max_context = int(getattr(config, "max_position_embeddings", 1 << 30))
+        self.num_experts = int(getattr(config, "num_experts", 0) or 0)
+        self.top_k = int(getattr(config, "num_experts_per_tok", 0) or 0)
+        self.eos_token_ids = _eos_ids(model)
+        self._routers = _RouterCapture(model, self.top_k) if self.num_experts and self.top_k else None
+        self._cache_kwarg = (
+            "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        )
+        self._seed_rng = np.random.default_rng(seed)
+        self._lock = threading.RLock()
+        self._closed = False
+        self._counters = {"rollout/samples": 0.0, "rollout/generated_tokens": 0.0}
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, **kwargs) -> CPUEngine:
+        """Load an HF checkpoint directory (config.json + safetensors) in float32."""
+        return cls(_load_model(model_dir), model_path=str(model_dir), **kwargs)
+
+    # ------------------------------------------------------------------ facts
+    @property
+    def is_moe(self) -> bool:
+        return self._routers is not None
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.model.config.num_hidden_layers)
+
+    def model_info(self) -> dict[str, object]:
+        return {
+            "model_path": self.model_path,
+            "architectures": list(
+                getattr(self.model.config, "architectures", None) or [type(self.model).__name__]
+            ),
+            "vocab_size": self.vocab_size,
+            "num_hidden_layers": self.num_layers,
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.top_k,
+            "weight_version": self.weight_version,
+        }
+
+    # ------------------------------------------------------------------ RolloutEngine
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[list[Sample]]:
+        rows = [
+            RowSpec(
+                prompt_ids=list(req.prompt_ids),
+                sampling=req.sampling,
+                seed=req.sampling.seed_for(index),
+                return_routed_experts=req.return_routed_experts,
+            )
+            for req in requests
+            for index in range(req.n)
+        ]
+        results = iter(self.generate_rows(rows))
+        samples: list[list[Sample]] = []
+        for req in requests:
+            group = []
+            for index in range(req.n):
+                res = next(results)
+                group.append(
+                    Sample(
+                        group_id=req.group_id,
+                        sample_index=index,
+                        prompt_ids=list(req.prompt_ids),
+                        response_ids=res.output_ids,
+                        rollout_logp=res.output_logprobs,
+                        finish_reason=res.finish_reason,
+                        routed_experts=res.routed_experts,
+                    )
+                )
+            samples.append(group)
+        return samples
+
+    def score(
+        self, token_ids_list: Sequence[Sequence[int]], response_start: int | Sequence[int]
+    ) -> list[list[float]]:
+        starts = normalize_response_starts(token_ids_list, response_start)
+        rows = [
+            RowSpec(prompt_ids=list(ids), sampling=SamplingParams(max_new_tokens=0), logprob_start_len=0)
+            for ids in token_ids_list
+        ]
+        results = self.generate_rows(rows)
+        # input_logprobs[t] is log p(ids[t] | ids[:t]); entry 0 is None.
+        return [[float(lp) for lp in res.input_logprobs[start:]] for res, start in zip(results, starts)]
+
+    def update_weights_from_disk(self, path: str) -> None:
+        """Reload weights from an HF directory with the same architecture and shapes (strict)."""
+        new_model = _load_model(path)
+        with self._lock:
+            try:
+                self.model.load_state_dict(new_model.state_dict(), strict=True)
+            except RuntimeError as exc:
+                raise ValueError(
+                    f"update_weights_from_disk({path}): checkpoint does not fit the served model: {exc}"
+                ) from exc
+            self.model_path = str(path)
+            self.weight_version += 1
+
+    def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the live model; all names and shapes are checked before anything is copied.
+
+        Accepts the model's own parameter names and the per-expert checkpoint names of fused MoE experts
+        (``...mlp.experts.{e}.{gate,up,down}_proj.weight``, as on disk and as SGLang loads them).
+        """
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        updates: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for name, tensor in named_tensors:
+            target = self._target_for(name, params)
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(
+                    f"update_weights_from_tensors: {name} has shape {list(tensor.shape)}, "
+                    f"the model expects {list(target.shape)}"
+                )
+            updates.append((target, tensor))
+        with self._lock, torch.no_grad():
+            for target, tensor in updates:
+                target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+            self.weight_version += 1
+
+    def flush_cache(self) -> None:
+        """Nothing to do: every call starts from an empty KV cache (no prefix cache)."""
+
+    def health(self) -> bool:
+        return not self._closed
+
+    def metrics(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._counters)
+
+    def close(self) -> None:
+        self._closed = True
+        if self._routers is not None:
+            self._routers.remove()
+
+    # ------------------------------------------------------------------ rows
+    def validate_row(self, row: RowSpec) -> None:
+        """Raise ValueError for a row the model cannot serve (the server answers 400)."""
+        if not row.prompt_ids:
+            raise ValueError("input_ids is empty")
+        bad = [t for t in row.prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"input_ids has token ids outside [0, {self.vocab_size}): {bad[:5]}")
+        total = len(row.prompt_ids) + row.sampling.max_new_tokens
+        if total > self.max_context:
+            raise ValueError(
+                f"requested {len(row.prompt_ids)} prompt + {row.sampling.max_new_tokens} new tokens exceeds the "
+                f"model's maximum context length {self.max_context}"
+            )
+        if row.return_routed_experts and self._routers is None:
+            raise ValueError("return_routed_experts needs a MoE model; this model has no routers")
+        if row.logprob_start_len >= len(row.prompt_ids):
+            raise ValueError(f"logprob_start_len={row.logprob_start_len} is not below the prompt length")
+
+    def generate_rows(self, rows: Sequence[RowSpec]) -> list[RowResult]:
+        if self._closed:
+            raise RuntimeError("CPUEngine is closed")
+        for row in rows:
+            self.validate_row(row)
+        with self._lock:
+            seeds = [r.seed if r.seed is not None else int(self._seed_rng.integers(2**62)) for r in rows]
+            results: list[RowResult] = []
+            with _COMPUTE_LOCK, _torch_threads(self.num_threads):
+                for start in range(0, len(rows), self.max_batch_size):
+                    chunk = slice(start, start + self.max_batch_size)
+                    results.extend(self._run_batch(list(rows[chunk]), seeds[chunk]))
+            self._counters["rollout/samples"] += len(rows)
+            self._counters["rollout/generated_tokens"] += sum(len(r.output_ids) for r in results)
+            return results
+
+    @torch.no_grad()
+    def _run_batch(self, rows: list[RowSpec], seeds: list[int]) -> list[RowResult]:
+        batch = len(rows)
+        prompt_lens = [len(r.prompt_ids) for r in rows]
+        width = max(prompt_lens)
+        input_ids = torch.zeros((batch, width), dtype=torch.long)
+        attention_mask = torch.zeros((batch, width), dtype=torch.long)
+        for i, row in enumerate(rows):  # left padding keeps every row's next token in the last column
+            input_ids[i, width - prompt_lens[i] :] = torch.tensor(row.prompt_ids)
+            attention_mask[i, width - prompt_lens[i] :] = 1
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+        capture = self._routers is not None and any(r.return_routed_experts for r in rows)
+        want_input_logprobs = any(r.logprob_start_len >= 0 for r in rows)
+        if self._routers is not None:
+            self._routers.enabled = capture
+        cache = _new_cache()
+        try:
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=True,
+                logits_to_keep=0 if want_input_logprobs else 1,
+                **{self._cache_kwarg: cache},
+            )
+            logits = out.logits.float()
+            routed_steps: list[np.ndarray] = []
+            if capture:
+                routed_steps.append(self._routers.take(batch, width))
+
+            input_logprobs = [
+                _input_logprobs(logits[i], row, width) if row.logprob_start_len >= 0 else None
+                for i, row in enumerate(rows)
+            ]
+            outputs, logprobs, finish, matched = self._decode(
+                rows,
+                seeds,
+                logits[:, -1, :],
+                cache,
+                attention_mask,
+                position_ids[:, -1],
+                routed_steps,
+                capture,
+            )
+        finally:
+            if self._routers is not None:
+                self._routers.enabled = False
+
+        results = []
+        for i, row in enumerate(rows):
+            routed = None
+            if row.return_routed_experts:
+                routed = _row_routing(routed_steps, i, prompt_lens[i], width, len(outputs[i]))
+            results.append(
+                RowResult(
+                    output_ids=outputs[i],
+                    output_logprobs=logprobs[i],
+                    finish_reason=finish[i],
+                    matched_stop=matched[i],
+                    input_logprobs=input_logprobs[i],
+                    routed_experts=routed,
+                )
+            )
+        return results
+
+    def _decode(self, rows, seeds, next_logits, cache, attention_mask, last_pos, routed_steps, capture):
+        batch = len(rows)
+        generators = [torch.Generator().manual_seed(s) for s in seeds]
+        stop_sets = [
+            set(r.sampling.stop_token_ids) | (set() if r.ignore_eos else set(self.eos_token_ids))
+            for r in rows
+        ]
+        outputs: list[list[int]] = [[] for _ in rows]
+        logprobs: list[list[float]] = [[] for _ in rows]
+        finish: list[FinishReason] = ["length"] * batch
+        matched: list[int | None] = [None] * batch
+        done = [r.sampling.max_new_tokens == 0 for r in rows]
+        max_steps = max(r.sampling.max_new_tokens for r in rows)
+        for _ in range(max_steps):
+            if all(done):
+                break
+            tokens, token_logprobs = self._sample(rows, next_logits, generators, done)
+            for i in range(batch):
+                if done[i]:
+                    continue
+                token = int(tokens[i])
+                outputs[i].append(token)
+                logprobs[i].append(float(token_logprobs[i]))
+                if len(outputs[i]) >= rows[i].sampling.max_new_tokens:
+                    done[i], finish[i] = True, "length"
+                elif token in stop_sets[i]:
+                    done[i], finish[i], matched[i] = True, "stop", token
+            if all(done):
+                break  # the final tokens are never fed back, as in SGLang
+            attention_mask = torch.cat(
+                [attention_mask, torch.ones((batch, 1), dtype=attention_mask.dtype)], dim=1
+            )
+            last_pos = last_pos + 1
+            out = self.model(
+                input_ids=tokens.view(batch, 1),
+                attention_mask=attention_mask,
+                position_ids=last_pos.view(batch, 1),
+                use_cache=True,
+                logits_to_keep=1,
+                **{self._cache_kwarg: cache},
+            )
+            if capture:
+                step = self._routers.take(batch, 1)
+                # A row that finished feeds a filler token: mark it so that it is not taken as routing.
+                step[np.asarray(done)] = np.iinfo(np.int32).min
+                routed_steps.append(step)
+            next_logits = out.logits[:, -1, :].float()
+        return outputs, logprobs, finish, matched
+
+    def _sample(self, rows, logits, generators, done):
+        """Next token and its reported logprob for every row. logits: float32 [batch, vocab]."""
+        batch = logits.shape[0]
+        greedy = torch.tensor([r.sampling.is_greedy for r in rows])
+        temperature = torch.tensor(
+            [1.0 if r.sampling.is_greedy else r.sampling.temperature for r in rows], dtype=torch.float32
+        )
+        scaled = logits / temperature[:, None]
+        raw_logprobs = torch.log_softmax(logits, dim=-1)
+        reported = raw_logprobs if self.return_original_logprob else torch.log_softmax(scaled, dim=-1)
+
+        tokens = torch.argmax(logits, dim=-1)
+        if not bool(greedy.all()):
+            probs = torch.softmax(scaled, dim=-1)
+            probs_sorted, order = probs.sort(dim=-1, descending=True)
+            mass_before = probs_sorted.cumsum(dim=-1) - probs_sorted
+            rank = torch.arange(probs.shape[-1])[None, :]
+            top_k = torch.tensor(
+                [r.sampling.top_k if r.sampling.top_k > 0 else probs.shape[-1] for r in rows]
+            )
+            top_p = torch.tensor([r.sampling.top_p for r in rows], dtype=torch.float32)
+            keep = (rank < top_k[:, None]) & (mass_before <= top_p[:, None])
+            probs_sorted = torch.where(keep, probs_sorted, torch.zeros_like(probs_sorted))
+            for i in range(batch):
+                if greedy[i] or done[i]:
+                    continue
+                pick = torch.multinomial(probs_sorted[i], 1, generator=generators[i])
+                tokens[i] = order[i, pick[0]]
+        token_logprobs = reported.gather(1, tokens[:, None]).squeeze(1)
+        return tokens, token_logprobs
+
+    def _target_for(self, name: str, params: dict[str, torch.nn.Parameter]) -> torch.Tensor:
+        if name in params:
+            return params[name].data
+        match = _EXPERT_WEIGHT.match(name)
+        if match:
+            prefix, expert, proj = match["prefix"], int(match["expert"]), match["proj"]
+            fused_name = f"{prefix}.down_proj" if proj == "down_proj" else f"{prefix}.gate_up_proj"
+            fused = params.get(fused_name)
+            if fused is not None and fused.dim() == 3:
+                if expert >= fused.shape[0]:
+                    raise ValueError(
+                        f"update_weights_from_tensors: {name}: expert {expert} >= {fused.shape[0]}"
+                    )
+                if proj == "down_proj":
+                    return fused.data[expert]
+                half = fused.shape[1] // 2  # gate_up_proj is [E, 2F, H]: gate rows first, then up rows
+                return fused.data[expert, :half] if proj == "gate_proj" else fused.data[expert, half:]
+        raise ValueError(f"update_weights_from_tensors: unknown weight name {name!r}")
+
+
+@contextlib.contextmanager
+def _torch_threads(num_threads: int | None):
+    if num_threads is None:
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(num_threads)  # per OS thread for OpenMP: set in the thread that computes
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _load_model(model_dir: str | Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not an HF checkpoint directory (no config.json)")
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _new_cache():
+    from transformers import DynamicCache
+
+    return DynamicCache()
+
+
+def _eos_ids(model: torch.nn.Module) -> tuple[int, ...]:
+    for source in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+    return ()
+
+
+def _input_logprobs(logits_sv: torch.Tensor, row: RowSpec, width: int) -> list[float | None]:
+    """log p(ids[t] | ids[:t]) for t >= logprob_start_len, from one row's prefill logits [width, vocab]."""
+    length = len(row.prompt_ids)
+    row_logits = logits_sv[width - length :]
+    ids = torch.tensor(row.prompt_ids)
+    values = torch.log_softmax(row_logits[:-1], dim=-1).gather(1, ids[1:, None]).squeeze(1).tolist()
+    full: list[float | None] = [None, *values]
+    return full[row.logprob_start_len :]
+
+
+def _row_routing(
+    steps: list[np.ndarray], row: int, prompt_len: int, width: int, num_output: int
+) -> np.ndarray:
+    """[prompt_len + num_output - 1, layers, top_k]: the prompt's prefill rows, then one row per fed output token."""
+    parts = [steps[0][row, width - prompt_len :]]
+    parts.extend(step[row] for step in steps[1:num_output])
+    routed = np.concatenate(parts, axis=0)[: prompt_len + num_output - 1]
+    if (routed == np.iinfo(np.int32).min).any():
+        raise AssertionError("routing of a finished row leaked into its routed_experts")
+    return np.ascontiguousarray(routed, dtype=np.int32)

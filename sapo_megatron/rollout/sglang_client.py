@@ -1,0 +1,629 @@
+"""Rollout engine that talks to SGLang servers (or the CPU server, or one ``sglang-router``) over native HTTP.
+
+One HTTP request per sample, so a failure costs one sample, not a group. Requests run on a bounded thread pool;
+each has a timeout, and a transient failure (connection error, timeout, HTTP 429/5xx, an aborted generation) puts
+that server on cooldown and retries the sample on the next server with exponential backoff. Every (group, index)
+slot is filled exactly once: a retry happens only when the previous attempt returned nothing usable.
+
+A reply that is malformed (bad JSON, missing fields, wrong-length logprobs, a routed_experts payload of the wrong
+size) or an HTTP 4xx is not retried: it means a misconfiguration, and raises :class:`RolloutError` naming the
+server, the request id and the field.
+
+Weights: a server is used only while it holds the current weights. ``update_weights_from_disk`` bumps the weight
+version on every server that acknowledges it; a server that is unreachable then is left out until a later sync
+reaches it (metric ``rollout/stale_servers``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from typing import Any, TypeVar
+
+import httpx
+import torch
+
+from sapo_megatron.rollout.base import RolloutEngine, RolloutError, normalize_response_starts
+from sapo_megatron.rollout.protocol import (
+    generate_payload,
+    parse_generate_reply,
+    parse_score_reply,
+    score_payload,
+)
+from sapo_megatron.rollout.types import GenerationRequest, Sample
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class _Transient(Exception):
+    """A failure that another attempt (possibly on another server) may not have."""
+
+
+class _Cancelled(Exception):
+    """Another sample of the same call failed for good; stop early."""
+
+
+@dataclasses.dataclass
+class _Server:
+    url: str
+    cooldown_until: float = 0.0
+    weight_version: int = 0
+
+
+class SGLangClient(RolloutEngine):
+    """Rollout engine over SGLang's native HTTP API.
+
+    Args:
+        urls: one URL (a server or an ``sglang-router``) or several servers, e.g. ``http://10.0.0.1:30000``.
+        num_layers / top_k: shape of ``routed_experts`` (``num_hidden_layers`` / ``num_experts_per_tok`` of the
+            model); ``num_layers`` is required to request routed experts, ``top_k`` is inferred when None.
+        max_concurrency: HTTP requests in flight at once.
+        timeout_s: per-request timeout (one sample's generation).
+        max_retries: further attempts per sample after the first.
+        backoff_s / max_backoff_s: exponential backoff between attempts (with jitter).
+        cooldown_s: how long a failed server is skipped while others are available.
+        weight_sync_timeout_s: timeout of the weight-sync calls.
+        tp_size: tensor-parallel size of each server (``update_weights_from_tensors`` sends one payload per rank).
+        serializer: turns a list of (name, tensor) into the base64 string SGLang deserializes; default is SGLang's
+            ``MultiprocessingSerializer`` (needs ``sglang`` installed, colocated GPUs only).
+    """
+
+    def __init__(
+        self,
+        urls: str | Sequence[str],
+        *,
+        num_layers: int | None = None,
+        top_k: int | None = None,
+        max_concurrency: int = 64,
+        timeout_s: float = 600.0,
+        max_retries: int = 3,
+        backoff_s: float = 0.5,
+        max_backoff_s: float = 8.0,
+        cooldown_s: float = 30.0,
+        weight_sync_timeout_s: float = 1800.0,
+        tp_size: int = 1,
+        serializer: Callable[[list[tuple[str, torch.Tensor]]], str] | None = None,
+    ) -> None:
+        url_list = [urls] if isinstance(urls, str) else list(urls)
+        if not url_list:
+            raise ValueError("SGLangClient needs at least one server URL")
+        if max_concurrency < 1 or max_retries < 0 or tp_size < 1:
+            raise ValueError("SGLangClient: max_concurrency and tp_size must be >= 1, max_retries >= 0")
+        self._servers = [_Server(url.rstrip("/")) for url in url_list]
+        self.num_layers = num_layers
+        self.top_k = top_k
+        self.timeout_s = timeout_s
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.cooldown_s = cooldown_s
+        self.weight_sync_timeout_s = weight_sync_timeout_s
+        self.tp_size = tp_size
+        self._serializer = serializer
+        self._weight_version = 0
+        self._lock = threading.Lock()
+        self._round_robin = itertools.count()
+        self._counters = dict.fromkeys(
+            (
+                "rollout/requests",
+                "rollout/retries",
+                "rollout/failovers",
+                "rollout/transient_errors",
+                "rollout/aborted_samples",
+                "rollout/samples",
+                "rollout/generated_tokens",
+                "rollout/stale_servers",
+            ),
+            0.0,
+        )
+        self._http = httpx.Client(
+            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
+            limits=httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency),
+        )
+        self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="sglang-client")
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self._servers]
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[list[Sample]]:
+        for req in requests:
+            if req.return_routed_experts and self.num_layers is None:
+                raise ValueError(
+                    "return_routed_experts needs SGLangClient(num_layers=...) to shape the payload"
+                )
+        call_id = uuid.uuid4().hex[:12]
+        slots: list[list[Sample | None]] = [[None] * req.n for req in requests]
+
+        def run(req_index: int, sample_index: int, cancel: threading.Event) -> None:
+            req = requests[req_index]
+            sample = self._generate_one(
+                req, sample_index, f"{call_id}-g{req.group_id}-s{sample_index}", cancel
+            )
+            if slots[req_index][sample_index] is not None:
+                raise AssertionError(f"sample {sample_index} of group {req.group_id} produced twice")
+            slots[req_index][sample_index] = sample
+
+        tasks = [(run, (r, i)) for r, req in enumerate(requests) for i in range(req.n)]
+        self._run_all(tasks)
+        missing = [
+            (requests[r].group_id, i)
+            for r, group in enumerate(slots)
+            for i, s in enumerate(group)
+            if s is None
+        ]
+        if missing:
+            raise AssertionError(f"samples never produced: {missing[:5]}")
+        return [[s for s in group if s is not None] for group in slots]
+
+    def _generate_one(
+        self, req: GenerationRequest, index: int, rid_base: str, cancel: threading.Event
+    ) -> Sample:
+        def attempt(server: _Server, rid: str) -> Any:
+            payload = generate_payload(
+                req.prompt_ids,
+                req.sampling,
+                rid=rid,
+                sample_index=index,
+                return_routed_experts=req.return_routed_experts,
+            )
+            reply = self._post(server, "/generate", payload, request=rid)
+            parsed = parse_generate_reply(
+                reply,
+                prompt_ids=req.prompt_ids,
+                max_new_tokens=req.sampling.max_new_tokens,
+                rid=rid,
+                server=server.url,
+                want_routed_experts=req.return_routed_experts,
+                num_layers=self.num_layers,
+                top_k=self.top_k,
+            )
+            return parsed
+
+        parsed = self._with_failover(rid_base, attempt, cancel, retry_if=lambda p: p.finish_reason == "abort")
+        self._count("rollout/samples", 1)
+        self._count("rollout/generated_tokens", len(parsed.response_ids))
+        if parsed.finish_reason == "abort":
+            self._count("rollout/aborted_samples", 1)
+        return Sample(
+            group_id=req.group_id,
+            sample_index=index,
+            prompt_ids=list(req.prompt_ids),
+            response_ids=parsed.response_ids,
+            rollout_logp=parsed.logprobs,
+            finish_reason=parsed.finish_reason,
+            routed_experts=parsed.routed_experts,
+        )
+
+    def score(
+        self, token_ids_list: Sequence[Sequence[int]], response_start: int | Sequence[int]
+    ) -> list[list[float]]:
+        starts = normalize_response_starts(token_ids_list, response_start)
+        call_id = uuid.uuid4().hex[:12]
+        results: list[list[float] | None] = [None] * len(token_ids_list)
+
+        def run(i: int, cancel: threading.Event) -> None:
+            ids = list(token_ids_list[i])
+
+            def attempt(server: _Server, rid: str) -> list[float]:
+                reply = self._post(server, "/generate", score_payload(ids, rid=rid), request=rid)
+                return parse_score_reply(reply, token_ids=ids, rid=rid, server=server.url)
+
+            values = self._with_failover(f"{call_id}-score{i}", attempt, cancel)
+            results[i] = values[starts[i] - 1 :]  # values[t - 1] is log p(ids[t] | ids[:t])
+
+        self._run_all([(run, (i,)) for i in range(len(token_ids_list))])
+        return [r for r in results if r is not None]
+
+    def _run_all(self, tasks: list[tuple[Callable[..., None], tuple]]) -> None:
+        """Run tasks on the pool; on the first lasting failure cancel the rest and raise it."""
+        cancel = threading.Event()
+        pending = {self._pool.submit(fn, *args, cancel) for fn, args in tasks}
+        errors: list[BaseException] = []
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+            for future in done:
+                exc = future.exception()
+                if exc is not None and not isinstance(exc, _Cancelled):
+                    cancel.set()
+                    errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def _with_failover(
+        self,
+        rid_base: str,
+        attempt: Callable[[_Server, str], T],
+        cancel: threading.Event,
+        retry_if: Callable[[T], bool] | None = None,
+    ) -> T:
+        last_server: _Server | None = None
+        last_error: Exception | None = None
+        result: T | None = None
+        for attempt_index in range(self.max_retries + 1):
+            if cancel.is_set():
+                raise _Cancelled
+            server = self._pick_server(avoid=last_server)
+            if attempt_index:
+                self._count("rollout/retries", 1)
+                if last_server is not None and server is not last_server:
+                    self._count("rollout/failovers", 1)
+            rid = f"{rid_base}-a{attempt_index}"
+            self._count("rollout/requests", 1)
+            try:
+                result = attempt(server, rid)
+            except _Transient as exc:
+                last_error = exc
+                self._count("rollout/transient_errors", 1)
+                self._cool_down(server)
+                logger.warning("attempt %d of %s on %s failed: %s", attempt_index, rid_base, server.url, exc)
+            else:
+                if retry_if is None or not retry_if(result):
+                    return result
+                last_error = None
+                logger.warning(
+                    "attempt %d of %s on %s was aborted by the server", attempt_index, rid_base, server.url
+                )
+            last_server = server
+            if attempt_index < self.max_retries:
+                delay = min(self.max_backoff_s, self.backoff_s * 2**attempt_index) * random.uniform(0.5, 1.0)
+                cancel.wait(delay)
+        if last_error is None and result is not None:
+            return result  # still aborted after every retry: the caller sees finish_reason "abort"
+        raise RolloutError(
+            f"request failed on {self.max_retries + 1} attempts, last error: {last_error}",
+            server=last_server.url if last_server else None,
+            request=rid_base,
+            field="transport",
+        ) from last_error
+
+    def _pick_server(self, avoid: _Server | None) -> _Server:
+        """Round-robin over servers with the current weights, skipping those on cooldown while others remain."""
+        with self._lock:
+            current = [s for s in self._servers if s.weight_version == self._weight_version]
+            if not current:
+                raise RolloutError("no server holds the current weights; run update_weights_from_disk again")
+            start = next(self._round_robin) % len(current)
+            ordered = current[start:] + current[:start]
+            now = time.monotonic()
+            ready = [s for s in ordered if s.cooldown_until <= now]
+            preferred = [s for s in ready if s is not avoid] or ready
+            if preferred:
+                return preferred[0]
+            # All are cooling down: take the one that recovers first rather than fail.
+            return min(ordered, key=lambda s: s.cooldown_until)
+
+    def _cool_down(self, server: _Server) -> None:
+        with self._lock:
+            server.cooldown_until = time.monotonic() + self.cooldown_s
+
+    # ------------------------------------------------------------------ HTTP
+    def _post(
+        self,
+        server: _Server,
+        path: str,
+        payload: dict[str, Any],
+        *,
+        request: str,
+        timeout: float | None = None,
+    ) -> Any:
+        return self._request("POST", server, path, payload, request=request, timeout=timeout)
+
+    def _request(
+        self,
+        method: str,
+        server: _Server,
+        path: str,
+        payload: dict[str, Any] | None,
+        *,
+        request: str,
+        timeout: float | None = None,
+        expect_json: bool = True,
+    ) -> Any:
+        url = server.url + path
+        try:
+            response = self._http.request(
+                method, url, json=payload, timeout=timeout or httpx.USE_CLIENT_DEFAULT
+            )
+        except httpx.TransportError as exc:
+            raise _Transient(f"{type(exc).__name__}: {exc}") from exc
+        status = response.status_code
+        if status == 429 or status >= 500:
+            raise _Transient(f"HTTP {status} from {path}: {response.text[:300]}")
+        if status >= 400:
+            raise RolloutError(
+                f"HTTP {status} from {path}: {_error_message(response)}",
+                server=server.url,
+                request=request,
+                field="<status>",
+            )
+        if not expect_json:
+            return response.text
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise RolloutError(
+                f"reply of {path} is not valid JSON ({exc}): {response.text[:200]!r}",
+                server=server.url,
+                request=request,
+                field="<body>",
+            ) from exc
+
+    def _for_each_server(self, servers: list[_Server], fn: Callable[[_Server], T]) -> list[T | Exception]:
+        """Run ``fn`` on every server in parallel; results or the exceptions raised, in server order."""
+
+        def guarded(server: _Server) -> T | Exception:
+            try:
+                return fn(server)
+            except Exception as exc:
+                return exc
+
+        return list(self._pool.map(guarded, servers))
+
+    # ------------------------------------------------------------------ weights and housekeeping
+    def update_weights_from_disk(self, path: str, *, flush_cache: bool = True) -> None:
+        """``POST /update_weights_from_disk {model_path}`` on every server, then ``POST /flush_cache``."""
+
+        def load(server: _Server) -> None:
+            reply = self._post(
+                server,
+                "/update_weights_from_disk",
+                {"model_path": path},
+                request="update_weights_from_disk",
+                timeout=self.weight_sync_timeout_s,
+            )
+            self._check_success(reply, server, "update_weights_from_disk")
+
+        self._sync_weights(load, f"update_weights_from_disk({path})")
+        if flush_cache:
+            self.flush_cache()
+
+    def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """``POST /update_weights_from_tensor`` with SGLang-serialized tensors, one payload per TP rank.
+
+        The tensors travel as CUDA IPC handles, so this works only with servers colocated on the trainer's GPUs.
+        """
+        serializer = self._serializer or _sglang_serializer()
+        named = [(name, tensor) for name, tensor in named_tensors]
+        blob = serializer(named)
+        payload = {
+            "serialized_named_tensors": [blob] * self.tp_size,
+            "load_format": None,
+            "flush_cache": True,
+        }
+
+        def load(server: _Server) -> None:
+            reply = self._post(
+                server,
+                "/update_weights_from_tensor",
+                payload,
+                request="update_weights_from_tensor",
+                timeout=self.weight_sync_timeout_s,
+            )
+            self._check_success(reply, server, "update_weights_from_tensor")
+
+        self._sync_weights(load, "update_weights_from_tensors")
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        rank_offsets: Sequence[int],
+        group_name: str = "weight_update_group",
+        backend: str = "nccl",
+    ) -> Future:
+        """``POST /init_weights_update_group`` on every server, in the background.
+
+        The servers block until the trainer's rank joins the same group (``torch.distributed`` rendezvous at
+        ``master_address:master_port``, trainer rank 0, server ``i`` taking ranks from ``rank_offsets[i]``): join,
+        then wait on the returned future. Not exercised by CPU tests (needs NCCL and real SGLang servers).
+        """
+        if len(rank_offsets) != len(self._servers):
+            raise ValueError(f"{len(rank_offsets)} rank_offsets for {len(self._servers)} servers")
+
+        def join(server: _Server, offset: int) -> None:
+            payload = {
+                "master_address": master_address,
+                "master_port": master_port,
+                "rank_offset": offset,
+                "world_size": world_size,
+                "group_name": group_name,
+                "backend": backend,
+            }
+            reply = self._post(
+                server,
+                "/init_weights_update_group",
+                payload,
+                request="init_weights_update_group",
+                timeout=self.weight_sync_timeout_s,
+            )
+            self._check_success(reply, server, "init_weights_update_group")
+
+        return self._background(lambda: self._all_or_raise(list(zip(self._servers, rank_offsets)), join))
+
+    def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[Sequence[int]],
+        group_name: str = "weight_update_group",
+    ) -> Future:
+        """``POST /update_weights_from_distributed`` (tensor metadata) on every current server, in the background.
+
+        The servers then receive each tensor by NCCL broadcast from trainer rank 0: broadcast in the same order,
+        then wait on the returned future. On success the servers hold the new weight version.
+        """
+        if not len(names) == len(dtypes) == len(shapes):
+            raise ValueError("names, dtypes and shapes must have the same length")
+        payload = {
+            "names": list(names),
+            "dtypes": list(dtypes),
+            "shapes": [list(s) for s in shapes],
+            "group_name": group_name,
+            "flush_cache": True,
+        }
+        with self._lock:
+            servers = [s for s in self._servers if s.weight_version == self._weight_version]
+
+        def load(server: _Server) -> None:
+            reply = self._post(
+                server,
+                "/update_weights_from_distributed",
+                payload,
+                request="update_weights_from_distributed",
+                timeout=self.weight_sync_timeout_s,
+            )
+            self._check_success(reply, server, "update_weights_from_distributed")
+
+        def run() -> None:
+            self._all_or_raise([(s,) for s in servers], load)
+            with self._lock:
+                self._weight_version += 1
+                for s in servers:
+                    s.weight_version = self._weight_version
+
+        return self._background(run)
+
+    def flush_cache(self) -> None:
+        """``POST /flush_cache`` on every server with the current weights (unreachable ones are cooled down)."""
+        with self._lock:
+            servers = [s for s in self._servers if s.weight_version == self._weight_version]
+        outcomes = self._for_each_server(
+            servers,
+            lambda s: self._request(
+                "POST", s, "/flush_cache", None, request="flush_cache", expect_json=False
+            ),
+        )
+        for server, outcome in zip(servers, outcomes):
+            if isinstance(outcome, _Transient):
+                self._cool_down(server)
+                logger.warning("flush_cache on %s failed: %s", server.url, outcome)
+            elif isinstance(outcome, Exception):
+                raise outcome
+
+    def health(self) -> bool:
+        """True when every server answers ``GET /health`` with 200."""
+        return all(self.server_health().values())
+
+    def server_health(self) -> dict[str, bool]:
+        def probe(server: _Server) -> bool:
+            self._request("GET", server, "/health", None, request="health", timeout=10.0, expect_json=False)
+            return True
+
+        outcomes = self._for_each_server(self._servers, probe)
+        return {s.url: outcome is True for s, outcome in zip(self._servers, outcomes)}
+
+    def metrics(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._counters)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._http.close()
+
+    # ------------------------------------------------------------------ helpers
+    def _sync_weights(self, load: Callable[[_Server], None], what: str) -> None:
+        """Run ``load`` on every server; the ones that succeed form the new weight version."""
+        outcomes = self._for_each_server(self._servers, load)
+        for outcome in outcomes:
+            if isinstance(outcome, Exception) and not isinstance(outcome, _Transient):
+                raise outcome  # the server answered and refused: the checkpoint or the request is wrong
+        updated = [s for s, outcome in zip(self._servers, outcomes) if not isinstance(outcome, Exception)]
+        if not updated:
+            raise RolloutError(
+                f"{what}: no server was reachable: {outcomes[0]}",
+                server=self._servers[0].url,
+                field="transport",
+            )
+        with self._lock:
+            self._weight_version += 1
+            for server in updated:
+                server.weight_version = self._weight_version
+                server.cooldown_until = 0.0
+            stale = [s.url for s in self._servers if s.weight_version != self._weight_version]
+            self._counters["rollout/stale_servers"] = float(len(stale))
+        if stale:
+            logger.warning("%s: unreachable servers keep old weights and are left out: %s", what, stale)
+
+    def _all_or_raise(self, arg_tuples: list[tuple], fn: Callable[..., None]) -> None:
+        outcomes = list(self._pool.map(lambda args: _capture(fn, *args), arg_tuples))
+        for args, outcome in zip(arg_tuples, outcomes):
+            if isinstance(outcome, _Transient):
+                raise RolloutError(
+                    f"unreachable: {outcome}", server=args[0].url, field="transport"
+                ) from outcome
+            if isinstance(outcome, Exception):
+                raise outcome
+
+    def _background(self, fn: Callable[[], None]) -> Future:
+        future: Future = Future()
+
+        def runner() -> None:
+            try:
+                fn()
+            except BaseException as exc:
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+
+        threading.Thread(target=runner, name="sglang-client-weight-sync", daemon=True).start()
+        return future
+
+    @staticmethod
+    def _check_success(reply: Any, server: _Server, what: str) -> None:
+        if not isinstance(reply, dict) or reply.get("success") is not True:
+            message = reply.get("message") if isinstance(reply, dict) else reply
+            raise RolloutError(f"{what} failed: {message}", server=server.url, request=what, field="success")
+
+    def _count(self, key: str, value: float) -> None:
+        with self._lock:
+            self._counters[key] += value
+
+
+def _capture(fn: Callable[..., None], *args: Any) -> Exception | None:
+    try:
+        fn(*args)
+    except Exception as exc:
+        return exc
+    return None
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:300]
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        if "message" in body:
+            return str(body["message"])
+    return str(body)[:300]
+
+
+def _sglang_serializer() -> Callable[[list[tuple[str, torch.Tensor]]], str]:
+    try:
+        from sglang.srt.utils import MultiprocessingSerializer
+    except ImportError as exc:
+        raise RolloutError(
+            "update_weights_from_tensors over HTTP needs SGLang's MultiprocessingSerializer: install the GPU extra "
+            "(pip install 'sapo-megatron[gpu]') and colocate the servers with the trainer; otherwise sync weights "
+            "with update_weights_from_disk or the NCCL path"
+        ) from exc
+
+    def serialize(named: list[tuple[str, torch.Tensor]]) -> str:
+        return MultiprocessingSerializer.serialize(named, output_str=True)
+
+    return serialize

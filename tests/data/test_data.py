@@ -1,0 +1,160 @@
+"""Prompt files, the resumable iterator, the char tokenizer and the synthetic addition task."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sapo_megatron.data import (
+    CharTokenizer,
+    DatasetError,
+    PromptIterator,
+    PromptRow,
+    load_prompts,
+    make_addition_rows,
+    pair_split,
+    save_jsonl,
+)
+from sapo_megatron.rewards import numeric_match
+
+ROWS = [
+    PromptRow(prompt=f"{i}+1=", ground_truth=str(i + 1), domain="addition" if i % 2 else None)
+    for i in range(10)
+]
+
+
+def write_lines(path, lines):
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_jsonl_round_trip_and_blank_lines(tmp_path):
+    path = save_jsonl(ROWS, tmp_path / "p.jsonl")
+    path.write_text(path.read_text() + "\n\n")
+    assert load_prompts(path) == ROWS
+
+
+def test_parquet_round_trip(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    table = pa.table(
+        {
+            "prompt": [r.prompt for r in ROWS],
+            "ground_truth": [r.ground_truth for r in ROWS],
+            "domain": [r.domain for r in ROWS],
+            "extra": list(range(10)),
+        }
+    )
+    pq.write_table(table, tmp_path / "p.parquet")
+    assert load_prompts(tmp_path / "p.parquet") == ROWS
+
+
+@pytest.mark.parametrize(
+    ("line", "problem"),
+    [
+        ('{"prompt": "1+1=", "ground_truth": ', "invalid JSON"),
+        ('{"prompt": "1+1="}', "missing field 'ground_truth'"),
+        ('{"prompt": 3, "ground_truth": "4"}', "field 'prompt' must be a string, got int"),
+        ('{"prompt": "1+1=", "ground_truth": "2", "domain": 5}', "field 'domain' must be a string or null"),
+        ('["1+1=", "2"]', "expected a JSON object, got list"),
+    ],
+)
+def test_bad_jsonl_row_names_file_and_line(tmp_path, line, problem):
+    good = json.dumps({"prompt": "1+1=", "ground_truth": "2"})
+    path = write_lines(tmp_path / "bad.jsonl", [good, "", good, line])
+    with pytest.raises(DatasetError) as err:
+        load_prompts(path)
+    assert str(err.value).startswith(f"{path}:4: ") and problem in str(err.value)
+
+
+def test_bad_parquet_row_names_file_and_row(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    pq.write_table(
+        pa.table({"prompt": ["a", "b", None], "ground_truth": ["1", "2", "3"]}), tmp_path / "bad.parquet"
+    )
+    with pytest.raises(
+        DatasetError, match=r"bad\.parquet row 2: field 'prompt' must be a string, got NoneType"
+    ):
+        load_prompts(tmp_path / "bad.parquet")
+    pq.write_table(pa.table({"question": ["a"], "ground_truth": ["1"]}), tmp_path / "cols.parquet")
+    with pytest.raises(DatasetError, match="missing column 'prompt'"):
+        load_prompts(tmp_path / "cols.parquet")
+
+
+def test_other_file_errors(tmp_path):
+    with pytest.raises(DatasetError, match="no such file"):
+        load_prompts(tmp_path / "missing.jsonl")
+    (tmp_path / "p.csv").write_text("a,b\n")
+    with pytest.raises(DatasetError, match="unknown prompt file type"):
+        load_prompts(tmp_path / "p.csv")
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(DatasetError, match="no rows"):
+        load_prompts(tmp_path / "empty.jsonl")
+
+
+def test_iterator_shuffles_per_epoch_deterministically():
+    it = PromptIterator(ROWS, batch_size=4, seed=3, num_epochs=2)
+    batches = list(it)
+    assert [len(b) for b in batches] == [4, 4, 4, 4, 4]  # 20 rows over two epochs, batches cross the boundary
+    flat = [r for b in batches for r in b]
+    assert sorted(flat[:10], key=ROWS.index) == ROWS and sorted(flat[10:], key=ROWS.index) == ROWS
+    assert flat[:10] != flat[10:] and flat[:10] != ROWS  # each epoch its own order
+    assert list(PromptIterator(ROWS, batch_size=4, seed=3, num_epochs=2)) == batches
+    assert list(PromptIterator(ROWS, batch_size=4, seed=4, num_epochs=2)) != batches
+    assert [r for b in PromptIterator(ROWS, batch_size=3, shuffle=False, num_epochs=1) for r in b] == ROWS
+
+
+def test_iterator_resumes_exactly():
+    reference = PromptIterator(ROWS, batch_size=3, seed=11)
+    expected = [next(reference) for _ in range(9)]
+    first = PromptIterator(ROWS, batch_size=3, seed=11)
+    seen = [next(first) for _ in range(4)]
+    state = json.loads(json.dumps(first.state_dict()))  # survives a checkpoint file
+    resumed = PromptIterator(ROWS, batch_size=3, seed=11)
+    resumed.load_state_dict(state)
+    assert seen + [next(resumed) for _ in range(5)] == expected
+    with pytest.raises(ValueError, match="fingerprint"):
+        PromptIterator([*ROWS[:-1], PromptRow("x", "y")], batch_size=3, seed=11).load_state_dict(state)
+    with pytest.raises(ValueError, match="seed"):
+        PromptIterator(ROWS, batch_size=3, seed=12).load_state_dict(state)
+
+
+def test_char_tokenizer_round_trip(tmp_path):
+    tok = CharTokenizer()
+    text = "12+34=46 #### what?"
+    ids = tok.encode(text, add_bos=True, add_eos=True)
+    assert ids[0] == tok.bos_id and ids[-1] == tok.eos_id and len(ids) == len(text) + 2
+    assert tok.decode(ids) == text
+    assert tok.decode(ids, skip_special_tokens=False) == f"<bos>{text}<eos>"
+    assert {tok.pad_id, tok.bos_id, tok.eos_id} == {0, 1, 2} and max(ids) < tok.vocab_size
+    tok.save(tmp_path)
+    loaded = CharTokenizer.load(tmp_path)
+    assert loaded == tok and loaded.encode(text) == tok.encode(text) and loaded.vocab_size == tok.vocab_size
+    with pytest.raises(ValueError, match="'!' at position 2"):
+        tok.encode("12!")
+    with pytest.raises(ValueError, match="outside"):
+        tok.decode([tok.vocab_size])
+
+
+def test_addition_task_is_deterministic_and_splits_never_overlap():
+    train = make_addition_rows(300, digits=2, split="train", seed=5, heldout_fraction=0.2)
+    assert train == make_addition_rows(300, digits=2, split="train", seed=5, heldout_fraction=0.2)
+    assert train != make_addition_rows(300, digits=2, split="train", seed=6, heldout_fraction=0.2)
+    heldout = make_addition_rows(100, digits=(1, 3), split="heldout", seed=5, heldout_fraction=0.2)
+
+    def pair(row):
+        a, b = row.prompt[:-1].split("+")
+        return frozenset((int(a), int(b)))
+
+    assert not {pair(r) for r in train} & {pair(r) for r in heldout}  # not even as b+a
+    assert len({r.prompt for r in train}) == 300
+    for row in train[:20]:
+        a, b = (int(x) for x in row.prompt[:-1].split("+"))
+        assert 10 <= a <= 99 and 10 <= b <= 99 and row.ground_truth == str(a + b) and row.domain == "addition"
+        assert pair_split(a, b, 0.2) == pair_split(b, a, 0.2) == "train"
+        assert numeric_match(row.ground_truth, row.ground_truth) == 1.0
+        CharTokenizer().encode(row.prompt + row.ground_truth)  # the demo tokenizer covers the task
+    with pytest.raises(ValueError, match="distinct heldout problems"):
+        make_addition_rows(50, digits=1, split="heldout", seed=0)

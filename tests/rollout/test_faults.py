@@ -1,0 +1,313 @@
+"""Failover, exactly-once delivery and refusal of bad replies."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+import torch
+
+from sapo_megatron.rollout.base import RolloutError
+from sapo_megatron.rollout.cpu_server import CPUServer
+from sapo_megatron.rollout.sglang_client import SGLangClient
+from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
+from tests.rollout.conftest import engine_from
+
+DEAD_URL = "http://127.0.0.1:9"  # discard port: nothing listens, connections are refused
+
+
+def fast_client(urls, **kwargs) -> SGLangClient:
+    settings = {
+        "num_layers": 2,
+        "max_concurrency": 8,
+        "timeout_s": 30,
+        "backoff_s": 0.01,
+        "max_backoff_s": 0.05,
+    }
+    return SGLangClient(urls, **(settings | kwargs))
+
+
+def rollout(groups: int = 6, n: int = 4, **sampling) -> list[GenerationRequest]:
+    params = SamplingParams(max_new_tokens=6, seed=7, **sampling)
+    return [
+        GenerationRequest(prompt_ids=[1 + g, 2 + g, 3 + g], n=n, sampling=params, group_id=100 + g)
+        for g in range(groups)
+    ]
+
+
+def as_table(groups):
+    return [[(s.group_id, s.sample_index, tuple(s.response_ids)) for s in g] for g in groups]
+
+
+def all_logprobs(groups):
+    return np.array([s.rollout_logp for g in groups for s in g])
+
+
+def test_server_stopped_mid_rollout_loses_and_duplicates_nothing(moe_dir):
+    server_a = CPUServer(engine_from(moe_dir)).start()
+    server_b = CPUServer(engine_from(moe_dir)).start()
+    calls = {"b": 0}
+    generate_rows = server_b.engine.generate_rows
+
+    def crash_on_second_batch(rows):
+        calls["b"] += 1
+        result = generate_rows(rows)
+        if calls["b"] == 2:  # this batch is computed but never answered: the server dies in flight
+            server_b.stopped = True  # at once, so that no handler of this batch replies
+            threading.Thread(target=server_b.stop).start()  # then close the port
+        return result
+
+    server_b.engine.generate_rows = crash_on_second_batch
+    try:
+        with fast_client([server_a.url, server_b.url], max_concurrency=4) as client:
+            groups = client.generate(rollout())
+            metrics = client.metrics()
+        assert calls["b"] >= 2 and server_b.stopped
+        assert metrics["rollout/retries"] >= 1 and metrics["rollout/failovers"] >= 1
+        assert [[(s.group_id, s.sample_index) for s in g] for g in groups] == [
+            [(100 + g, i) for i in range(4)] for g in range(6)
+        ]
+        # Seeded sampling: the result equals a rollout on one healthy server, sample for sample (logprobs up to
+        # the fp32 noise of a different batch composition).
+        with fast_client(server_a.url) as healthy:
+            expected = healthy.generate(rollout())
+        assert as_table(groups) == as_table(expected)
+        np.testing.assert_allclose(all_logprobs(groups), all_logprobs(expected), atol=1e-4)
+    finally:
+        server_a.stop()
+        server_b.stop()
+
+
+def test_unreachable_server_is_skipped_and_left_out_after_weight_sync(moe_dir, moe_dir_b):
+    with (
+        CPUServer(engine_from(moe_dir)) as server,
+        fast_client([DEAD_URL, server.url]) as client,
+    ):
+        first = client.generate(rollout(groups=2, n=2))
+        assert sum(len(g) for g in first) == 4 and client.metrics()["rollout/failovers"] >= 1
+        client.update_weights_from_disk(str(moe_dir_b))
+        assert client.metrics()["rollout/stale_servers"] == 1
+        retries = client.metrics()["rollout/retries"]
+        client.generate(rollout(groups=2, n=2))
+        assert client.metrics()["rollout/retries"] == retries  # the stale server is no longer tried
+
+
+def test_all_servers_down_is_an_error_naming_the_request():
+    with fast_client([DEAD_URL], max_retries=2) as client, pytest.raises(RolloutError) as err:
+        client.generate(rollout(groups=1, n=1))
+    message = str(err.value)
+    assert "3 attempts" in message and "server=http://127.0.0.1:9" in message and "-g100-s0" in message
+    assert "field=transport" in message
+
+
+class FakeSGLang(BaseHTTPRequestHandler):
+    """Answers /generate according to ``server.mode``; records every request body."""
+
+    protocol_version = "HTTP/1.0"
+
+    def log_message(self, *args):
+        pass
+
+    def do_GET(self):
+        self._send(200, b"")
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"] or 0)) or b"{}")
+        self.server.bodies.append((self.path, body))
+        if self.path != "/generate":
+            return self._json(200, {"success": self.server.mode != "refuse", "message": "fake"})
+        mode = self.server.mode
+        if mode == "bad_json":
+            return self._send(200, b'{"text": "unterminated')
+        if mode == "http_400":
+            return self._json(400, {"error": {"message": "prompt is too long"}})
+        if mode == "http_503":
+            return self._json(503, {"error": {"message": "overloaded"}})
+        prompt = body["input_ids"]
+        out = [5, 6]
+        meta = {
+            "id": body["rid"],
+            "finish_reason": {"type": "abort", "message": "x"}
+            if mode == "abort"
+            else {"type": "length", "length": 2},
+            "prompt_tokens": len(prompt),
+            "completion_tokens": 2,
+            "output_token_logprobs": [[-0.5, 5, None], [-0.25, 6, None]],
+        }
+        rows = len(prompt) + len(out) - 1
+        meta["routed_experts"] = base64.b64encode(np.zeros((rows, 2, 2), "<i4").tobytes()).decode()
+        if mode == "short_logprobs":
+            meta["output_token_logprobs"] = meta["output_token_logprobs"][:1]
+        elif mode == "wrong_token":
+            meta["output_token_logprobs"][1][1] = 7
+        elif mode == "routed_size":
+            meta["routed_experts"] = base64.b64encode(np.zeros((rows - 1, 2, 2), "<i4").tobytes()).decode()
+        elif mode == "routed_b64":
+            meta["routed_experts"] = "***not base64***"
+        elif mode == "routed_missing":
+            del meta["routed_experts"]
+        elif mode == "no_meta":
+            meta = None
+        elif mode == "nan_logprob":
+            meta["output_token_logprobs"][0][0] = float("nan")
+        reply = {"text": "", "output_ids": out}
+        if meta is not None:
+            reply["meta_info"] = meta
+        self._json(200, reply)
+
+    def _json(self, status, payload):
+        self._send(status, json.dumps(payload).encode())
+
+    def _send(self, status, data):
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+@pytest.fixture
+def fake():
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeSGLang)
+    httpd.daemon_threads = True
+    httpd.mode, httpd.bodies = "ok", []
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    httpd.url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    yield httpd
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def routed_request():
+    return [
+        GenerationRequest(
+            prompt_ids=[1, 2, 3],
+            n=1,
+            sampling=SamplingParams(max_new_tokens=4),
+            return_routed_experts=True,
+            group_id=5,
+        )
+    ]
+
+
+def test_fake_server_ok_and_the_request_body(fake):
+    with fast_client(fake.url, top_k=2) as client:
+        sample = client.generate(routed_request())[0][0]
+    assert (
+        sample.response_ids == [5, 6]
+        and sample.rollout_logp == [-0.5, -0.25]
+        and sample.routed_experts.shape == (4, 2, 2)
+    )
+    path, body = fake.bodies[0]
+    assert path == "/generate"
+    assert (
+        body["input_ids"] == [1, 2, 3] and body["return_logprob"] is True and body["logprob_start_len"] == -1
+    )
+    assert body["return_routed_experts"] is True and body["rid"].endswith("-g5-s0-a0")
+    assert body["sampling_params"] == {
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": -1,
+        "max_new_tokens": 4,
+        "stop_token_ids": [],
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+    }
+
+
+@pytest.mark.parametrize(
+    ("mode", "field", "words"),
+    [
+        ("bad_json", "<body>", "not valid JSON"),
+        ("short_logprobs", "meta_info.output_token_logprobs", "1 entries for 2 output tokens"),
+        ("wrong_token", "meta_info.output_token_logprobs[1]", "is for token 7"),
+        ("nan_logprob", "meta_info.output_token_logprobs[0]", "logprob nan"),
+        ("routed_size", "meta_info.routed_experts", "expected 16"),
+        ("routed_b64", "meta_info.routed_experts", "not valid base64"),
+        ("routed_missing", "meta_info.routed_experts", "--enable-return-routed-experts"),
+        ("no_meta", "meta_info", "is missing"),
+        ("http_400", "<status>", "prompt is too long"),
+    ],
+)
+def test_bad_replies_raise_rollout_error_naming_the_problem(fake, mode, field, words):
+    fake.mode = mode
+    with fast_client(fake.url, top_k=2) as client, pytest.raises(RolloutError) as err:
+        client.generate(routed_request())
+    assert (
+        err.value.field == field and err.value.server == fake.url and err.value.request.endswith("-g5-s0-a0")
+    )
+    assert words in str(err.value) and f"field={field}" in str(err.value)
+    assert len(fake.bodies) == 1  # a bad reply is a misconfiguration: not retried
+
+
+def test_transient_errors_and_aborts_are_retried(fake):
+    fake.mode = "http_503"
+    with fast_client(fake.url, max_retries=2) as client, pytest.raises(RolloutError, match="HTTP 503"):
+        client.generate(routed_request())
+    assert len(fake.bodies) == 3
+    fake.mode, fake.bodies[:] = "abort", []
+    with fast_client(fake.url, max_retries=1) as client:
+        sample = client.generate(routed_request())[0][0]
+        assert sample.finish_reason == "abort" and client.metrics()["rollout/aborted_samples"] == 1
+    assert len(fake.bodies) == 2
+
+
+def test_weight_sync_payloads(fake):
+    def serializer(named):
+        buffer = io.BytesIO()
+        torch.save(named, buffer)
+        return base64.b64encode(buffer.getvalue()).decode()
+
+    with fast_client([fake.url], serializer=serializer, tp_size=2) as client:
+        client.update_weights_from_disk("/ckpt/step_3")
+        client.update_weights_from_tensors([("model.norm.weight", torch.ones(4))])
+        client.init_weights_update_group("10.0.0.1", 29500, world_size=3, rank_offsets=[1]).result(timeout=10)
+        client.update_weights_from_distributed(["w"], ["bfloat16"], [[2, 3]]).result(timeout=10)
+        fake.mode = "refuse"
+        with pytest.raises(RolloutError, match="update_weights_from_disk failed: fake"):
+            client.update_weights_from_disk("/ckpt/bad")
+    paths = [p for p, _ in fake.bodies]
+    assert paths == [
+        "/update_weights_from_disk",
+        "/flush_cache",
+        "/update_weights_from_tensor",
+        "/init_weights_update_group",
+        "/update_weights_from_distributed",
+        "/update_weights_from_disk",
+    ]
+    bodies = [b for _, b in fake.bodies]
+    assert bodies[0] == {"model_path": "/ckpt/step_3"}
+    tensors = bodies[2]["serialized_named_tensors"]
+    assert len(tensors) == 2 and bodies[2]["flush_cache"] is True
+    name, tensor = torch.load(io.BytesIO(base64.b64decode(tensors[0])))[0]
+    assert name == "model.norm.weight" and torch.equal(tensor, torch.ones(4))
+    assert bodies[3] == {
+        "master_address": "10.0.0.1",
+        "master_port": 29500,
+        "rank_offset": 1,
+        "world_size": 3,
+        "group_name": "weight_update_group",
+        "backend": "nccl",
+    }
+    assert (
+        bodies[4]["names"] == ["w"]
+        and bodies[4]["dtypes"] == ["bfloat16"]
+        and bodies[4]["shapes"] == [[2, 3]]
+    )
+
+
+def test_tensor_sync_without_sglang_says_what_is_needed(fake):
+    pytest.importorskip("torch")
+    try:
+        import sglang  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("sglang is installed")
+    with fast_client(fake.url) as client, pytest.raises(RolloutError, match=r"sapo-megatron\[gpu\]"):
+        client.update_weights_from_tensors([("w", torch.ones(1))])
