@@ -15,6 +15,13 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
+from sapo_megatron.algo import (
+    AdvantageConfig,
+    MismatchCorrectionConfig,
+    NoCorrection,
+    PolicyLossConfig,
+    SapoLoss,
+)
 from sapo_megatron.arch import ArchError, QwenArch
 
 
@@ -145,6 +152,79 @@ class SFTConfig(Section):
     log_every: int = Field(default=10, ge=1)
 
 
+class RolloutConfig(Section):
+    """Where samples come from: the CPU engine (in-process, or behind its SGLang-compatible HTTP server) or
+    SGLang servers / an ``sglang-router`` URL."""
+
+    engine: Literal["cpu", "sglang"] = "cpu"
+    urls: list[str] = Field(default_factory=list, description="SGLang server or router URLs (engine: sglang)")
+    cpu_http: bool = Field(
+        default=False, description="run the CPU engine behind its HTTP server and use the client"
+    )
+    n_samples: int = Field(default=8, ge=1, description="responses per prompt (the GRPO group size)")
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = -1
+    max_new_tokens: int = Field(default=512, ge=1)
+    weight_sync: Literal["disk", "tensor"] = "tensor"
+    timeout_s: float = Field(default=600.0, gt=0.0)
+    max_retries: int = Field(default=3, ge=0)
+    concurrency: int = Field(default=64, ge=1)
+    threads: int | None = Field(default=None, ge=1, description="torch threads of the CPU engine")
+
+    @model_validator(mode="after")
+    def _check_engine(self) -> RolloutConfig:
+        if self.engine == "sglang" and not self.urls:
+            raise ValueError("rollout.engine=sglang needs rollout.urls (server or sglang-router addresses)")
+        if self.engine == "cpu" and self.urls:
+            raise ValueError(
+                "rollout.urls is only used with rollout.engine=sglang; remove it or change the engine"
+            )
+        return self
+
+
+class DataConfig(Section):
+    """Prompt data: jsonl/parquet files, or the built-in synthetic addition task (``synthetic:addition``)."""
+
+    train: str = "synthetic:addition"
+    heldout: str | None = "synthetic:addition"
+    tokenizer: str = Field(default="char", description="'char' (demo) or an HF tokenizer directory")
+    digits: int = Field(default=2, ge=1, description="operand digits of the synthetic task")
+    train_size: int = Field(default=4000, ge=1, description="synthetic training prompts")
+    heldout_size: int = Field(default=200, ge=1, description="held-out prompts for accuracy")
+    prompt_template: str = Field(default="{prompt}", description="formats each prompt before tokenisation")
+
+
+class AlgorithmConfig(Section):
+    """The RL objective: policy loss (with its own settings), mismatch correction, advantages, sampling rules."""
+
+    loss: PolicyLossConfig = Field(default_factory=SapoLoss)
+    correction: MismatchCorrectionConfig = Field(default_factory=NoCorrection)
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    reward: str = Field(default="numeric_match", description="reward function name (see rewards registry)")
+    dynamic_sampling: bool = Field(default=False, description="DAPO: drop all-equal groups and refill")
+    max_refills: int = Field(default=3, ge=0, description="extra rollout rounds to refill dropped groups")
+    overlong_cache_len: int | None = Field(
+        default=None,
+        ge=1,
+        description="DAPO soft overlong penalty window (uses rollout.max_new_tokens as L_max)",
+    )
+
+
+class TrainerConfig(Section):
+    """The RL loop: steps, batch sizes, evaluation and checkpoint cadence."""
+
+    steps: int = Field(default=20, ge=0)
+    prompts_per_step: int = Field(default=16, ge=1)
+    mini_batches: int = Field(default=1, ge=1, description="optimizer updates per rollout batch")
+    eval_every: int = Field(
+        default=0, ge=0, description="held-out accuracy every N steps (0: only start/end)"
+    )
+    save_every: int = Field(default=0, ge=0, description="checkpoint every N steps (0: only at the end)")
+    keep_checkpoints: int = Field(default=2, ge=1)
+    export_hf: bool = Field(default=True, description="write an HF checkpoint at the end")
+
+
 class RunConfig(Section):
     """A whole run. ``name`` and ``output_dir`` decide where everything is written."""
 
@@ -157,6 +237,23 @@ class RunConfig(Section):
     optimizer: OptimizerConfig = OptimizerConfig()
     launch: LaunchConfig = LaunchConfig()
     sft: SFTConfig = SFTConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    data: DataConfig = DataConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    trainer: TrainerConfig = TrainerConfig()
+
+    @model_validator(mode="after")
+    def _check_rl(self) -> RunConfig:
+        loss = self.algorithm.loss
+        if loss.agg == "seq-mean-token-sum-norm" and loss.max_len is None:
+            raise ValueError("algorithm.loss.agg=seq-mean-token-sum-norm needs algorithm.loss.max_len")
+        batch = self.rollout.n_samples * self.trainer.prompts_per_step
+        if batch % self.trainer.mini_batches:
+            raise ValueError(
+                f"trainer.prompts_per_step × rollout.n_samples = {batch} sequences do not split into "
+                f"trainer.mini_batches={self.trainer.mini_batches} equal updates"
+            )
+        return self
 
     def save_resolved(self, path: str | Path) -> Path:
         """Write the resolved config (HF architecture inlined) as YAML; returns the path written."""
@@ -225,10 +322,32 @@ def _layout_problems(cfg: RunConfig, world_size: int) -> list[str]:
             f"world size / pp = {world_size // par.pp} is not divisible by parallel.ep × parallel.etp = "
             f"{par.ep}×{par.etp}; experts cannot be laid out"
         )
+    problems += _batch_problems(cfg, world_size)
     if par.cp > 1 and importlib.util.find_spec("transformer_engine") is None:
         problems.append("parallel.cp > 1 needs Transformer Engine attention; set parallel.cp: 1")
     if par.sequence_parallel and par.tp == 1:
         problems.append("parallel.sequence_parallel needs parallel.tp > 1; set it to false or raise tp")
+    return problems
+
+
+def _batch_problems(cfg: RunConfig, world_size: int) -> list[str]:
+    """Every optimizer step must split evenly into data-parallel ranks × micro-batches."""
+    par = cfg.parallel
+    if world_size % par.model_parallel_size:
+        return []
+    split = data_parallel_size(cfg, world_size) * par.micro_batches
+    per_update = cfg.rollout.n_samples * cfg.trainer.prompts_per_step // cfg.trainer.mini_batches
+    problems = []
+    if cfg.trainer.steps and per_update % split:
+        problems.append(
+            f"each RL update has {per_update} sequences (rollout.n_samples × trainer.prompts_per_step / "
+            f"trainer.mini_batches), not divisible by data-parallel size × parallel.micro_batches = {split}"
+        )
+    if cfg.sft.steps and cfg.sft.global_batch % split:
+        problems.append(
+            f"sft.global_batch={cfg.sft.global_batch} is not divisible by data-parallel size × "
+            f"parallel.micro_batches = {split}"
+        )
     return problems
 
 
@@ -254,7 +373,9 @@ def _head_problems(arch: QwenArch, par: ParallelConfig) -> list[str]:
 def _moe_problems(arch: QwenArch, par: ParallelConfig) -> list[str]:
     if not arch.is_moe:
         if par.ep > 1:
-            return [f"parallel.ep={par.ep} but model type {arch.model_type} has no experts; set parallel.ep: 1"]
+            return [
+                f"parallel.ep={par.ep} but model type {arch.model_type} has no experts; set parallel.ep: 1"
+            ]
         return []
     problems = []
     if arch.num_experts % par.ep:

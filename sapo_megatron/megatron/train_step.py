@@ -78,6 +78,14 @@ class TrainEngine:
         self.config.grad_scale_func = self.optimizer.scale_loss
         self.config.no_sync_func = self.model[0].no_sync
 
+    def reset_schedule(self, *, lr: float, total_steps: int, done: int = 0) -> None:
+        """A fresh LR schedule (same style as configured) peaking at ``lr`` over ``total_steps`` optimizer steps,
+        fast-forwarded by ``done`` steps (phases such as the SFT warm start use their own rate; resume)."""
+        opt = self.cfg.optimizer.model_copy(update={"lr": lr, "min_lr": min(self.cfg.optimizer.min_lr, lr)})
+        self.scheduler = _build_scheduler(self.optimizer, opt, total_steps)
+        if done:
+            self.scheduler.step(increment=done)
+
     @property
     def module(self) -> torch.nn.Module:
         """The unwrapped GPTModel of this rank."""

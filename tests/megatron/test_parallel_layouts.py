@@ -6,8 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sapo_megatron.plan import stage_shards
 from sapo_megatron.tiny import make_tiny_hf_checkpoint
 from tests.distributed import run_distributed
+from tests.megatron.scenarios import layout_config
 
 LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 1e-6
@@ -48,6 +50,14 @@ def _run(hf_dir, batch, world, parallel, **extra):
 @pytest.fixture(scope="module")
 def reference(checkpoints, batch):
     return {kind: _run(checkpoints[kind], batch, 1, {"micro_batches": 2}) for kind in checkpoints}
+
+
+def _check_plan_counts(payload, results):
+    """The dry-run plan's per-rank parameter counts equal what Megatron built on each rank."""
+    cfg = layout_config(payload)
+    expected = {shard.pp_rank: shard.params for shard in stage_shards(cfg)}
+    for result in results:
+        assert result["local_params"] == expected[result["pp_rank"]]
 
 
 def _assert_same(ref, got):
