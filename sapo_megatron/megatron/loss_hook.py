@@ -1,0 +1,267 @@
+"""The RL policy loss as a Megatron loss hook: :class:`PolicyLossHook` for ``TrainEngine.train_step``,
+:class:`LogprobOutput` for ``TrainEngine.forward_only`` (old-policy and reference log-probs), and
+:func:`add_global_normalisers` for the batch-wide normalisers every micro-batch needs.
+
+Micro-batch keys the hook reads (all ``[b, s]`` unless noted, aligned with ``labels``, right-padded):
+
+- ``labels``: the next token of each position; ``loss_mask``: 1 on response tokens that count;
+- ``old_logp``: log-probs of ``labels`` under the parameters that produced the rollout batch;
+- ``advantages``: ``[b]`` (one per sequence) or ``[b, s]`` (token-level, e.g. OPD);
+- optional ``rollout_logp`` (the engine's log-probs: mismatch correction and metrics) and ``ref_logp``
+  (the reference policy's, for ``kl_coef``); masked positions may hold anything, NaN included;
+- ``num_sequences_global`` / ``num_tokens_global``: 0-d counts over *all* micro-batches and data-parallel
+  ranks of this optimizer step (:func:`add_global_normalisers` computes them).
+
+With the global normalisers each micro-batch returns its exact share of the full-batch loss, so the step does
+not depend on the micro-batch split or the data/pipeline layout (tests/loss prove it). A sequence must stay
+within one micro-batch, and context parallelism (which splits sequences) is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from pydantic import TypeAdapter
+
+from sapo_megatron.algo import (
+    GspoLoss,
+    MismatchCorrection,
+    MismatchCorrectionConfig,
+    NoCorrection,
+    PolicyLoss,
+    build_policy_loss,
+)
+from sapo_megatron.megatron.logprobs import (
+    DEFAULT_CHUNK_TOKENS,
+    MEGATRON_GROUP,
+    GroupArg,
+    vocab_parallel_logprobs,
+)
+from sapo_megatron.megatron.train_step import Metrics, MicroBatch
+
+NORMALISER_KEYS = ("num_sequences_global", "num_tokens_global")
+
+# Metrics that are extrema cannot be combined from (weighted_sum, weight) pairs; the engine reports means only.
+_EXTREMA_SUFFIXES = ("min", "max")
+
+
+class PolicyLossHook:
+    """``(vocab_parallel_logits [b, s, V/tp], micro_batch) -> (loss contribution, metrics)`` for
+    ``TrainEngine.train_step``.
+
+    Log-probs and entropy come from :func:`~.logprobs.vocab_parallel_logprobs` in fp32 whatever the model's
+    precision, at ``temperature`` (the rollout's sampling temperature). ``loss`` is a built policy loss or a
+    mapping such as ``{"name": "sapo", "tau_neg": 1.05}``; it owns the aggregation mode and the KL / entropy
+    coefficients. ``correction``: TIS / IcePop / none (needs ``rollout_logp`` in the batch unless none).
+
+    Metrics, as ``(weighted_sum, weight)``: masked means weighted by their token (or sequence) count, so the
+    engine reports the exact full-batch mean; ``loss/*`` weighted so that the engine reports their *sum* over
+    micro-batches and ranks (i.e. the full-batch value). Per-call extrema (``ratio/min``, ``ratio/max``) are
+    left out: a (sum, weight) pair cannot carry them.
+
+    ``inplace_backward`` (default on) lets the logits' storage receive their gradient, which saves one
+    ``[tokens × V/tp]`` tensor; turn it off if something else keeps using the logits (it fails loudly if so).
+    """
+
+    def __init__(
+        self,
+        loss: PolicyLoss | Mapping[str, Any],
+        correction: MismatchCorrection | Mapping[str, Any] | None = None,
+        *,
+        temperature: float = 1.0,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        log_entropy: bool = True,
+        inplace_backward: bool = True,
+        tp_group: GroupArg = MEGATRON_GROUP,
+    ) -> None:
+        self.loss = build_policy_loss(loss)
+        if correction is None:
+            correction = NoCorrection()
+        self.correction = TypeAdapter(MismatchCorrectionConfig).validate_python(correction)
+        self.temperature = temperature
+        self.chunk_tokens = chunk_tokens
+        self.with_entropy = log_entropy or self.loss.entropy_coef > 0
+        # The logits a GPTModel hands to the loss are used by nothing else: their storage can take the gradient.
+        self.inplace_backward = inplace_backward
+        self.tp_group = tp_group
+
+    def __call__(self, logits: torch.Tensor, batch: MicroBatch) -> tuple[torch.Tensor, Metrics]:
+        _refuse_context_parallel()
+        device = logits.device
+        mask_bt = _get(batch, "loss_mask", device).bool()
+        logp_bt, entropy_bt = vocab_parallel_logprobs(
+            logits,
+            _get(batch, "labels", device),
+            tp_group=self.tp_group,
+            temperature=self.temperature,
+            with_entropy=self.with_entropy,
+            chunk_tokens=self.chunk_tokens,
+            inplace_backward=self.inplace_backward and logits.is_contiguous(),
+        )
+        if entropy_bt is not None and self.loss.entropy_coef == 0:
+            entropy_bt = entropy_bt.detach()  # logged only: backward then skips the entropy term
+        num_sequences, num_tokens = (_get(batch, key, device) for key in NORMALISER_KEYS)
+        adv = _get(batch, "advantages", device)
+        loss, metrics = self.loss.compute(
+            logp_bt,
+            _get(batch, "old_logp", device),
+            adv,
+            mask_bt,
+            rollout_logp_bt=_get_optional(batch, "rollout_logp", device),
+            ref_logp_bt=_get_optional(batch, "ref_logp", device),
+            entropy_bt=entropy_bt,
+            correction=self.correction,
+            num_sequences=num_sequences,
+            num_tokens=num_tokens,
+        )
+        adv_bt = adv[:, None].expand(mask_bt.shape) if adv.dim() == 1 else adv
+        weights = _metric_weights(
+            mask_bt, adv_bt, num_tokens, per_sequence_clip=isinstance(self.loss, GspoLoss)
+        )
+        return loss, _engine_metrics(metrics, weights)
+
+
+class LogprobOutput:
+    """``output_fn`` for ``TrainEngine.forward_only``: fp32 log-probs of ``batch["labels"]`` ``[b, s]`` at
+    ``temperature`` (the old-policy pass of an RL step, or the reference pass at temperature 1), or, with
+    ``with_entropy``, ``[2, b, s]`` holding log-probs and entropies (``logp, entropy = output``)."""
+
+    def __init__(
+        self,
+        *,
+        temperature: float = 1.0,
+        with_entropy: bool = False,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        tp_group: GroupArg = MEGATRON_GROUP,
+    ) -> None:
+        self.temperature = temperature
+        self.with_entropy = with_entropy
+        self.chunk_tokens = chunk_tokens
+        self.tp_group = tp_group
+
+    def __call__(self, logits: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
+        _refuse_context_parallel()
+        logp_bt, entropy_bt = vocab_parallel_logprobs(
+            logits.detach(),
+            _get(batch, "labels", logits.device),
+            tp_group=self.tp_group,
+            temperature=self.temperature,
+            with_entropy=self.with_entropy,
+            chunk_tokens=self.chunk_tokens,
+        )
+        return torch.stack((logp_bt, entropy_bt)) if self.with_entropy else logp_bt
+
+
+def global_normalisers(
+    micro_batches: Sequence[MicroBatch], *, dp_group: GroupArg = MEGATRON_GROUP
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(num_sequences, num_tokens)``: fp64 0-d counts of sequences with at least one ``loss_mask`` token
+    and of ``loss_mask`` tokens, over this rank's micro-batches summed over the data-parallel group (by
+    default Megatron's, when its parallel state exists). Every rank of the group must call it."""
+    if not micro_batches:
+        raise ValueError("global_normalisers needs this rank's micro-batches (got none)")
+    device = micro_batches[0]["loss_mask"].device
+    counts = torch.zeros(2, dtype=torch.float64, device=device)
+    for batch in micro_batches:
+        mask_bt = batch["loss_mask"].bool()
+        counts[0] += mask_bt.any(dim=-1).sum()
+        counts[1] += mask_bt.sum()
+    group = _resolve_dp_group(dp_group)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(counts, group=group)
+    return counts[0].clone(), counts[1].clone()
+
+
+def add_global_normalisers(
+    micro_batches: Sequence[MicroBatch], *, dp_group: GroupArg = MEGATRON_GROUP
+) -> list[MicroBatch]:
+    """Copies of ``micro_batches`` with ``num_sequences_global`` / ``num_tokens_global`` set (see
+    :func:`global_normalisers`); call it once per optimizer step, on every rank, with that step's batches."""
+    num_sequences, num_tokens = global_normalisers(micro_batches, dp_group=dp_group)
+    return [
+        {**batch, "num_sequences_global": num_sequences, "num_tokens_global": num_tokens}
+        for batch in micro_batches
+    ]
+
+
+def _metric_weights(
+    mask_bt: torch.Tensor, adv_bt: torch.Tensor, num_tokens: torch.Tensor, *, per_sequence_clip: bool
+) -> dict[str, torch.Tensor]:
+    """The count each algo metric is a mean over (see ``algo/losses.py``), by name prefix/suffix."""
+    tokens = mask_bt.sum().double()
+    sequences = mask_bt.any(dim=-1).sum().double()
+    return {
+        "tokens": tokens,
+        "sequences": sequences,
+        "pos": (mask_bt & (adv_bt > 0)).sum().double(),
+        "neg": (mask_bt & (adv_bt < 0)).sum().double(),
+        # Σ over micro-batches and ranks of tokens / num_tokens_global is 1: the engine's ratio is then a sum.
+        "sum": tokens / num_tokens.double().clamp(min=1),
+        "clip": sequences if per_sequence_clip else tokens,
+    }
+
+
+def _weight_kind(name: str) -> str | None:
+    if name.endswith(_EXTREMA_SUFFIXES) and name.startswith("ratio/"):
+        return None
+    if name.startswith("loss/"):
+        return "sum"
+    if name.startswith("ratio/seq_"):
+        return "sequences"
+    if name.startswith("clip/"):
+        return "clip"
+    if name.endswith("_pos"):
+        return "pos"
+    if name.endswith("_neg"):
+        return "neg"
+    return "tokens"
+
+
+def _engine_metrics(metrics: Metrics, weights: dict[str, torch.Tensor]) -> Metrics:
+    out: Metrics = {}
+    for name, value in metrics.items():
+        kind = _weight_kind(name)
+        if kind is None:
+            continue
+        weight = weights[kind]
+        weighted = value.double() if kind == "sum" else value.double() * weight
+        out[name] = torch.stack((weighted, weight)).detach()
+    return out
+
+
+def _get(batch: MicroBatch, key: str, device: torch.device) -> torch.Tensor:
+    if key not in batch:
+        hint = " (use add_global_normalisers on the step's micro-batches)" if key in NORMALISER_KEYS else ""
+        raise KeyError(f"the policy loss hook needs micro-batch key {key!r}{hint}; got {sorted(batch)}")
+    value = batch[key]
+    return value.to(device) if isinstance(value, torch.Tensor) else torch.as_tensor(value, device=device)
+
+
+def _get_optional(batch: MicroBatch, key: str, device: torch.device) -> torch.Tensor | None:
+    return _get(batch, key, device) if batch.get(key) is not None else None
+
+
+def _resolve_dp_group(dp_group: GroupArg) -> dist.ProcessGroup | None:
+    if dp_group is not MEGATRON_GROUP:
+        return dp_group
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return None
+    return parallel_state.get_data_parallel_group()
+
+
+def _refuse_context_parallel() -> None:
+    from megatron.core import parallel_state
+
+    if (
+        parallel_state.model_parallel_is_initialized()
+        and parallel_state.get_context_parallel_world_size() > 1
+    ):
+        raise NotImplementedError(
+            "the policy loss hook needs whole sequences per rank; context parallelism (parallel.cp > 1) "
+            "splits them – set parallel.cp: 1"
+        )

@@ -1,0 +1,173 @@
+"""The policy loss hook on plain tensors (no process group): it equals the algo loss on naive log-probs, its
+micro-batch contributions and (weighted_sum, weight) metrics add up to the full-batch values for every loss and
+aggregation mode, and it names missing inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sapo_megatron.algo import TIS, build_policy_loss
+from sapo_megatron.megatron.loss_hook import (
+    LogprobOutput,
+    PolicyLossHook,
+    add_global_normalisers,
+    global_normalisers,
+)
+
+VOCAB = 50
+LOSSES = {
+    "sapo-seq-mean-token-mean": {"name": "sapo", "entropy_coef": 0.01, "kl_coef": 0.02},
+    "sapo-token-mean": {"name": "sapo", "agg": "token-mean"},
+    "sapo-seq-mean-token-sum-norm": {"name": "sapo", "agg": "seq-mean-token-sum-norm", "max_len": 12},
+    "sapo-sequence-level": {"name": "sapo", "level": "sequence"},
+    "grpo": {"name": "grpo", "dual_clip": 3.0},
+    "gspo": {"name": "gspo", "eps_low": 0.05, "eps_high": 0.06},
+}
+
+
+def naive_logp(logits, labels, temperature=1.0):
+    lsm = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return lsm.gather(-1, labels[..., None])[..., 0], -(lsm.exp() * lsm).sum(-1)
+
+
+def make_batch(seed=0, batch=6, seq=12):
+    """A realistic batch: prompts masked, varied response lengths, padding holding NaN, advantages of both
+    signs, old/rollout log-probs away from the current ones, one row without any response token."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(batch, seq, VOCAB, generator=gen) * 2.0
+    labels = torch.randint(0, VOCAB, (batch, seq), generator=gen)
+    positions = torch.arange(seq)
+    prompt = torch.tensor([2, 3, 1, 4, 2, 12])[:batch, None]
+    end = torch.tensor([12, 9, 7, 12, 5, 12])[:batch, None]
+    mask = (positions >= prompt) & (positions < end)
+    logp, _ = naive_logp(logits, labels)
+    old = logp + 0.3 * torch.randn(batch, seq, generator=gen)
+    rollout = old + 0.1 * torch.randn(batch, seq, generator=gen)
+    ref = logp + 0.2 * torch.randn(batch, seq, generator=gen)
+    for t in (old, rollout, ref):
+        t[~mask] = float("nan")
+    adv = torch.tensor([1.2, -0.7, 0.4, -1.5, 0.9, 0.3])[:batch]
+    data = {
+        "labels": labels,
+        "loss_mask": mask.long(),
+        "old_logp": old,
+        "rollout_logp": rollout,
+        "ref_logp": ref,
+        "advantages": adv,
+    }
+    return logits, data
+
+
+def split(data, logits, sizes):
+    out, start = [], 0
+    for size in sizes:
+        rows = slice(start, start + size)
+        out.append((logits[rows], {k: v[rows] for k, v in data.items()}))
+        start += size
+    return out
+
+
+def run_hook(hook, logits, data, sizes):
+    """Sum of micro-batch contributions, the engine's metric reduction, and the logits gradient."""
+    leaf = logits.clone().requires_grad_()
+    pieces = split(data, leaf, sizes)
+    batches = add_global_normalisers([b for _, b in pieces], dp_group=None)
+    total, sums = 0.0, {}
+    for (lg, _), batch in zip(pieces, batches):
+        loss, metrics = hook(lg.contiguous() * 1.0, batch)
+        loss.backward()
+        total += float(loss.detach())
+        for name, pair in metrics.items():
+            sums[name] = sums.get(name, 0) + pair.double()
+    reduced = {n: float(p[0] / p[1].clamp(min=1e-12)) for n, p in sums.items()}
+    return total, reduced, leaf.grad
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_hook_equals_algo_loss_and_is_split_invariant(name):
+    logits, data = make_batch()
+    loss_cfg = build_policy_loss(LOSSES[name])
+    hook = PolicyLossHook(loss_cfg, {"name": "tis", "cap": 2.0}, tp_group=None, chunk_tokens=7)
+
+    leaf = logits.clone().requires_grad_()
+    logp, entropy = naive_logp(leaf, data["labels"])
+    ref_loss, ref_metrics = loss_cfg.compute(
+        logp,
+        data["old_logp"],
+        data["advantages"],
+        data["loss_mask"],
+        rollout_logp_bt=data["rollout_logp"],
+        ref_logp_bt=data["ref_logp"],
+        entropy_bt=entropy if loss_cfg.entropy_coef > 0 else entropy.detach(),
+        correction=TIS(cap=2.0),
+    )
+    ref_loss.backward()
+
+    for sizes in ([6], [1, 2, 3], [2, 2, 2]):
+        total, reduced, grad = run_hook(hook, logits, data, sizes)
+        assert total == pytest.approx(float(ref_loss), rel=1e-5, abs=1e-7)
+        torch.testing.assert_close(grad, leaf.grad, atol=1e-7, rtol=1e-5)
+        assert reduced["loss/total"] == pytest.approx(float(ref_loss), rel=1e-5, abs=1e-7)
+        for metric, value in ref_metrics.items():
+            if metric.endswith(("min", "max")):
+                assert metric not in reduced  # extrema cannot travel as (sum, weight)
+            else:
+                assert reduced[metric] == pytest.approx(float(value), rel=1e-5, abs=1e-6), metric
+
+
+def test_hook_reads_temperature_and_computes_in_fp32_for_bf16_logits():
+    logits, data = make_batch()
+    batches = add_global_normalisers([data], dp_group=None)
+    hot = PolicyLossHook({"name": "sapo"}, tp_group=None, temperature=0.7)
+    cold = PolicyLossHook({"name": "sapo"}, tp_group=None)
+    assert float(hot(logits.clone(), batches[0])[0]) != pytest.approx(
+        float(cold(logits.clone(), batches[0])[0])
+    )
+    bf16_loss, _ = cold(logits.bfloat16(), batches[0])
+    fp32_loss, _ = cold(logits.bfloat16().float(), batches[0])
+    assert bf16_loss.dtype == torch.float32
+    assert float(bf16_loss) == pytest.approx(float(fp32_loss), rel=1e-6)
+
+
+def test_entropy_is_logged_without_a_gradient_path_unless_its_coefficient_is_set():
+    logits, data = make_batch()
+    batch = add_global_normalisers([data], dp_group=None)[0]
+    _, metrics = PolicyLossHook({"name": "sapo"}, tp_group=None)(logits, batch)
+    assert "entropy" in metrics
+    _, metrics = PolicyLossHook({"name": "sapo"}, tp_group=None, log_entropy=False)(logits, batch)
+    assert "entropy" not in metrics
+
+
+def test_output_fn_gives_logp_and_entropy():
+    logits, data = make_batch()
+    logp, entropy = naive_logp(logits, data["labels"], temperature=0.8)
+    out = LogprobOutput(tp_group=None, temperature=0.8)(logits, data)
+    torch.testing.assert_close(out, logp, atol=2e-5, rtol=0)
+    both = LogprobOutput(tp_group=None, temperature=0.8, with_entropy=True)(logits, data)
+    assert both.shape == (2, *logp.shape)
+    torch.testing.assert_close(both[1], entropy, atol=2e-5, rtol=0)
+
+
+def test_global_normalisers_count_sequences_with_a_valid_token():
+    _, data = make_batch()
+    num_sequences, num_tokens = global_normalisers(
+        [{"loss_mask": data["loss_mask"][:3]}, {"loss_mask": data["loss_mask"][3:]}], dp_group=None
+    )
+    assert float(num_sequences) == 5  # the last row is all prompt
+    assert float(num_tokens) == float(data["loss_mask"].sum())
+
+
+def test_missing_inputs_are_named():
+    logits, data = make_batch()
+    hook = PolicyLossHook({"name": "sapo"}, tp_group=None)
+    with pytest.raises(KeyError, match="add_global_normalisers"):
+        hook(logits, data)
+    batch = add_global_normalisers([data], dp_group=None)[0]
+    del batch["old_logp"]
+    with pytest.raises(KeyError, match="old_logp"):
+        hook(logits, batch)
+    batch = add_global_normalisers([data], dp_group=None)[0]
+    del batch["rollout_logp"]
+    with pytest.raises(ValueError, match="rollout_logp"):
+        PolicyLossHook({"name": "sapo"}, {"name": "icepop"}, tp_group=None)(logits, batch)
