@@ -137,6 +137,11 @@ class LaunchConfig(Section):
 
     nodes: int = Field(default=1, ge=1)
     procs_per_node: int = Field(default=1, ge=1)
+    cpu_threads: int | None = Field(
+        default=None,
+        ge=1,
+        description="torch threads per process on CPU machines (tiny models: 1 is fastest)",
+    )
 
     @property
     def world_size(self) -> int:

@@ -41,6 +41,7 @@ DEMO_RUN: dict[str, Any] = {
     "output_dir": "runs/demo",
     "seed": 1234,
     "model": {"hf_config": DEMO_MODEL, "init_std": 0.02},
+    "launch": {"cpu_threads": 1},
     "optimizer": {"lr": 1e-4, "weight_decay": 0.0, "clip_grad": 1.0, "adam_beta2": 0.98},
     "sft": {"steps": 300, "global_batch": 64, "lr": 3e-3, "log_every": 10},
     "rollout": {

@@ -83,3 +83,46 @@ class CharTokenizer:
 
     def __hash__(self) -> int:
         return hash(self.chars)
+
+
+class HFTokenizer:
+    """Adapter giving an HF tokenizer the small interface the trainer uses (same as :class:`CharTokenizer`)."""
+
+    def __init__(self, directory: str | Path) -> None:
+        from transformers import AutoTokenizer
+
+        self._tok = AutoTokenizer.from_pretrained(str(directory))
+        self.eos_id = self._tok.eos_token_id
+        self.pad_id = self._tok.pad_token_id if self._tok.pad_token_id is not None else self.eos_id
+        self.bos_id = self._tok.bos_token_id
+        if self.eos_id is None:
+            raise ValueError(f"tokenizer in {directory} defines no eos token; RL needs one to stop responses")
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tok)
+
+    def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        ids = self._tok(text, add_special_tokens=False)["input_ids"]
+        if add_bos and self.bos_id is not None:
+            ids = [self.bos_id, *ids]
+        return [*ids, self.eos_id] if add_eos else ids
+
+    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def save(self, directory: str | Path) -> Path:
+        self._tok.save_pretrained(str(directory))
+        return Path(directory)
+
+
+def load_tokenizer(spec: str) -> CharTokenizer | HFTokenizer:
+    """``"char"`` for the demo's character tokenizer, a directory with ``char_tokenizer.json``, or an HF
+    tokenizer directory."""
+    if spec == "char":
+        return CharTokenizer()
+    if (Path(spec) / TOKENIZER_FILE).is_file():
+        return CharTokenizer.load(spec)
+    if not Path(spec).is_dir():
+        raise ValueError(f"data.tokenizer={spec!r}: not 'char' and not a tokenizer directory")
+    return HFTokenizer(spec)

@@ -151,6 +151,10 @@ def build_gpt_model(opts: BuildOptions, *, vp_stage: int | None = None) -> GPTMo
         rotary_base=int(arch.rope_theta),
         parallel_output=True,
     )
+    if config.bf16:
+        # The pure-torch norms ignore params_dtype; cast them like Megatron's Float16Module does, but keep the
+        # logits in bf16 (the chunked log-prob kernel upcasts per chunk, never the whole [tokens × vocab]).
+        model.bfloat16()
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model

@@ -46,16 +46,19 @@ def world_from_env() -> tuple[int, int, int]:
     return rank, world, local
 
 
-def init_parallel(par: ParallelConfig, *, seed: int, timeout_minutes: int = 30, cfg=None) -> RankInfo:
+def init_parallel(
+    par: ParallelConfig, *, seed: int, timeout_minutes: int = 30, cfg=None, cpu_threads: int | None = None
+) -> RankInfo:
     """Create the process group and Megatron's parallel state; seed the (model-parallel) RNGs.
 
     ``cfg`` (a RunConfig), when given, is re-validated against the real world size first, so a layout error
-    is reported before any group exists.
+    is reported before any group exists. ``cpu_threads`` sets torch's threads on machines without CUDA.
     """
     rank, world, local_rank = world_from_env()
     if cfg is not None:
         validate_layout(cfg, world)
-    cpu_compat.apply()
+    if cpu_compat.apply() and cpu_threads:
+        torch.set_num_threads(cpu_threads)
     if not dist.is_initialized():
         _init_process_group(rank, world, local_rank, timeout_minutes)
     parallel_state.initialize_model_parallel(

@@ -82,6 +82,8 @@ class TrainEngine:
         """A fresh LR schedule (same style as configured) peaking at ``lr`` over ``total_steps`` optimizer steps,
         fast-forwarded by ``done`` steps (phases such as the SFT warm start use their own rate; resume)."""
         opt = self.cfg.optimizer.model_copy(update={"lr": lr, "min_lr": min(self.cfg.optimizer.min_lr, lr)})
+        for group in self.optimizer.param_groups:  # Megatron's scheduler reads these before its own max/min
+            group["max_lr"], group["min_lr"] = opt.lr, opt.min_lr
         self.scheduler = _build_scheduler(self.optimizer, opt, total_steps)
         if done:
             self.scheduler.step(increment=done)

@@ -1,0 +1,290 @@
+"""The RL loop: prompts → rollouts → rewards → advantages → old-log-prob pass → k mini-batch updates with the
+configured policy loss → weight sync → logging → checkpoint. Preceded by an optional supervised warm start and
+followed by an HF export and ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from sapo_megatron.batching import TrainSequence, build_micro_batches
+from sapo_megatron.data.prompts import PromptIterator, PromptRow
+from sapo_megatron.megatron.loss_hook import LogprobOutput, PolicyLossHook, add_global_normalisers
+from sapo_megatron.megatron.sft import sft_loss
+from sapo_megatron.rollout.collect import CollectSettings, RolloutBatch, collect
+from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
+from sapo_megatron.session import Session, broadcast_object, build_session
+from sapo_megatron.tracking import write_json_atomic
+from sapo_megatron.weight_sync import hf_buckets, write_hf_checkpoint
+
+
+@dataclass
+class LoopState:
+    """Everything besides model/optimizer/RNG that a checkpoint must restore to continue exactly."""
+
+    step: int = 0
+    sft_step: int = 0
+    prompts: dict[str, Any] = field(default_factory=dict)
+    sft_prompts: dict[str, Any] = field(default_factory=dict)
+    accuracy_before: float | None = None
+    wall_seconds: float = 0.0
+
+
+def run(cfg, *, resume: bool = False) -> dict[str, Any]:
+    """Run (or resume) a whole job; returns the summary written to ``<output_dir>/summary.json``."""
+    started = time.perf_counter()
+    session = build_session(cfg)
+    try:
+        state = _restore(session) if resume else LoopState()
+        prompts = PromptIterator(session.train_rows, batch_size=cfg.trainer.prompts_per_step, seed=cfg.seed)
+        if state.prompts:
+            prompts.load_state_dict(state.prompts)
+        run_sft(session, state)
+        if state.accuracy_before is None:
+            session.sync.push(session.engine.module)
+            state.accuracy_before = evaluate(session)
+            session.tracker.message(f"held-out accuracy before RL: {state.accuracy_before:.3f}")
+        else:
+            session.sync.push(session.engine.module)
+        run_rl(session, state, prompts, started)
+        accuracy_after = evaluate(session)
+        state.wall_seconds += time.perf_counter() - started
+        summary = _finish(session, state, accuracy_after)
+    finally:
+        session.close()
+    return summary
+
+
+def run_sft(session: Session, state: LoopState) -> None:
+    """Supervised warm start on (prompt, ground truth) pairs; skipped once done (also after a resume)."""
+    cfg = session.cfg
+    if state.sft_step >= cfg.sft.steps:
+        return
+    rows = PromptIterator(session.train_rows, batch_size=cfg.sft.global_batch, seed=cfg.seed + 1)
+    if state.sft_prompts:
+        rows.load_state_dict(state.sft_prompts)
+    session.engine.reset_schedule(
+        lr=cfg.sft.lr or cfg.optimizer.lr, total_steps=cfg.sft.steps, done=state.sft_step
+    )
+    session.tracker.start_phase("sft", cfg.sft.steps, initial=state.sft_step)
+    while state.sft_step < cfg.sft.steps:
+        micro = _sft_micro_batches(session, next(rows))
+        result = session.engine.train_step(micro, sft_loss)
+        state.sft_step += 1
+        state.sft_prompts = rows.state_dict()
+        if state.sft_step % cfg.sft.log_every == 0 or state.sft_step == cfg.sft.steps:
+            metrics = {**result.metrics, "grad_norm": result.grad_norm, "lr": result.lr}
+            session.tracker.log(state.sft_step, metrics, phase="sft")
+    session.tracker.close_phase()
+    session.engine.reset_schedule(
+        lr=cfg.optimizer.lr, total_steps=cfg.trainer.steps * cfg.trainer.mini_batches
+    )
+
+
+def _sft_micro_batches(session: Session, rows: list[PromptRow]):
+    tok = session.tokenizer
+    sequences = [
+        TrainSequence(encode_prompt(session, row), tok.encode(row.ground_truth, add_eos=True)) for row in rows
+    ]
+    return add_global_normalisers(_micro_batches(session, sequences))
+
+
+def encode_prompt(session: Session, row: PromptRow) -> list[int]:
+    text = session.cfg.data.prompt_template.format(prompt=row.prompt)
+    return session.tokenizer.encode(text, add_bos=session.tokenizer.bos_id is not None)
+
+
+def run_rl(session: Session, state: LoopState, prompts: PromptIterator, started: float) -> None:
+    cfg = session.cfg
+    hook = PolicyLossHook(cfg.algorithm.loss, cfg.algorithm.correction, temperature=cfg.rollout.temperature)
+    session.tracker.start_phase("rl", cfg.trainer.steps, initial=state.step)
+    while state.step < cfg.trainer.steps:
+        metrics = rl_step(session, hook, prompts, state.step)
+        state.step += 1
+        state.prompts = prompts.state_dict()
+        if cfg.trainer.eval_every and state.step % cfg.trainer.eval_every == 0:
+            metrics["accuracy"] = evaluate(session)
+        session.tracker.log(state.step, metrics, phase="rl")
+        if cfg.trainer.save_every and state.step % cfg.trainer.save_every == 0:
+            _save(session, state, started)
+    session.tracker.close_phase()
+
+
+def rl_step(session: Session, hook: PolicyLossHook, prompts: PromptIterator, step: int) -> dict[str, float]:
+    """One rollout batch and its ``mini_batches`` policy updates; returns the step's metrics."""
+    cfg, engine = session.cfg, session.engine
+    batch = _rollout(session, prompts, step)
+    sequences, metrics = broadcast_object(
+        (_train_sequences(batch), batch.metrics) if batch is not None else None
+    )
+    start = time.perf_counter()
+    updates = _split(sequences, cfg.trainer.mini_batches)
+    micro = [add_global_normalisers(_micro_batches(session, update)) for update in updates]
+    _attach_old_logp(session, micro)
+    for update in micro:
+        result = engine.train_step(update, hook)
+        for name, value in result.metrics.items():
+            metrics[name] = metrics.get(name, 0.0) + value / len(micro)
+        metrics["grad_norm"] = result.grad_norm
+        metrics["lr"] = result.lr
+    train_s = time.perf_counter() - start
+    metrics.update(session.sync.push(engine.module))
+    metrics["time/train_s"] = train_s
+    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in sequences)
+    metrics["throughput/train_tokens_per_s"] = tokens / max(train_s, 1e-9)
+    return metrics
+
+
+def _attach_old_logp(session: Session, updates: list[list[dict]]) -> None:
+    """Forward-only passes over the whole rollout batch with the weights that produced it (before any update of
+    this step); the log-probs land in each micro-batch as ``old_logp`` on the last pipeline stage."""
+    output_fn = LogprobOutput(temperature=session.cfg.rollout.temperature)
+    for update in updates:  # one schedule per update: its micro-batches share one padded shape
+        outputs = session.engine.forward_only(update, output_fn)
+        if outputs is None:  # not the last pipeline stage: the loss does not run here
+            continue
+        for batch, logp in zip(update, outputs):
+            batch["old_logp"] = logp
+
+
+def _rollout(session: Session, prompts: PromptIterator, step: int) -> RolloutBatch | None:
+    """Generate and score on the main rank; the prompt iterator advances identically on every rank."""
+    cfg = session.cfg
+    rows = next(prompts)
+    if session.rollout is None:
+        return None
+    settings = CollectSettings(
+        n_samples=cfg.rollout.n_samples,
+        sampling=_sampling(session, cfg.rollout.temperature),
+        advantage=cfg.algorithm.advantage,
+        dynamic_sampling=cfg.algorithm.dynamic_sampling,
+        max_refills=cfg.algorithm.max_refills,
+        overlong_cache_len=cfg.algorithm.overlong_cache_len,
+    )
+    return collect(
+        session.rollout,
+        rows,
+        refill=prompts,
+        encode=lambda row: encode_prompt(session, row),
+        score=lambda sample, row: session.reward(
+            session.tokenizer.decode(sample.response_ids), row.ground_truth
+        ),
+        settings=settings,
+        seed=cfg.seed * 7919 + step,
+    )
+
+
+def _sampling(session: Session, temperature: float) -> SamplingParams:
+    r = session.cfg.rollout
+    return SamplingParams(
+        temperature=temperature,
+        top_p=r.top_p if temperature > 0 else 1.0,
+        top_k=r.top_k if temperature > 0 else -1,
+        max_new_tokens=r.max_new_tokens,
+        stop_token_ids=(session.tokenizer.eos_id,),
+    )
+
+
+def _train_sequences(batch: RolloutBatch) -> list[TrainSequence]:
+    return [
+        TrainSequence(s.prompt_ids, s.response_ids, float(batch.advantages[g, i]), s.rollout_logp)
+        for g, group in enumerate(batch.groups)
+        for i, s in enumerate(group)
+    ]
+
+
+def _split(sequences: list[TrainSequence], parts: int) -> list[list[TrainSequence]]:
+    size = len(sequences) // parts
+    return [sequences[i * size : (i + 1) * size] for i in range(parts)]
+
+
+def _micro_batches(session: Session, sequences: list[TrainSequence]):
+    info, par = session.info, session.cfg.parallel
+    return build_micro_batches(
+        sequences,
+        dp_rank=info.dp_rank,
+        dp_size=info.dp_size,
+        micro_batches=par.micro_batches,
+        pad_id=session.tokenizer.pad_id,
+        length_multiple=par.tp if par.sequence_parallel else 1,
+    )
+
+
+def evaluate(session: Session) -> float:
+    """Greedy accuracy (mean reward) on the held-out prompts, computed on the main rank."""
+    accuracy = None
+    if session.rollout is not None and session.heldout_rows:
+        requests = [
+            GenerationRequest(
+                prompt_ids=encode_prompt(session, row), n=1, sampling=_sampling(session, 0.0), group_id=i
+            )
+            for i, row in enumerate(session.heldout_rows)
+        ]
+        groups = session.rollout.generate(requests)
+        rewards = [
+            session.reward(session.tokenizer.decode(group[0].response_ids), row.ground_truth)
+            for group, row in zip(groups, session.heldout_rows)
+        ]
+        accuracy = sum(rewards) / len(rewards)
+    return broadcast_object(accuracy)
+
+
+def _save(session: Session, state: LoopState, started: float) -> None:
+    from sapo_megatron.megatron.dist_ckpt import save_train_state
+
+    extra = asdict(state)
+    extra["wall_seconds"] = state.wall_seconds + time.perf_counter() - started
+    save_train_state(
+        session.engine,
+        session.run_dir / "checkpoints" / f"step_{state.step:06d}",
+        extra,
+        keep=session.cfg.trainer.keep_checkpoints,
+    )
+
+
+def _restore(session: Session) -> LoopState:
+    from sapo_megatron.megatron.dist_ckpt import load_latest_train_state
+
+    extra = load_latest_train_state(session.engine, session.run_dir / "checkpoints")
+    state = LoopState(**extra)
+    session.engine.reset_schedule(
+        lr=session.cfg.optimizer.lr,
+        total_steps=session.cfg.trainer.steps * session.cfg.trainer.mini_batches,
+        done=state.step * session.cfg.trainer.mini_batches,
+    )
+    session.tracker.message(f"resumed at RL step {state.step} (SFT step {state.sft_step})")
+    return state
+
+
+def _finish(session: Session, state: LoopState, accuracy_after: float | None) -> dict[str, Any]:
+    cfg = session.cfg
+    if cfg.trainer.save_every:
+        _save(session, state, time.perf_counter())
+    summary = {
+        "accuracy_before": state.accuracy_before,
+        "accuracy_after": accuracy_after,
+        "steps": state.step,
+        "sft_steps": state.sft_step,
+        "wall_seconds": round(state.wall_seconds, 2),
+        "reward_errors": session.reward.errors,
+        "hf_checkpoint": str(session.run_dir / "hf") if cfg.trainer.export_hf else None,
+    }
+    if cfg.trainer.export_hf:  # collective: every rank takes part in gathering the weights
+        tensors = (
+            item for bucket in hf_buckets(session.engine.module, cfg.model.arch, 1 << 30) for item in bucket
+        )
+        if session.info.is_main:
+            write_hf_checkpoint(tensors, session.run_dir / "hf", cfg.model.arch, tokenizer=session.tokenizer)
+        else:
+            for _ in tensors:
+                pass
+    if not session.info.is_main:
+        return summary
+    write_json_atomic(session.run_dir / "summary.json", summary)
+    session.tracker.message(
+        f"accuracy {state.accuracy_before:.3f} -> {accuracy_after:.3f} in {state.step} RL steps, "
+        f"{summary['wall_seconds']:.0f} s; summary: {session.run_dir / 'summary.json'}"
+    )
+    return summary

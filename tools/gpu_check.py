@@ -1,0 +1,225 @@
+#!/usr/bin/env python
+"""One prepared GPU check: build the tiny Qwen3 / Qwen3-MoE models on CUDA (Transformer Engine spec when TE
+imports, else the local spec), check logit parity against HF transformers, run training steps (SFT, SAPO hook,
+bf16, FP8 with TE), compare the chunked vocab-parallel log-probs with a naive log_softmax in memory and value,
+and print a table of what was verified.
+
+    python tools/gpu_check.py                 # on a CUDA machine; exit code 1 if any check FAILs
+    python tools/gpu_check.py --allow-cpu     # the same checks on CPU (used by the CPU test suite)
+
+Needs: torch with CUDA, megatron-core, transformers (Transformer Engine optional). Single GPU, single process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # PASS / FAIL / SKIP
+    detail: str
+
+
+def run_check(results: list[Check], name: str, fn: Callable[[], str]) -> None:
+    start = time.perf_counter()
+    try:
+        detail = fn()
+        status = "PASS"
+    except SkipCheck as skip:
+        status, detail = "SKIP", str(skip)
+    except Exception as err:  # a failed check is reported in the table, with its traceback on stderr
+        traceback.print_exc()
+        status, detail = "FAIL", f"{type(err).__name__}: {err}"
+    results.append(Check(name, status, f"{detail} ({time.perf_counter() - start:.1f} s)"))
+    print(f"[{status}] {name}: {detail}", flush=True)
+
+
+class SkipCheck(Exception):
+    """A check that cannot run here (the reason is reported)."""
+
+
+def have(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+class Checks:
+    """The checks, sharing one parallel state and one tiny checkpoint per model kind."""
+
+    def __init__(self, workdir: Path, device: torch.device) -> None:
+        from sapo_megatron.tiny import make_tiny_hf_checkpoint
+
+        self.device = device
+        self.hf_dirs = {
+            kind: make_tiny_hf_checkpoint(workdir / kind, kind, seed=0) for kind in ("moe", "dense")
+        }
+
+    def config(self, kind: str, dtype: str = "fp32"):
+        from sapo_megatron.config import config_from_dict
+
+        hf_dir = str(self.hf_dirs[kind])
+        return config_from_dict(
+            {
+                "model": {"hf_config": hf_dir, "init": "hf", "init_path": hf_dir},
+                "precision": {"dtype": dtype},
+                "optimizer": {"lr": 1e-3},
+            }
+        )
+
+    def parity(self, kind: str, use_te: bool) -> str:
+        import transformers
+
+        from sapo_megatron.megatron.model import BuildOptions, build_gpt_model
+        from sapo_megatron.megatron.train_step import init_weights
+
+        if use_te and not have("transformer_engine"):
+            raise SkipCheck("transformer_engine is not installed")
+        cfg = self.config(kind)
+        model = build_gpt_model(BuildOptions(cfg.model, cfg.parallel, cfg.precision, use_te=use_te))
+        init_weights(model, cfg)
+        model = model.to(self.device).eval()
+        hf = transformers.AutoModelForCausalLM.from_pretrained(self.hf_dirs[kind], dtype=torch.float32)
+        hf = hf.to(self.device).eval()
+        ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0)).to(self.device)
+        with torch.no_grad():
+            ref = hf(ids).logits.float()
+            got = model(ids, torch.arange(32, device=self.device).expand(2, -1), attention_mask=None).float()
+        diff = (ref - got).abs().max().item()
+        tolerance = 1e-4 if not use_te else 5e-3  # TE fuses norms/GEMMs (TF32 may be on)
+        if diff > tolerance:
+            raise AssertionError(f"max |Δlogit| {diff:.3g} > {tolerance}")
+        return f"max |Δlogit| {diff:.2e} (tolerance {tolerance})"
+
+    def train_steps(self, kind: str, dtype: str) -> str:
+        from sapo_megatron.batching import TrainSequence, build_micro_batches
+        from sapo_megatron.megatron.loss_hook import LogprobOutput, PolicyLossHook, add_global_normalisers
+        from sapo_megatron.megatron.sft import sft_loss
+        from sapo_megatron.megatron.train_step import TrainEngine
+
+        if dtype == "fp8" and not have("transformer_engine"):
+            raise SkipCheck("FP8 needs transformer_engine, which is not installed")
+        engine = TrainEngine(self.config(kind, dtype))
+        gen = torch.Generator().manual_seed(1)
+        seqs = [
+            TrainSequence(
+                torch.randint(3, 64, (8,), generator=gen).tolist(),
+                torch.randint(3, 64, (8,), generator=gen).tolist(),
+                advantage=float(i % 3 - 1),
+            )
+            for i in range(16)
+        ]
+        micro = add_global_normalisers(
+            [
+                _to(b, self.device)
+                for b in build_micro_batches(seqs, dp_rank=0, dp_size=1, micro_batches=2, pad_id=0)
+            ]
+        )
+        first = engine.train_step(micro, sft_loss)
+        for _ in range(3):
+            last = engine.train_step(micro, sft_loss)
+        if not last.loss < first.loss:
+            raise AssertionError(f"SFT loss did not fall: {first.loss:.4f} -> {last.loss:.4f}")
+        for batch, logp in zip(micro, engine.forward_only(micro, LogprobOutput())):
+            batch["old_logp"] = logp
+        start = time.perf_counter()
+        rl = engine.train_step(micro, PolicyLossHook({"name": "sapo"}))
+        step_ms = (time.perf_counter() - start) * 1e3
+        if not (torch.isfinite(torch.tensor(rl.loss)) and torch.isfinite(torch.tensor(rl.grad_norm))):
+            raise AssertionError(f"SAPO step not finite: loss {rl.loss}, grad norm {rl.grad_norm}")
+        return f"SFT loss {first.loss:.3f} -> {last.loss:.3f}; SAPO step loss {rl.loss:.4f}, {step_ms:.0f} ms"
+
+    def logprob_memory(self) -> str:
+        from sapo_megatron.megatron.logprobs import vocab_parallel_logprobs
+
+        if self.device.type != "cuda":
+            raise SkipCheck("memory is measured with the CUDA allocator")
+        tokens, vocab = 4096, 151_936
+        logits = torch.randn(tokens, vocab, device=self.device, dtype=torch.bfloat16, requires_grad=True)
+        labels = torch.randint(0, vocab, (tokens,), device=self.device)
+
+        def peak(fn) -> tuple[float, torch.Tensor]:
+            logits.grad = None
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            out = fn()
+            out.sum().backward()
+            torch.cuda.synchronize()
+            return (torch.cuda.max_memory_allocated() - base) / 2**20, out.detach()
+
+        def naive():
+            logp_all = torch.log_softmax(logits.float(), dim=-1)
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
+            return logp_all.gather(-1, labels[:, None]).squeeze(-1) + 0 * entropy
+
+        naive_mb, ref = peak(naive)
+        chunked_mb, got = peak(
+            lambda: vocab_parallel_logprobs(logits, labels, tp_group=None, with_entropy=True)[0]
+        )
+        diff = (ref - got).abs().max().item()
+        if chunked_mb > 0.25 * naive_mb or diff > 1e-3:
+            raise AssertionError(f"peak {chunked_mb:.0f} MiB vs naive {naive_mb:.0f} MiB, max |Δ| {diff:.2e}")
+        return f"peak extra {chunked_mb:.0f} MiB vs naive {naive_mb:.0f} MiB ({chunked_mb / naive_mb:.2f}x), max |Δ| {diff:.1e}"
+
+
+def _to(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--allow-cpu", action="store_true", help="run on CPU when no GPU is present")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available() and not args.allow_cpu:
+        print(
+            "gpu_check: no CUDA device here; nothing was checked (use --allow-cpu to exercise the script on CPU)"
+        )
+        return 2
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    from sapo_megatron.config import ParallelConfig
+    from sapo_megatron.megatron.parallel import init_parallel, shutdown_parallel
+
+    print(
+        f"torch {torch.__version__}, device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, "
+        f"transformer_engine: {have('transformer_engine')}"
+    )
+    init_parallel(ParallelConfig(), seed=0)
+    results: list[Check] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        checks = Checks(Path(tmp), device)
+        for kind in ("dense", "moe"):
+            run_check(
+                results, f"{kind}: logit parity vs HF, local spec", lambda k=kind: checks.parity(k, False)
+            )
+            run_check(results, f"{kind}: logit parity vs HF, TE spec", lambda k=kind: checks.parity(k, True))
+            for dtype in ("fp32", "bf16", "fp8"):
+                run_check(
+                    results,
+                    f"{kind}: SFT + SAPO steps, {dtype}",
+                    lambda k=kind, d=dtype: checks.train_steps(k, d),
+                )
+        run_check(results, "chunked log-probs: memory and values vs naive", checks.logprob_memory)
+    shutdown_parallel()
+    print("\n| check | status | detail |\n|---|---|---|")
+    for check in results:
+        print(f"| {check.name} | {check.status} | {check.detail} |")
+    return 1 if any(c.status == "FAIL" for c in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
