@@ -13,6 +13,7 @@ from sapo_megatron.batching import TrainSequence, build_micro_batches
 from sapo_megatron.data.prompts import PromptIterator, PromptRow
 from sapo_megatron.megatron.loss_hook import LogprobOutput, PolicyLossHook, add_global_normalisers
 from sapo_megatron.megatron.sft import sft_loss
+from sapo_megatron.megatron.train_step import ReferenceModel
 from sapo_megatron.rollout.collect import CollectSettings, RolloutBatch, collect
 from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
 from sapo_megatron.session import Session, broadcast_object, build_session
@@ -99,9 +100,10 @@ def encode_prompt(session: Session, row: PromptRow) -> list[int]:
 def run_rl(session: Session, state: LoopState, prompts: PromptIterator, started: float) -> None:
     cfg = session.cfg
     hook = PolicyLossHook(cfg.algorithm.loss, cfg.algorithm.correction, temperature=cfg.rollout.temperature)
+    reference = _reference_policy(session, state)
     session.tracker.start_phase("rl", cfg.trainer.steps, initial=state.step)
     while state.step < cfg.trainer.steps:
-        metrics = rl_step(session, hook, prompts, state.step)
+        metrics = rl_step(session, hook, prompts, state.step, reference)
         state.step += 1
         state.prompts = prompts.state_dict()
         if cfg.trainer.eval_every and state.step % cfg.trainer.eval_every == 0:
@@ -112,7 +114,28 @@ def run_rl(session: Session, state: LoopState, prompts: PromptIterator, started:
     session.tracker.close_phase()
 
 
-def rl_step(session: Session, hook: PolicyLossHook, prompts: PromptIterator, step: int) -> dict[str, float]:
+def _reference_policy(session: Session, state: LoopState) -> ReferenceModel | None:
+    """For ``kl_coef > 0``: the policy as RL starts, frozen; saved once so that a resumed run reuses it."""
+    if session.cfg.algorithm.loss.kl_coef == 0:
+        return None
+    from sapo_megatron.megatron.dist_ckpt import load_model_weights, save_model_weights
+
+    path = session.run_dir / "reference_policy"
+    reference = session.engine.snapshot()
+    if state.step == 0:
+        save_model_weights(reference.module, path)
+    else:
+        load_model_weights(reference.module, path)
+    return reference
+
+
+def rl_step(
+    session: Session,
+    hook: PolicyLossHook,
+    prompts: PromptIterator,
+    step: int,
+    reference: ReferenceModel | None,
+) -> dict[str, float]:
     """One rollout batch and its ``mini_batches`` policy updates; returns the step's metrics."""
     cfg, engine = session.cfg, session.engine
     batch = _rollout(session, prompts, step)
@@ -122,7 +145,9 @@ def rl_step(session: Session, hook: PolicyLossHook, prompts: PromptIterator, ste
     start = time.perf_counter()
     updates = _split(sequences, cfg.trainer.mini_batches)
     micro = [add_global_normalisers(_micro_batches(session, update)) for update in updates]
-    _attach_old_logp(session, micro)
+    _attach_logp(session.engine, micro, "old_logp", session.cfg.rollout.temperature)
+    if reference is not None:
+        _attach_logp(reference, micro, "ref_logp", session.cfg.rollout.temperature)
     for update in micro:
         result = engine.train_step(update, hook)
         for name, value in result.metrics.items():
@@ -137,16 +162,17 @@ def rl_step(session: Session, hook: PolicyLossHook, prompts: PromptIterator, ste
     return metrics
 
 
-def _attach_old_logp(session: Session, updates: list[list[dict]]) -> None:
-    """Forward-only passes over the whole rollout batch with the weights that produced it (before any update of
-    this step); the log-probs land in each micro-batch as ``old_logp`` on the last pipeline stage."""
-    output_fn = LogprobOutput(temperature=session.cfg.rollout.temperature)
+def _attach_logp(model, updates: list[list[dict]], key: str, temperature: float) -> None:
+    """Forward-only passes over the whole rollout batch – with the weights that produced it (``old_logp``, before
+    any update of this step) or the reference policy (``ref_logp``); the log-probs land in each micro-batch on
+    the last pipeline stage."""
+    output_fn = LogprobOutput(temperature=temperature)
     for update in updates:  # one schedule per update: its micro-batches share one padded shape
-        outputs = session.engine.forward_only(update, output_fn)
+        outputs = model.forward_only(update, output_fn)
         if outputs is None:  # not the last pipeline stage: the loss does not run here
             continue
         for batch, logp in zip(update, outputs):
-            batch["old_logp"] = logp
+            batch[key] = logp
 
 
 def _rollout(session: Session, prompts: PromptIterator, step: int) -> RolloutBatch | None:
@@ -260,8 +286,8 @@ def _restore(session: Session) -> LoopState:
 
 def _finish(session: Session, state: LoopState, accuracy_after: float | None) -> dict[str, Any]:
     cfg = session.cfg
-    if cfg.trainer.save_every:
-        _save(session, state, time.perf_counter())
+    if cfg.trainer.save_every and (state.step == 0 or state.step % cfg.trainer.save_every):
+        _save(session, state, time.perf_counter())  # the last step's state, unless it was just saved
     summary = {
         "accuracy_before": state.accuracy_before,
         "accuracy_after": accuracy_after,

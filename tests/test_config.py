@@ -179,3 +179,8 @@ def test_dry_run_prints_layout_for_qwen3_30b(capsys):
 def test_cli_reports_config_errors(capsys):
     assert main(["train", "--dry-run", "--set", "parallel.tp=3", "--set", "launch.procs_per_node=3"]) == 2
     assert "parallel.tp=3 does not divide" in capsys.readouterr().err
+
+
+def test_demo_config_file_equals_embedded_default():
+    from_file = load_config(REPO / "configs/demo_tiny_moe_cpu.yaml")
+    assert from_file.model_dump() == load_config(None).model_dump()

@@ -112,39 +112,70 @@ class TrainEngine:
             metrics=reduced,
         )
 
-    @torch.no_grad()
     def forward_only(
         self, micro_batches: Sequence[MicroBatch], output_fn: OutputFn
     ) -> list[torch.Tensor] | None:
         """Run the model without gradients; returns ``output_fn``'s result per micro-batch on the last
         pipeline stage, ``None`` on the other stages."""
-        for chunk in self.model:
-            chunk.eval()
-        try:
-            outputs, _ = self._run_schedule(micro_batches, partial(_collect_output, output_fn), True)
-        finally:
-            for chunk in self.model:
-                chunk.train()
-        return outputs if parallel_state.is_pipeline_last_stage() else None
+        return run_forward_only(self.model, micro_batches, output_fn)
+
+    def snapshot(self) -> ReferenceModel:
+        """A frozen copy of the current weights (same layout), e.g. the reference policy of a KL penalty."""
+        with torch.random.fork_rng(devices=[]):  # building initialises weights: leave the RNG streams alone
+            module = build_gpt_model(BuildOptions(self.cfg.model, self.cfg.parallel, self.cfg.precision))
+        module.load_state_dict(self.module.state_dict())
+        return ReferenceModel(module)
 
     def _run_schedule(self, micro_batches: Sequence[MicroBatch], loss_fn, forward_only: bool):
-        if not micro_batches:
-            raise ValueError("train_step/forward_only need at least one micro-batch")
-        shape = micro_batches[0]["input_ids"].shape
-        store = get_forward_backward_func()(
-            forward_step_func=partial(_forward_step, loss_fn),
-            data_iterator=iter(micro_batches),
-            model=self.model,
-            num_microbatches=len(micro_batches),
-            seq_length=shape[1],
-            micro_batch_size=shape[0],
-            forward_only=forward_only,
-        )
-        if not parallel_state.is_pipeline_last_stage():
-            return [], []
-        first = [item[0] for item in store]
-        second = [item[1] for item in store]
-        return first, second
+        return _run_schedule(self.model, micro_batches, loss_fn, forward_only)
+
+
+class ReferenceModel:
+    """A model chunk without gradients or optimizer: forward-only passes (reference log-probs)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module.requires_grad_(False).eval()
+
+    def forward_only(
+        self, micro_batches: Sequence[MicroBatch], output_fn: OutputFn
+    ) -> list[torch.Tensor] | None:
+        return run_forward_only([self.module], micro_batches, output_fn)
+
+
+@torch.no_grad()
+def run_forward_only(
+    model: list[torch.nn.Module], micro_batches: Sequence[MicroBatch], output_fn: OutputFn
+) -> list[torch.Tensor] | None:
+    """Forward passes in eval mode; ``output_fn``'s result per micro-batch on the last pipeline stage, else None."""
+    modes = [chunk.training for chunk in model]
+    for chunk in model:
+        chunk.eval()
+    try:
+        outputs, _ = _run_schedule(model, micro_batches, partial(_collect_output, output_fn), True)
+    finally:
+        for chunk, mode in zip(model, modes):
+            chunk.train(mode)
+    return outputs if parallel_state.is_pipeline_last_stage() else None
+
+
+def _run_schedule(
+    model: list[torch.nn.Module], micro_batches: Sequence[MicroBatch], loss_fn, forward_only: bool
+):
+    if not micro_batches:
+        raise ValueError("train_step/forward_only need at least one micro-batch")
+    shape = micro_batches[0]["input_ids"].shape
+    store = get_forward_backward_func()(
+        forward_step_func=partial(_forward_step, loss_fn),
+        data_iterator=iter(micro_batches),
+        model=model,
+        num_microbatches=len(micro_batches),
+        seq_length=shape[1],
+        micro_batch_size=shape[0],
+        forward_only=forward_only,
+    )
+    if not parallel_state.is_pipeline_last_stage():
+        return [], []
+    return [item[0] for item in store], [item[1] for item in store]
 
 
 def init_weights(module: torch.nn.Module, cfg: RunConfig) -> None:
