@@ -63,10 +63,6 @@ def _add_serve_parser(commands) -> None:
 
 
 def _add_convert_parser(commands) -> None:
-    import importlib.util
-
-    if importlib.util.find_spec("sapo_megatron.checkpoint.cli") is None:  # TODO(lead): remove once merged
-        return
     from sapo_megatron.checkpoint.cli import add_convert_parser
 
     add_convert_parser(commands)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import struct
+import threading
 from pathlib import Path
 
 import torch
@@ -13,6 +16,20 @@ from sapo_megatron.checkpoint.mapping import MappingError, hf_expected_shapes
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 class CheckpointError(ValueError):
@@ -30,6 +47,8 @@ class HFCheckpointReader:
         self.directory = Path(directory)
         self.weight_map = _weight_map(self.directory)
         self._handles: dict[str, object] = {}
+        self._raw: dict[str, tuple[int, dict, int]] = {}
+        self._raw_lock = threading.Lock()
 
     def names(self) -> list[str]:
         return list(self.weight_map)
@@ -45,6 +64,77 @@ class HFCheckpointReader:
         if filename is None:
             raise MappingError(f"tensor {name!r} is missing from the HF checkpoint {self.directory}")
         return self._handle(filename).get_tensor(name)
+
+    def get_unmapped(self, name: str) -> torch.Tensor:
+        """Like :meth:`get`, but read with ``pread`` instead of through a memory map.
+
+        Pages read through ``safe_open``'s map stay mapped into this process and count in its resident memory
+        (up to the whole checkpoint after a full pass); bytes read here do not. Safe to call from several
+        threads at once.
+        """
+        filename = self.weight_map.get(name)
+        if filename is None:
+            raise MappingError(f"tensor {name!r} is missing from the HF checkpoint {self.directory}")
+        fd, header, data_start = self._raw_file(filename)
+        info = header[name]
+        begin, end = info["data_offsets"]
+        dtype, shape = _SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"])
+        raw = torch.empty(end - begin, dtype=torch.uint8)
+        view, done = memoryview(raw.numpy()), 0
+        while done < len(view):
+            got = os.preadv(fd, [view[done:]], data_start + begin + done)
+            if got == 0:
+                raise CheckpointError(f"{self.directory / filename} ends inside tensor {name}")
+            done += got
+        return raw.view(dtype).reshape(shape) if raw.numel() else torch.empty(shape, dtype=dtype)
+
+    def read_rows_into(self, name: str, first_row: int, out: torch.Tensor) -> None:
+        """Read rows ``first_row …`` of tensor ``name`` (rows along dim 0) into the contiguous ``out``, which
+        sets how many; one ``pread`` straight into ``out``, no intermediate copy. Thread-safe."""
+        filename = self.weight_map.get(name)
+        if filename is None:
+            raise MappingError(f"tensor {name!r} is missing from the HF checkpoint {self.directory}")
+        fd, header, data_start = self._raw_file(filename)
+        info = header[name]
+        dtype, shape = _SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"])
+        row_numel = 1
+        for dim in shape[1:]:
+            row_numel *= dim
+        if out.dtype != dtype or not out.is_contiguous() or out.numel() % max(row_numel, 1):
+            raise ValueError(
+                f"{name}: cannot read {dtype} rows of {row_numel} into {out.dtype} {tuple(out.shape)}"
+            )
+        rows = out.numel() // max(row_numel, 1)
+        if first_row < 0 or first_row + rows > (shape[0] if shape else 1):
+            raise ValueError(f"{name}: rows {first_row}..{first_row + rows} out of range for shape {shape}")
+        offset = data_start + info["data_offsets"][0] + first_row * row_numel * out.element_size()
+        view, done = memoryview(out.view(-1).view(torch.uint8).numpy()), 0
+        while done < len(view):
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if got == 0:
+                raise CheckpointError(f"{self.directory / filename} ends inside tensor {name}")
+            done += got
+
+    def _raw_file(self, filename: str) -> tuple[int, dict, int]:
+        with self._raw_lock:
+            if filename not in self._raw:
+                fd = os.open(self.directory / filename, os.O_RDONLY)
+                (length,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+                header = json.loads(os.pread(fd, length, 8))
+                self._raw[filename] = (fd, header, 8 + length)
+            return self._raw[filename]
+
+    def close(self) -> None:
+        """Close the files opened by :meth:`get_unmapped` (memory maps close with the reader)."""
+        with self._raw_lock:
+            for fd, _, _ in self._raw.values():
+                os.close(fd)
+            self._raw.clear()
+
+    def open_all(self) -> None:
+        """Open every file now (in this thread), so that later :meth:`get` calls from worker threads only read."""
+        for filename in sorted(set(self.weight_map.values())):
+            self._handle(filename)
 
     def shape_and_dtype(self, name: str) -> tuple[tuple[int, ...], str]:
         piece = self._handle(self.weight_map[name]).get_slice(name)

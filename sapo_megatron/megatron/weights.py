@@ -17,7 +17,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from sapo_megatron.arch import QwenArch
-from sapo_megatron.checkpoint.mapping import MappingError, Resolved, ShardInfo, resolve
+from sapo_megatron.checkpoint.mapping import MappingError, Resolved, ShardInfo, hf_expected_shapes, resolve
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"(local_experts\.|linear_fc[12]\.weight)(\d+)")
@@ -150,4 +150,174 @@ def owns_export(item_is_expert: bool) -> bool:
     )
 
 
-__all__ = ["LocalParam", "MappingError", "iter_hf_weights", "load_hf_weights", "local_params", "owns_export"]
+@dataclass(frozen=True)
+class _ExportUnit:
+    """One Megatron parameter as published: its HF tensors and the global rank that owns the full copy."""
+
+    megatron_name: str
+    hf_names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: torch.dtype
+    expert: bool
+    owner: int
+
+    @property
+    def nbytes(self) -> int:
+        size = torch.empty((), dtype=self.dtype).element_size()
+        return sum(_numel(shape) * size for shape in self.shapes)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _export_units(params: list[LocalParam], arch: QwenArch) -> list[_ExportUnit]:
+    """Every published parameter of the whole model, in HF order, identical on all ranks (one all-gather of
+    names). Raises :class:`MappingError` unless every HF tensor of the architecture is published once."""
+    expected = hf_expected_shapes(arch)
+    mine = [
+        (
+            p.resolved.megatron_name,
+            p.resolved.hf_names,
+            str(p.param.dtype).removeprefix("torch."),
+            p.is_expert,
+        )
+        for p in params
+        if owns_export(p.is_expert)
+    ]
+    gathered: list[list] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, mine)
+    order = {name: i for i, name in enumerate(expected)}
+    units, seen = [], {}
+    for rank, owned in enumerate(gathered):
+        for megatron_name, hf_names, dtype, expert in owned:
+            for name in hf_names:
+                if name in seen:
+                    raise MappingError(f"{name} is published by ranks {seen[name]} and {rank}")
+                seen[name] = rank
+            shapes = tuple(expected[n] for n in hf_names)
+            units.append(_ExportUnit(megatron_name, hf_names, shapes, getattr(torch, dtype), expert, rank))
+    missing = sorted(set(expected) - set(seen), key=order.get)
+    if missing:
+        raise MappingError(f"no rank publishes {len(missing)} HF tensors, e.g. {', '.join(missing[:5])}")
+    return sorted(units, key=lambda u: order[u.hf_names[0]])
+
+
+def _split_buckets(units: list[_ExportUnit], bucket_bytes: int) -> list[list[_ExportUnit]]:
+    buckets: list[list[_ExportUnit]] = [[]]
+    size = 0
+    for unit in units:
+        if buckets[-1] and size + unit.nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(unit)
+        size += unit.nbytes
+    return buckets
+
+
+def _as_bytes(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in tensors])
+
+
+def _from_bytes(flat: torch.Tensor, units: list[_ExportUnit]) -> list[tuple[str, torch.Tensor]]:
+    out, offset = [], 0
+    for unit in units:
+        size = torch.empty((), dtype=unit.dtype).element_size()
+        for name, shape in zip(unit.hf_names, unit.shapes):
+            nbytes = _numel(shape) * size
+            out.append((name, flat[offset : offset + nbytes].view(unit.dtype).reshape(shape).clone()))
+            offset += nbytes
+    return out
+
+
+@torch.no_grad()
+def iter_hf_buckets(
+    model: torch.nn.Module, arch: QwenArch, bucket_bytes: int, dst: int = 0, *, all_ranks: bool = False
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Full HF-named tensors of a TP/PP/EP-sharded model in buckets of at most ``bucket_bytes`` (a larger
+    tensor gets a bucket of its own), delivered on global rank ``dst`` (on every rank with ``all_ranks``).
+
+    Every rank must exhaust the iterator: all ranks yield the same number of buckets, empty lists where
+    nothing is delivered. Each HF tensor appears exactly once, in HF order.
+
+    Collective order (why it cannot deadlock): the bucket plan is identical on all ranks (one
+    ``all_gather_object`` of names), and every rank walks it in the same order. Within a bucket, the
+    tensor-parallel gathers of a parameter involve only the TP (expert-TP) group of its owner; all members
+    of that group hold it and reach it in the same order. Then each owner makes one ``send`` of its
+    bytes to ``dst`` while ``dst`` receives from the owners in ascending rank order; nobody starts the next
+    bucket's gathers before its own sends complete, so no rank waits on a rank that waits on it.
+    """
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+    params = local_params(model)
+    units = _export_units(params, arch)
+    by_name = {p.resolved.megatron_name: p for p in params}
+    me = dist.get_rank()
+    group_ranks = {
+        False: set(dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group())),
+        True: set(dist.get_process_group_ranks(parallel_state.get_expert_tensor_parallel_group())),
+    }
+    device = next(iter(by_name.values())).param.device if by_name else torch.device("cpu")
+    for bucket in _split_buckets(units, bucket_bytes):
+        produced: list[torch.Tensor] = []
+        for unit in bucket:
+            item = by_name.get(unit.megatron_name)
+            if item is None or unit.owner not in group_ranks[unit.expert]:
+                continue  # this rank's TP group does not hold the owner's copy
+            full = item.resolved.rule.transform.to_hf(
+                item.param.detach(), _gather_fn(item.is_expert), item.shard, arch, len(unit.hf_names)
+            )
+            if unit.owner == me:
+                produced += [t.to(unit.dtype) for t in full]
+        yield _deliver(bucket, produced, me, dst, device, all_ranks)
+
+
+def _deliver(
+    bucket: list[_ExportUnit],
+    produced: list[torch.Tensor],
+    me: int,
+    dst: int,
+    device: torch.device,
+    all_ranks: bool,
+) -> list[tuple[str, torch.Tensor]]:
+    """Move each owner's tensors of one bucket to ``dst`` (point-to-point), optionally broadcast them."""
+    owners = sorted({u.owner for u in bucket})
+    if me != dst and me in owners:
+        dist.send(_as_bytes(produced).to(device), dst)
+    flat = None
+    if me == dst:
+        parts = {}
+        for owner in owners:
+            if owner == me:
+                parts[owner] = _as_bytes(produced).to(device)
+                continue
+            size = sum(u.nbytes for u in bucket if u.owner == owner)
+            parts[owner] = torch.empty(size, dtype=torch.uint8, device=device)
+            dist.recv(parts[owner], owner)
+        # reorder the owners' byte runs into bucket (HF) order
+        cursor = dict.fromkeys(owners, 0)
+        pieces = []
+        for unit in bucket:
+            start = cursor[unit.owner]
+            cursor[unit.owner] = start + unit.nbytes
+            pieces.append(parts[unit.owner][start : start + unit.nbytes])
+        flat = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.uint8, device=device)
+    if all_ranks:
+        if flat is None:
+            flat = torch.empty(sum(u.nbytes for u in bucket), dtype=torch.uint8, device=device)
+        dist.broadcast(flat, dst)
+    return _from_bytes(flat, bucket) if flat is not None else []
+
+
+__all__ = [
+    "LocalParam",
+    "MappingError",
+    "iter_hf_buckets",
+    "iter_hf_weights",
+    "load_hf_weights",
+    "local_params",
+    "owns_export",
+]
