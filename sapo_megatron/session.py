@@ -20,7 +20,7 @@ from sapo_megatron.megatron.train_step import TrainEngine
 from sapo_megatron.rewards.registry import SafeReward, get_reward
 from sapo_megatron.rollout.base import RolloutEngine
 from sapo_megatron.tracking import Tracker
-from sapo_megatron.weight_sync import WeightSync, write_hf_checkpoint
+from sapo_megatron.weight_sync import WeightSync, export_hf
 
 
 @dataclass
@@ -129,15 +129,8 @@ def build_rollout(cfg: RunConfig, info: RankInfo, engine: TrainEngine, tokenizer
 
 def _initial_export(cfg: RunConfig, engine: TrainEngine, tokenizer, run_dir: Path) -> Path:
     """Write the starting weights as an HF checkpoint for the CPU engine to load (collective)."""
-    from sapo_megatron.weight_sync import hf_buckets
-
     path = run_dir / "rollout_weights"
-    tensors = (item for bucket in hf_buckets(engine.module, cfg.model.arch, 1 << 30) for item in bucket)
-    if tokenizer is None:
-        for _ in tensors:
-            pass
-        return path
-    return write_hf_checkpoint(tensors, path, cfg.model.arch, tokenizer=tokenizer)
+    return export_hf(engine.module, cfg.model.arch, path, tokenizer=tokenizer, is_main=tokenizer is not None)
 
 
 def _sglang_client(cfg: RunConfig, urls: list[str]):

@@ -18,7 +18,7 @@ from sapo_megatron.rollout.collect import CollectSettings, RolloutBatch, collect
 from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
 from sapo_megatron.session import Session, broadcast_object, build_session
 from sapo_megatron.tracking import write_json_atomic
-from sapo_megatron.weight_sync import hf_buckets, write_hf_checkpoint
+from sapo_megatron.weight_sync import export_hf
 
 
 @dataclass
@@ -46,7 +46,7 @@ def run(cfg, *, resume: bool = False) -> dict[str, Any]:
         if state.accuracy_before is None:
             session.sync.push(session.engine.module)
             state.accuracy_before = evaluate(session)
-            session.tracker.message(f"held-out accuracy before RL: {state.accuracy_before:.3f}")
+            session.tracker.message(f"held-out accuracy before RL: {_fmt(state.accuracy_before)}")
         else:
             session.sync.push(session.engine.module)
         run_rl(session, state, prompts, started)
@@ -298,19 +298,23 @@ def _finish(session: Session, state: LoopState, accuracy_after: float | None) ->
         "hf_checkpoint": str(session.run_dir / "hf") if cfg.trainer.export_hf else None,
     }
     if cfg.trainer.export_hf:  # collective: every rank takes part in gathering the weights
-        tensors = (
-            item for bucket in hf_buckets(session.engine.module, cfg.model.arch, 1 << 30) for item in bucket
+        out = session.run_dir / "hf"
+        export_hf(
+            session.engine.module,
+            cfg.model.arch,
+            out,
+            tokenizer=session.tokenizer,
+            is_main=session.info.is_main,
         )
-        if session.info.is_main:
-            write_hf_checkpoint(tensors, session.run_dir / "hf", cfg.model.arch, tokenizer=session.tokenizer)
-        else:
-            for _ in tensors:
-                pass
     if not session.info.is_main:
         return summary
     write_json_atomic(session.run_dir / "summary.json", summary)
     session.tracker.message(
-        f"accuracy {state.accuracy_before:.3f} -> {accuracy_after:.3f} in {state.step} RL steps, "
+        f"accuracy {_fmt(state.accuracy_before)} -> {_fmt(accuracy_after)} in {state.step} RL steps, "
         f"{summary['wall_seconds']:.0f} s; summary: {session.run_dir / 'summary.json'}"
     )
     return summary
+
+
+def _fmt(accuracy: float | None) -> str:
+    return "n/a (no held-out prompts)" if accuracy is None else f"{accuracy:.3f}"

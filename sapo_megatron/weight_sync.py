@@ -33,6 +33,19 @@ def hf_buckets(
     yield from iter_hf_buckets(module, arch, bucket_bytes=bucket_bytes, dst=0)
 
 
+def export_hf(
+    module: torch.nn.Module, arch: QwenArch, out_dir: str | Path, *, tokenizer=None, is_main: bool
+) -> Path:
+    """Collective: write the whole (sharded) model as an HF checkpoint on the main rank; the other ranks take
+    part in gathering the weights."""
+    tensors = (item for bucket in hf_buckets(module, arch, DEFAULT_BUCKET_BYTES) for item in bucket)
+    if is_main:
+        return write_hf_checkpoint(tensors, out_dir, arch, tokenizer=tokenizer)
+    for _ in tensors:
+        pass
+    return Path(out_dir)
+
+
 def write_hf_checkpoint(
     tensors: Iterable[tuple[str, torch.Tensor]],
     out_dir: str | Path,
@@ -112,14 +125,16 @@ class WeightSync:
     def push(self, module: torch.nn.Module) -> dict[str, float]:
         """Collective: call on every rank. Returns timing metrics (main rank)."""
         start = time.perf_counter()
-        tensors = (item for bucket in hf_buckets(module, self.arch, self.bucket_bytes) for item in bucket)
-        if self.engine is None:
-            for _ in tensors:  # take part in the gathers
-                pass
-            return {}
-        if self.mode == "tensor":
-            self.engine.update_weights_from_tensors(tensors)
+        is_main = self.engine is not None
+        if self.mode == "disk":
+            path = export_hf(module, self.arch, self.staging_dir, tokenizer=self.tokenizer, is_main=is_main)
+            if is_main:
+                self.engine.update_weights_from_disk(str(path))
         else:
-            path = write_hf_checkpoint(tensors, self.staging_dir, self.arch, tokenizer=self.tokenizer)
-            self.engine.update_weights_from_disk(str(path))
-        return {"time/weight_sync_s": time.perf_counter() - start}
+            tensors = (item for bucket in hf_buckets(module, self.arch, self.bucket_bytes) for item in bucket)
+            if is_main:
+                self.engine.update_weights_from_tensors(tensors)
+            else:
+                for _ in tensors:  # take part in the gathers
+                    pass
+        return {"time/weight_sync_s": time.perf_counter() - start} if is_main else {}
