@@ -129,6 +129,8 @@ class OptimizerConfig(Section):
     def _check_lrs(self) -> OptimizerConfig:
         if self.min_lr > self.lr:
             raise ValueError(f"optimizer.min_lr={self.min_lr} exceeds optimizer.lr={self.lr}")
+        if self.use_distributed_optimizer and self.name != "adam":
+            raise ValueError("optimizer.use_distributed_optimizer needs optimizer.name=adam (Megatron shards Adam only)")
         return self
 
 

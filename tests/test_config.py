@@ -112,6 +112,11 @@ def test_fp8_without_transformer_engine():
     assert "precision.dtype=fp8 needs Transformer Engine" in message and "use precision.dtype=bf16" in message
 
 
+def test_distributed_optimizer_needs_adam():
+    message = error_of(raw(optimizer={"name": "sgd", "use_distributed_optimizer": True}))
+    assert "use_distributed_optimizer needs optimizer.name=adam" in message
+
+
 def test_sequence_parallel_needs_tp():
     assert "sequence_parallel needs parallel.tp > 1" in error_of(raw(parallel={"sequence_parallel": True}))
 

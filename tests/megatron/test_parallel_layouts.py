@@ -92,5 +92,16 @@ def test_layout_matches_single_process(checkpoints, batch, reference, kind, worl
     _assert_same(reference[kind], _run(checkpoints[kind], batch, world, parallel))
 
 
+def test_distributed_optimizer_matches_single_process(checkpoints, batch, reference):
+    """Megatron's distributed optimizer: optimizer state sharded over the two data-parallel ranks."""
+    # Megatron shards Adam only; eps = 1 makes its first step ~lr·g (well-conditioned), like the SGD reference.
+    adam = {"name": "adam", "adam_eps": 1.0}
+    single = _run(checkpoints["moe"], batch, 1, {"micro_batches": 2}, optimizer=adam)
+    sharded = _run(
+        checkpoints["moe"], batch, 2, {"micro_batches": 1}, optimizer={**adam, "use_distributed_optimizer": True}
+    )
+    _assert_same(single, sharded)
+
+
 def test_micro_batch_split_does_not_change_step(checkpoints, batch, reference):
     _assert_same(reference["moe"], _run(checkpoints["moe"], batch, 1, {"micro_batches": 4}))

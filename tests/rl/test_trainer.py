@@ -121,17 +121,27 @@ def test_summary_and_hf_export(learning_run):
     assert (learning_run / "config.yaml").is_file()
 
 
-def test_http_rollouts_and_disk_weight_sync(tmp_path, data_files):
+def test_http_rollouts_disk_weight_sync_and_kl_reference(tmp_path, data_files):
     config = write_config(
         tmp_path / "run.yaml",
         data_files,
-        **{"rollout.cpu_http": True, "rollout.weight_sync": "disk", "trainer.steps": 3, "sft.steps": 5},
+        **{
+            "rollout.cpu_http": True,
+            "rollout.weight_sync": "disk",
+            "trainer.steps": 3,
+            "sft.steps": 5,
+            "algorithm.loss": {"name": "sapo", "kl_coef": 0.05},
+            "trainer.mini_batches": 1,  # step 1's single update then sees exactly the reference policy
+        },
     )
     train(config)
     rl = metrics(tmp_path / "run", "rl")
     assert len(rl) == 3
     assert all(r["mismatch/abs_delta_mean"] < 1e-4 for r in rl)  # weights reached the server each step
     assert (tmp_path / "run" / "rollout_weights" / "model.safetensors").is_file()
+    # the reference is the policy as RL starts: no divergence at the first update, some after three steps
+    assert rl[0]["kl/k3_ref"] == 0.0 < rl[-1]["kl/k3_ref"]
+    assert (tmp_path / "run" / "reference_policy").is_dir()
 
 
 def test_two_process_tensor_parallel_run(tmp_path, data_files):
