@@ -43,12 +43,10 @@ def run(cfg, *, resume: bool = False) -> dict[str, Any]:
         if state.prompts:
             prompts.load_state_dict(state.prompts)
         run_sft(session, state)
-        if state.accuracy_before is None:
-            session.sync.push(session.engine.module)
+        session.sync.push(session.engine.module)
+        if state.accuracy_before is None:  # a resumed run keeps the value measured before its first RL step
             state.accuracy_before = evaluate(session)
             session.tracker.message(f"held-out accuracy before RL: {_fmt(state.accuracy_before)}")
-        else:
-            session.sync.push(session.engine.module)
         run_rl(session, state, prompts, started)
         accuracy_after = evaluate(session)
         state.wall_seconds += time.perf_counter() - started
