@@ -130,7 +130,9 @@ class OptimizerConfig(Section):
         if self.min_lr > self.lr:
             raise ValueError(f"optimizer.min_lr={self.min_lr} exceeds optimizer.lr={self.lr}")
         if self.use_distributed_optimizer and self.name != "adam":
-            raise ValueError("optimizer.use_distributed_optimizer needs optimizer.name=adam (Megatron shards Adam only)")
+            raise ValueError(
+                "optimizer.use_distributed_optimizer needs optimizer.name=adam (Megatron shards Adam only)"
+            )
         return self
 
 

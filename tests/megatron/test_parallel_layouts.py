@@ -98,7 +98,11 @@ def test_distributed_optimizer_matches_single_process(checkpoints, batch, refere
     adam = {"name": "adam", "adam_eps": 1.0}
     single = _run(checkpoints["moe"], batch, 1, {"micro_batches": 2}, optimizer=adam)
     sharded = _run(
-        checkpoints["moe"], batch, 2, {"micro_batches": 1}, optimizer={**adam, "use_distributed_optimizer": True}
+        checkpoints["moe"],
+        batch,
+        2,
+        {"micro_batches": 1},
+        optimizer={**adam, "use_distributed_optimizer": True},
     )
     _assert_same(single, sharded)
 
