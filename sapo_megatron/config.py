@@ -332,8 +332,9 @@ def _layout_problems(cfg: RunConfig, world_size: int) -> list[str]:
             f"{par.ep}×{par.etp}; experts cannot be laid out"
         )
     problems += _batch_problems(cfg, world_size)
-    if par.cp > 1 and importlib.util.find_spec("transformer_engine") is None:
-        problems.append("parallel.cp > 1 needs Transformer Engine attention; set parallel.cp: 1")
+    if par.cp > 1:
+        # The policy-loss hook needs each sequence whole on one rank (sequence-level ratios and normalisers).
+        problems.append("parallel.cp > 1 (context parallelism) is not supported yet; set parallel.cp: 1")
     if par.sequence_parallel and par.tp == 1:
         problems.append("parallel.sequence_parallel needs parallel.tp > 1; set it to false or raise tp")
     return problems

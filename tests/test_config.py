@@ -112,6 +112,11 @@ def test_fp8_without_transformer_engine():
     assert "precision.dtype=fp8 needs Transformer Engine" in message and "use precision.dtype=bf16" in message
 
 
+def test_context_parallel_is_refused_up_front():
+    message = error_of(raw(parallel={"cp": 2}, launch={"procs_per_node": 2}))
+    assert "parallel.cp > 1 (context parallelism) is not supported yet" in message
+
+
 def test_distributed_optimizer_needs_adam():
     message = error_of(raw(optimizer={"name": "sgd", "use_distributed_optimizer": True}))
     assert "use_distributed_optimizer needs optimizer.name=adam" in message
