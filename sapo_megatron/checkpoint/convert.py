@@ -64,6 +64,7 @@ TOKENIZER_FILES = (
     "added_tokens.json",
     "chat_template.jinja",
     "generation_config.json",
+    "char_tokenizer.json",  # the embedded demo's character tokenizer (sapo_megatron.data.tokenizer)
 )
 SAFETENSORS_DTYPE_NAMES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 

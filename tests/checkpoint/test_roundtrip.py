@@ -11,6 +11,7 @@ import transformers
 
 from sapo_megatron.checkpoint import atomic
 from sapo_megatron.checkpoint.convert import hf_to_megatron, megatron_to_hf
+from sapo_megatron.data.tokenizer import CharTokenizer
 from sapo_megatron.tiny import make_tiny_hf_checkpoint
 from tests.checkpoint.conftest import KINDS, assert_bitwise_equal, read_hf_tensors
 
@@ -48,6 +49,7 @@ def test_round_trip_variants(tmp_path, kind, overrides):
 def test_sharded_export_loads_in_transformers(hf_checkpoints, converted, tmp_path):
     hf = hf_checkpoints["moe-fp32"]
     (hf / "tokenizer_config.json").write_text('{"model_max_length": 256}\n')
+    CharTokenizer().save(hf)
     out = megatron_to_hf(converted["moe-fp32"], tmp_path / "hf", hf, max_shard_bytes=40_000, progress=False)
 
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -56,6 +58,7 @@ def test_sharded_export_loads_in_transformers(hf_checkpoints, converted, tmp_pat
     for name in files:
         assert (out / name).stat().st_size <= 40_000 + 4096  # shard bound + header
     assert (out / "tokenizer_config.json").is_file() and (out / "generation_config.json").is_file()
+    assert CharTokenizer.load(out) == CharTokenizer()
 
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
     loaded = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
