@@ -114,9 +114,7 @@ def _relaunch_under_torchrun(cfg: RunConfig, argv: list[str]) -> int:
         raise ConfigError(
             f"launch.nodes={cfg.launch.nodes}: multi-node jobs start through launch/slurm_train.sbatch, not directly"
         )
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     command = [
         sys.executable,
         "-m",
@@ -129,6 +127,13 @@ def _relaunch_under_torchrun(cfg: RunConfig, argv: list[str]) -> int:
         *argv,
     ]
     return subprocess.call(command)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now (for local rendezvous and test servers)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -9,15 +9,16 @@ to a staging directory (atomically) and asks the engine to load it (``update_wei
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 from sapo_megatron.arch import QwenArch
+from sapo_megatron.checkpoint import atomic
+from sapo_megatron.checkpoint.mapping import hf_expected_shapes
+from sapo_megatron.checkpoint.safetensors_stream import TensorSpec, plan_shards, write_index, write_shard
 from sapo_megatron.rollout.base import RolloutEngine
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
@@ -40,7 +41,8 @@ def export_hf(
     part in gathering the weights."""
     tensors = (item for bucket in hf_buckets(module, arch, DEFAULT_BUCKET_BYTES) for item in bucket)
     if is_main:
-        return write_hf_checkpoint(tensors, out_dir, arch, tokenizer=tokenizer)
+        dtype = next(module.parameters()).dtype
+        return write_hf_checkpoint(tensors, out_dir, arch, dtype=dtype, tokenizer=tokenizer)
     for _ in tensors:
         pass
     return Path(out_dir)
@@ -51,57 +53,27 @@ def write_hf_checkpoint(
     out_dir: str | Path,
     arch: QwenArch,
     *,
+    dtype: torch.dtype,
     tokenizer=None,
-    dtype: torch.dtype | None = None,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> Path:
-    """Write an HF checkpoint (safetensors shards + index + config.json [+ tokenizer]) atomically: into a
-    temporary sibling directory, renamed over ``out_dir`` at the end."""
+    """Write an HF checkpoint (safetensors shards [+ index] + config.json [+ tokenizer]) from tensors arriving
+    in :func:`~sapo_megatron.checkpoint.mapping.hf_expected_shapes` order, streaming one tensor at a time (the
+    same writer as offline conversion), into a temporary sibling that replaces ``out_dir`` once complete."""
     out_dir = Path(out_dir)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    weight_map: dict[str, str] = {}
-    shard: dict[str, torch.Tensor] = {}
-    shard_size, files = 0, []
-    for name, tensor in tensors:
-        tensor = tensor.detach().to(dtype or tensor.dtype).contiguous().cpu()
-        if shard and shard_size + tensor.numel() * tensor.element_size() > shard_bytes:
-            files.append(_flush_shard(tmp, shard, len(files), weight_map))
-            shard, shard_size = {}, 0
-        shard[name] = tensor
-        shard_size += tensor.numel() * tensor.element_size()
-    if shard:
-        files.append(_flush_shard(tmp, shard, len(files), weight_map))
-    _rename_shards(tmp, files, weight_map)
+    specs = [TensorSpec(name, shape, dtype) for name, shape in hf_expected_shapes(arch).items()]
+    shards = plan_shards(specs, shard_bytes)
+    tmp = atomic.prepare_output_dir(out_dir, force=True)
+    stream = ((name, tensor.to(dtype)) for name, tensor in tensors)
+    for shard in shards:
+        write_shard(tmp / shard.filename, shard, stream)
+    write_index(tmp, shards)
     (tmp / "config.json").write_text(json.dumps(arch.to_hf_dict(), indent=2) + "\n")
     if tokenizer is not None:
         tokenizer.save(tmp)
-    if out_dir.exists():
-        shutil.rmtree(out_dir)
-    tmp.rename(out_dir)
+    atomic.fsync_path(tmp)
+    atomic.publish(tmp, out_dir, replace=True)
     return out_dir
-
-
-def _flush_shard(
-    directory: Path, shard: dict[str, torch.Tensor], index: int, weight_map: dict[str, str]
-) -> str:
-    name = f"shard-{index:05d}.safetensors"
-    save_file(shard, str(directory / name), metadata={"format": "pt"})
-    weight_map.update({tensor_name: name for tensor_name in shard})
-    return name
-
-
-def _rename_shards(directory: Path, files: list[str], weight_map: dict[str, str]) -> None:
-    """HF naming: ``model.safetensors`` for one shard, else ``model-0000i-of-0000n.safetensors`` + index."""
-    if len(files) == 1:
-        (directory / files[0]).rename(directory / "model.safetensors")
-        return
-    final = {old: f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i, old in enumerate(files)}
-    for old, new in final.items():
-        (directory / old).rename(directory / new)
-    index = {"metadata": {}, "weight_map": {name: final[file] for name, file in sorted(weight_map.items())}}
-    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
 class WeightSync:

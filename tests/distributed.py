@@ -10,18 +10,13 @@ import importlib
 import io
 import os
 import queue
-import socket
 import traceback
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from sapo_megatron.cli import free_port
 
 
 def _worker(rank: int, world: int, port: int, target: str, payload: Any, results) -> None:

@@ -149,14 +149,13 @@ def test_serve_decodes_text_with_the_char_tokenizer(moe_dir, tmp_path):
 
 
 def test_module_entry_point_serves(moe_dir):
-    import socket
     import subprocess
     import sys
     import time
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from sapo_megatron.cli import free_port
+
+    port = free_port()
     command = [
         sys.executable,
         "-m",
