@@ -10,10 +10,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from sapo_megatron.errors import UserError
+
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe")
 
 
-class ArchError(ValueError):
+class ArchError(UserError, ValueError):
     """An HF config that this project cannot build faithfully."""
 
 

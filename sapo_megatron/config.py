@@ -23,10 +23,13 @@ from sapo_megatron.algo import (
     SapoLoss,
 )
 from sapo_megatron.arch import ArchError, QwenArch
+from sapo_megatron.errors import UserError
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration problem; the message names the field(s) and what to do."""
+
+    exit_code = 2
 
 
 class Section(BaseModel):
@@ -146,6 +149,11 @@ class LaunchConfig(Section):
         ge=1,
         description="torch threads per process on CPU machines (tiny models: 1 is fastest)",
     )
+    timeout_minutes: int = Field(
+        default=60,
+        ge=1,
+        description="process-group timeout: how long ranks wait in a collective (e.g. while rank 0 rolls out)",
+    )
 
     @property
     def world_size(self) -> int:
@@ -163,10 +171,36 @@ class SFTConfig(Section):
 
 class RolloutConfig(Section):
     """Where samples come from: the CPU engine (in-process, or behind its SGLang-compatible HTTP server) or
-    SGLang servers / an ``sglang-router`` URL."""
+    SGLang servers (workers), optionally behind an ``sglang-router`` that balances ``/generate``.
+
+    Topology (engine: sglang): ``urls`` lists the workers; ``router_url`` is used for ``/generate`` only; weight
+    sync, ``/flush_cache``, health and model info go to every worker. With only ``router_url``, the workers are
+    read from the router (``GET /workers``). ``endpoints_file`` is the JSON that ``launch/slurm_rollout.sbatch``
+    writes (``{"router_url": ..., "workers": [...]}``); the trainer waits for it and for healthy servers.
+    """
 
     engine: Literal["cpu", "sglang"] = "cpu"
-    urls: list[str] = Field(default_factory=list, description="SGLang server or router URLs (engine: sglang)")
+    urls: list[str] = Field(default_factory=list, description="SGLang worker URLs (engine: sglang)")
+    router_url: str | None = Field(default=None, description="sglang-router URL, used for /generate only")
+    endpoints_file: str | None = Field(
+        default=None,
+        description="JSON with router_url and workers written by the rollout job; waited for at start",
+    )
+    api_key_env: str = Field(
+        default="SAPO_ROLLOUT_API_KEY",
+        description="environment variable holding the servers' API key (sent as a Bearer token when set)",
+    )
+    startup_timeout_s: float = Field(
+        default=900.0, gt=0.0, description="how long to wait for the endpoints file and healthy servers"
+    )
+    routed_experts: bool = Field(
+        default=False,
+        description="request each sample's routed experts (MoE routing metrics and replay need them)",
+    )
+    colocated: bool = Field(
+        default=False,
+        description="the SGLang servers share the trainer's GPUs (needed for weight_sync: tensor with sglang)",
+    )
     cpu_http: bool = Field(
         default=False, description="run the CPU engine behind its HTTP server and use the client"
     )
@@ -175,7 +209,16 @@ class RolloutConfig(Section):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = -1
     max_new_tokens: int = Field(default=512, ge=1)
-    weight_sync: Literal["disk", "tensor"] = "tensor"
+    weight_sync: Literal["tensor", "disk", "distributed"] | None = Field(
+        default=None,
+        description="tensor (colocated engines), disk (shared filesystem) or distributed (NCCL/gloo broadcast); "
+        "default: tensor for the CPU engine, distributed for SGLang",
+    )
+    weight_sync_dir: str | None = Field(
+        default=None,
+        description="disk sync: a directory on a filesystem every server can read (default: "
+        "<output_dir>/rollout_weights, made absolute)",
+    )
     timeout_s: float = Field(default=600.0, gt=0.0)
     max_retries: int = Field(default=3, ge=0)
     concurrency: int = Field(default=64, ge=1)
@@ -183,11 +226,33 @@ class RolloutConfig(Section):
 
     @model_validator(mode="after")
     def _check_engine(self) -> RolloutConfig:
-        if self.engine == "sglang" and not self.urls:
-            raise ValueError("rollout.engine=sglang needs rollout.urls (server or sglang-router addresses)")
-        if self.engine == "cpu" and self.urls:
+        given = [name for name in ("urls", "router_url", "endpoints_file") if getattr(self, name)]
+        if self.engine == "sglang" and not given:
             raise ValueError(
-                "rollout.urls is only used with rollout.engine=sglang; remove it or change the engine"
+                "rollout.engine=sglang needs rollout.urls (worker URLs), rollout.router_url or "
+                "rollout.endpoints_file (written by launch/slurm_rollout.sbatch)"
+            )
+        if self.engine == "cpu" and given:
+            raise ValueError(
+                f"rollout.{given[0]} is only used with rollout.engine=sglang; remove it or change the engine"
+            )
+        if self.endpoints_file and (self.urls or self.router_url):
+            raise ValueError(
+                "rollout.endpoints_file already names the router and the workers; drop rollout.urls / "
+                "rollout.router_url, or drop endpoints_file"
+            )
+        if self.weight_sync is None:
+            self.weight_sync = "tensor" if self.engine == "cpu" else "distributed"
+        if self.weight_sync == "tensor" and self.engine == "sglang" and not self.colocated:
+            raise ValueError(
+                "rollout.weight_sync=tensor hands tensors to the servers by CUDA IPC, which works only when they "
+                "run on the trainer's GPUs; use weight_sync: distributed (broadcast to remote servers) or disk "
+                "(shared filesystem), or set rollout.colocated: true if the servers are colocated"
+            )
+        if self.weight_sync == "distributed" and self.engine == "cpu" and not self.cpu_http:
+            raise ValueError(
+                "rollout.weight_sync=distributed needs servers (engine: sglang, or cpu with cpu_http: true); "
+                "the in-process CPU engine takes weight_sync: tensor"
             )
         return self
 
@@ -218,6 +283,12 @@ class AlgorithmConfig(Section):
         ge=1,
         description="DAPO soft overlong penalty window (uses rollout.max_new_tokens as L_max)",
     )
+    max_reward_error_frac: float = Field(
+        default=0.1,
+        ge=0.0,
+        le=1.0,
+        description="stop the run when more than this fraction of a step's rewards raised (they score 0)",
+    )
 
 
 class TrainerConfig(Section):
@@ -229,7 +300,14 @@ class TrainerConfig(Section):
     eval_every: int = Field(
         default=0, ge=0, description="held-out accuracy every N steps (0: only start/end)"
     )
-    save_every: int = Field(default=0, ge=0, description="checkpoint every N steps (0: only at the end)")
+    save_every: int = Field(
+        default=0, ge=0, description="checkpoint every N steps (0: only at the end, or when interrupted)"
+    )
+    max_bad_steps: int = Field(
+        default=3,
+        ge=1,
+        description="stop after this many optimizer steps in a row with a non-finite loss or gradient norm",
+    )
     keep_checkpoints: int = Field(default=2, ge=1)
     export_hf: bool = Field(default=True, description="write an HF checkpoint at the end")
 

@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sapo_megatron.errors import UserError
+
 MARKER = "sapo_checkpoint.json"
 """Completion marker, written last; its JSON says what the directory holds (``kind``) and how it was made."""
 
@@ -34,7 +36,7 @@ LATEST = "latest"
 FORMAT = "sapo_megatron/v1"
 
 
-class IncompleteCheckpointError(FileNotFoundError):
+class IncompleteCheckpointError(UserError, FileNotFoundError):
     """A directory that is not a complete checkpoint (interrupted save, or not written by this project)."""
 
 

@@ -48,6 +48,7 @@ from sapo_megatron.checkpoint.safetensors_stream import (
     write_index,
     write_shard,
 )
+from sapo_megatron.errors import UserError
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 DEFAULT_READ_BATCH_BYTES = 512 * 1024**2
@@ -69,7 +70,7 @@ TOKENIZER_FILES = (
 SAFETENSORS_DTYPE_NAMES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
 
-class ConversionError(ValueError):
+class ConversionError(UserError, ValueError):
     """Input that cannot be converted faithfully; the message names the tensor and what was expected."""
 
 

@@ -13,6 +13,7 @@ from safetensors import safe_open
 
 from sapo_megatron.arch import QwenArch
 from sapo_megatron.checkpoint.mapping import MappingError, hf_expected_shapes
+from sapo_megatron.errors import UserError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -32,7 +33,7 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint that does not match what it claims to be."""
 
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from sapo_megatron.arch import QwenArch
+from sapo_megatron.errors import UserError
 
 GatherFn = Callable[[torch.Tensor, int], torch.Tensor]
 """``gather(local, dim) -> full``: concatenates the shards of all ranks of the relevant TP group along ``dim``."""
@@ -222,7 +223,7 @@ RULES: tuple[Rule, ...] = (
 _COMPILED = tuple((rule, rule.regex()) for rule in RULES)
 
 
-class MappingError(KeyError):
+class MappingError(UserError, KeyError):
     """A name the table does not know, or tensors that do not fit it."""
 
     def __str__(self) -> str:

@@ -15,8 +15,10 @@ from typing import Any
 
 import numpy as np
 
+from sapo_megatron.errors import UserError
 
-class DatasetError(ValueError):
+
+class DatasetError(UserError, ValueError):
     """A prompt file or row that cannot be used."""
 
 

@@ -41,6 +41,7 @@ from sapo_megatron.arch import QwenArch
 from sapo_megatron.checkpoint import atomic, dcp_io
 from sapo_megatron.checkpoint.atomic import IncompleteCheckpointError
 from sapo_megatron.config import ModelConfig, ParallelConfig, PrecisionConfig
+from sapo_megatron.errors import UserError
 from sapo_megatron.megatron.model import BuildOptions, layer_spec, transformer_config
 from sapo_megatron.megatron.weights import unwrap
 
@@ -50,7 +51,7 @@ RNG_KEY = "sapo_rng_state"
 _EXTRA_STATE = "_extra_state"
 
 
-class CheckpointMismatchError(ValueError):
+class CheckpointMismatchError(UserError, ValueError):
     """A checkpoint whose tensors do not fit the model it is loaded into."""
 
 

@@ -12,10 +12,11 @@ from concurrent.futures import Future
 
 import torch
 
+from sapo_megatron.errors import UserError
 from sapo_megatron.rollout.types import GenerationRequest, Sample
 
 
-class RolloutError(RuntimeError):
+class RolloutError(UserError, RuntimeError):
     """A rollout engine failed or answered something that cannot be used.
 
     The message names the server, the request and the offending field so that a bad reply is never used silently.
