@@ -1,11 +1,13 @@
 """Everything a run needs before its first step, built in order: parallel state, output directory, tokenizer,
-prompt data, the Megatron training engine, the rollout engine, weight sync and logging.
+prompt data, the Megatron training engine, the rollout engine and its servers, weight sync and logging.
 
-The rollout engine lives on the main rank only; other ranks receive samples by broadcast.
+The rollout engine lives on the main rank only; other ranks receive samples by broadcast. The server topology
+(workers, router) is resolved on the main rank and broadcast, because weight sync involves other ranks too.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,8 +21,10 @@ from sapo_megatron.megatron.parallel import RankInfo, init_parallel
 from sapo_megatron.megatron.train_step import TrainEngine
 from sapo_megatron.rewards.registry import SafeReward, get_reward
 from sapo_megatron.rollout.base import RolloutEngine
+from sapo_megatron.rollout.topology import Topology, resolve_topology
 from sapo_megatron.tracking import Tracker
-from sapo_megatron.weight_sync import WeightSync, export_hf
+from sapo_megatron.weight_sync import DiskSync, TensorSync, WeightSync, export_hf
+from sapo_megatron.weight_sync.distributed import DistributedSync
 
 
 @dataclass
@@ -42,6 +46,7 @@ class Session:
 
     def close(self) -> None:
         self.tracker.close()
+        self.sync.close()
         if self.rollout is not None:
             self.rollout.close()
         if self._server is not None:
@@ -49,22 +54,22 @@ class Session:
 
 
 def build_session(cfg: RunConfig) -> Session:
-    info = init_parallel(cfg.parallel, seed=cfg.seed, cfg=cfg, cpu_threads=cfg.launch.cpu_threads)
-    run_dir = Path(cfg.output_dir)
+    info = init_parallel(
+        cfg.parallel,
+        seed=cfg.seed,
+        cfg=cfg,
+        cpu_threads=cfg.launch.cpu_threads,
+        timeout_minutes=cfg.launch.timeout_minutes,
+    )
+    run_dir = Path(cfg.output_dir).absolute()
     if info.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         cfg.save_resolved(run_dir / "config.yaml")
     tokenizer = build_tokenizer(cfg)
     train_rows, heldout_rows = build_prompts(cfg)
     engine = TrainEngine(cfg, total_steps=max(cfg.trainer.steps * cfg.trainer.mini_batches, 1))
-    rollout, server = build_rollout(cfg, info, engine, tokenizer, run_dir)
-    sync = WeightSync(
-        rollout,
-        cfg.model.arch,
-        mode=cfg.rollout.weight_sync,
-        staging_dir=run_dir / "rollout_weights",
-        tokenizer=tokenizer,
-    )
+    rollout, server, topology = build_rollout(cfg, info, engine, tokenizer, run_dir)
+    sync = build_weight_sync(cfg, info, rollout, topology, tokenizer, run_dir)
     reward = SafeReward(get_reward(cfg.algorithm.reward), cfg.algorithm.reward)
     tracker = Tracker(run_dir, enabled=info.is_main)
     return Session(
@@ -109,41 +114,101 @@ def build_prompts(cfg: RunConfig) -> tuple[list[PromptRow], list[PromptRow]]:
 
 
 def build_rollout(cfg: RunConfig, info: RankInfo, engine: TrainEngine, tokenizer, run_dir: Path):
-    """The rollout engine on the main rank (``None`` elsewhere) and, for ``cpu_http``, its server."""
-    if not info.is_main:
-        _initial_export(cfg, engine, None, run_dir)
-        return None, None
+    """The rollout engine on the main rank (``None`` elsewhere), the in-process CPU server (``cpu_http``) and
+    the server topology (every rank; ``None`` for the in-process engine)."""
     if cfg.rollout.engine == "sglang":
-        return _sglang_client(cfg, cfg.rollout.urls), None
+        topology = broadcast_object(_resolve_servers(cfg, tokenizer) if info.is_main else None)
+        client = _sglang_client(cfg, topology, rollout_api_key(cfg)) if info.is_main else None
+        return client, None, topology
+    initial = _initial_export(cfg, engine, tokenizer if info.is_main else None, run_dir)  # collective
+    if not info.is_main:
+        return None, None, broadcast_object(None) if cfg.rollout.cpu_http else None
     from sapo_megatron.rollout.cpu_engine import CPUEngine
 
-    initial = _initial_export(cfg, engine, tokenizer, run_dir)
     cpu = CPUEngine.from_pretrained(initial, seed=cfg.seed, num_threads=cfg.rollout.threads)
     if not cfg.rollout.cpu_http:
-        return cpu, None
+        return cpu, None, None
     from sapo_megatron.rollout.cpu_server import CPUServer
 
     server = CPUServer(cpu).start()
-    return _sglang_client(cfg, [server.url]), server
+    topology = broadcast_object(Topology(workers=(server.url,), tp_sizes=(1,)))
+    return _sglang_client(cfg, topology, None), server, topology
+
+
+def _resolve_servers(cfg: RunConfig, tokenizer) -> Topology:
+    r = cfg.rollout
+    return resolve_topology(
+        urls=r.urls,
+        router_url=r.router_url,
+        endpoints_file=r.endpoints_file,
+        api_key=rollout_api_key(cfg),
+        need_routes=r.routed_experts,
+        probe_prompt=[tokenizer.bos_id if tokenizer.bos_id is not None else 0],
+        timeout_s=r.startup_timeout_s,
+        log=lambda line: print(line, flush=True),
+    )
+
+
+def rollout_api_key(cfg: RunConfig) -> str | None:
+    """The servers' API key from the environment variable named by ``rollout.api_key_env`` (never the config)."""
+    return os.environ.get(cfg.rollout.api_key_env) or None
 
 
 def _initial_export(cfg: RunConfig, engine: TrainEngine, tokenizer, run_dir: Path) -> Path:
     """Write the starting weights as an HF checkpoint for the CPU engine to load (collective)."""
-    path = run_dir / "rollout_weights"
+    path = run_dir / "rollout_weights" / "initial"
     return export_hf(engine.module, cfg.model.arch, path, tokenizer=tokenizer, is_main=tokenizer is not None)
 
 
-def _sglang_client(cfg: RunConfig, urls: list[str]):
+def _sglang_client(cfg: RunConfig, topology: Topology, api_key: str | None):
     from sapo_megatron.rollout.sglang_client import SGLangClient
 
     arch = cfg.model.arch
     return SGLangClient(
-        urls,
+        list(topology.workers),
+        router_url=topology.router if topology.generate_via_router else None,
+        api_key=api_key,
+        tp_size=list(topology.tp_sizes) or 1,
         num_layers=arch.num_hidden_layers if arch.is_moe else None,
         top_k=arch.num_experts_per_tok if arch.is_moe else None,
         max_concurrency=cfg.rollout.concurrency,
         timeout_s=cfg.rollout.timeout_s,
         max_retries=cfg.rollout.max_retries,
+        serializer=_cpu_serializer()
+        if (cfg.rollout.engine, cfg.rollout.weight_sync) == ("cpu", "tensor")
+        else None,
+    )
+
+
+def _cpu_serializer():
+    """Tensors for the CPU server in this process (``cpu_http``): the CPU form of SGLang's serializer."""
+    from sapo_megatron.rollout.tensor_transport import serialize_named_tensors
+
+    return serialize_named_tensors
+
+
+def build_weight_sync(
+    cfg: RunConfig,
+    info: RankInfo,
+    rollout: RolloutEngine | None,
+    topology: Topology | None,
+    tokenizer,
+    run_dir,
+) -> WeightSync:
+    """The configured weight-sync mode (every rank holds one; only the main rank holds the engine)."""
+    mode, arch = cfg.rollout.weight_sync, cfg.model.arch
+    if mode == "tensor":
+        return TensorSync(rollout, arch)
+    if mode == "disk":
+        staging = Path(cfg.rollout.weight_sync_dir or run_dir / "rollout_weights").absolute()
+        return DiskSync(rollout, arch, staging_dir=staging, tokenizer=tokenizer)
+    api_key = None if cfg.rollout.engine == "cpu" else rollout_api_key(cfg)
+    return DistributedSync(
+        rollout,
+        arch,
+        stage=info.pp_rank,
+        make_client=lambda: _sglang_client(cfg, topology, api_key),
+        timeout_s=cfg.rollout.timeout_s,
     )
 
 

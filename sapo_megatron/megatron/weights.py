@@ -233,15 +233,43 @@ def _from_bytes(flat: torch.Tensor, units: list[_ExportUnit]) -> list[tuple[str,
     return out
 
 
+def stage_sources() -> list[int]:
+    """Collective: per pipeline stage, the global rank that collects that stage's weights for a per-stage
+    weight sync (its first tensor-parallel rank of the first data-parallel replica: it owns the stage's dense
+    weights, so only expert shards travel to it)."""
+    coords = (
+        parallel_state.get_pipeline_model_parallel_rank(),
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_data_parallel_rank(),
+    )
+    gathered: list[tuple[int, int, int]] = [(0, 0, 0)] * dist.get_world_size()
+    dist.all_gather_object(gathered, coords)
+    stages = parallel_state.get_pipeline_model_parallel_world_size()
+    return [
+        min(r for r, (pp, tp, dp) in enumerate(gathered) if pp == s and tp == 0 and dp == 0)
+        for s in range(stages)
+    ]
+
+
 @torch.no_grad()
 def iter_hf_buckets(
-    model: torch.nn.Module, arch: QwenArch, bucket_bytes: int, dst: int = 0, *, all_ranks: bool = False
+    model: torch.nn.Module,
+    arch: QwenArch,
+    bucket_bytes: int,
+    dst: int = 0,
+    *,
+    all_ranks: bool = False,
+    per_stage: bool = False,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Full HF-named tensors of a TP/PP/EP-sharded model in buckets of at most ``bucket_bytes`` (a larger
     tensor gets a bucket of its own), delivered on global rank ``dst`` (on every rank with ``all_ranks``).
 
-    Every rank must exhaust the iterator: all ranks yield the same number of buckets, empty lists where
-    nothing is delivered. Each HF tensor appears exactly once, in HF order.
+    With ``per_stage``, each pipeline stage delivers only its own layers' tensors, on its source rank
+    (:func:`stage_sources`; ``dst`` is ignored), so no rank ever holds more than one bucket of another stage's
+    or another expert rank's weights; stages proceed independently and may yield different bucket counts.
+
+    Every rank must exhaust the iterator: all ranks (of a stage, with ``per_stage``) yield the same number of
+    buckets, empty lists where nothing is delivered. Each HF tensor appears exactly once, in HF order.
 
     Collective order (why it cannot deadlock): the bucket plan is identical on all ranks (one
     ``all_gather_object`` of names), and every rank walks it in the same order. Within a bucket, the
@@ -254,8 +282,13 @@ def iter_hf_buckets(
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     params = local_params(model)
     units = _export_units(params, arch)
-    by_name = {p.resolved.megatron_name: p for p in params}
     me = dist.get_rank()
+    if per_stage:
+        sources, stage_of_rank = stage_sources(), _stage_of_ranks()
+        my_stage = stage_of_rank[me]
+        units = [u for u in units if stage_of_rank[u.owner] == my_stage]
+        dst = sources[my_stage]
+    by_name = {p.resolved.megatron_name: p for p in params}
     group_ranks = {
         False: set(dist.get_process_group_ranks(parallel_state.get_tensor_model_parallel_group())),
         True: set(dist.get_process_group_ranks(parallel_state.get_expert_tensor_parallel_group())),
@@ -273,6 +306,13 @@ def iter_hf_buckets(
             if unit.owner == me:
                 produced += [t.to(unit.dtype) for t in full]
         yield _deliver(bucket, produced, me, dst, device, all_ranks)
+
+
+def _stage_of_ranks() -> list[int]:
+    """Collective: the pipeline stage of every global rank."""
+    gathered: list[int] = [0] * dist.get_world_size()
+    dist.all_gather_object(gathered, parallel_state.get_pipeline_model_parallel_rank())
+    return gathered
 
 
 def _deliver(
@@ -320,4 +360,5 @@ __all__ = [
     "load_hf_weights",
     "local_params",
     "owns_export",
+    "stage_sources",
 ]

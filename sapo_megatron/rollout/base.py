@@ -61,7 +61,13 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the served model (colocated weight sync)."""
+        """Copy HF-named tensors (one bucket of them) into the served model (colocated weight sync); call
+        :meth:`finish_weight_update` after the last bucket."""
+
+    def finish_weight_update(self, *, flush_cache: bool = True) -> None:
+        """End a weight update made of several calls: the new weights are complete; flush cached prefixes."""
+        if flush_cache:
+            self.flush_cache()
 
     def init_weights_update_group(
         self,

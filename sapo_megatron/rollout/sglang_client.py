@@ -1,4 +1,5 @@
-"""Rollout engine that talks to SGLang servers (or the CPU server, or one ``sglang-router``) over native HTTP.
+"""Rollout engine that talks to SGLang servers (or the CPU server standing in for them) over native HTTP,
+optionally through an ``sglang-router`` for ``/generate``.
 
 One HTTP request per sample, so a failure costs one sample, not a group. Requests run on a bounded thread pool;
 each has a timeout, and a transient failure (connection error, timeout, HTTP 429/5xx, an aborted generation) puts
@@ -9,9 +10,15 @@ A reply that is malformed (bad JSON, missing fields, wrong-length logprobs, a ro
 size) or an HTTP 4xx is not retried: it means a misconfiguration, and raises :class:`RolloutError` naming the
 server, the request id and the field.
 
-Weights: a server is used only while it holds the current weights. ``update_weights_from_disk`` bumps the weight
-version on every server that acknowledges it; a server that is unreachable then is left out until a later sync
-reaches it (metric ``rollout/stale_servers``).
+Topology (see :mod:`topology`): ``urls`` are the workers; ``router_url``, when given, receives ``/generate`` (it
+balances the load itself); weight updates, cache flushes and health checks go to every worker. When the router
+fails, generation fails over to the workers directly.
+
+Weights: a worker is used only while it holds the current weights. A weight update is one or more calls
+(``update_weights_from_disk``, ``update_weights_from_tensors`` per bucket, ``update_weights_from_distributed`` per
+bucket) followed by :meth:`finish_weight_update`, which makes the workers that acknowledged every call the current
+ones; a worker that missed a call is left out until a later update reaches it (metric ``rollout/stale_servers``).
+The router cannot be told to skip a stale worker, so from then on generation bypasses it.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from sapo_megatron.rollout.protocol import (
     parse_score_reply,
     score_payload,
 )
+from sapo_megatron.rollout.topology import auth_headers
 from sapo_megatron.rollout.types import GenerationRequest, Sample
 
 logger = logging.getLogger(__name__)
@@ -52,18 +60,21 @@ class _Cancelled(Exception):
     """Another sample of the same call failed for good; stop early."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class _Server:
     url: str
     cooldown_until: float = 0.0
     weight_version: int = 0
+    tp_size: int = 1
 
 
 class SGLangClient(RolloutEngine):
     """Rollout engine over SGLang's native HTTP API.
 
     Args:
-        urls: one URL (a server or an ``sglang-router``) or several servers, e.g. ``http://10.0.0.1:30000``.
+        urls: the worker URLs, e.g. ``http://10.0.0.1:30000``.
+        router_url: an ``sglang-router`` in front of the workers, used for ``/generate`` (and scoring) only.
+        api_key: sent as ``Authorization: Bearer <key>`` (SGLang's and sglang-router's ``--api-key``).
         num_layers / top_k: shape of ``routed_experts`` (``num_hidden_layers`` / ``num_experts_per_tok`` of the
             model); ``num_layers`` is required to request routed experts, ``top_k`` is inferred when None.
         max_concurrency: HTTP requests in flight at once.
@@ -72,7 +83,8 @@ class SGLangClient(RolloutEngine):
         backoff_s / max_backoff_s: exponential backoff between attempts (with jitter).
         cooldown_s: how long a failed server is skipped while others are available.
         weight_sync_timeout_s: timeout of the weight-sync calls.
-        tp_size: tensor-parallel size of each server (``update_weights_from_tensors`` sends one payload per rank).
+        tp_size: tensor-parallel size of every worker, or one size per worker (``update_weights_from_tensors``
+            sends one payload per rank; ``init_weights_update_group`` gives each rank its place in the group).
         serializer: turns a list of (name, tensor) into the base64 string SGLang deserializes; default is SGLang's
             ``MultiprocessingSerializer`` (needs ``sglang`` installed, colocated GPUs only).
     """
@@ -81,6 +93,8 @@ class SGLangClient(RolloutEngine):
         self,
         urls: str | Sequence[str],
         *,
+        router_url: str | None = None,
+        api_key: str | None = None,
         num_layers: int | None = None,
         top_k: int | None = None,
         max_concurrency: int = 64,
@@ -90,15 +104,23 @@ class SGLangClient(RolloutEngine):
         max_backoff_s: float = 8.0,
         cooldown_s: float = 30.0,
         weight_sync_timeout_s: float = 1800.0,
-        tp_size: int = 1,
+        tp_size: int | Sequence[int] = 1,
         serializer: Callable[[list[tuple[str, torch.Tensor]]], str] | None = None,
     ) -> None:
         url_list = [urls] if isinstance(urls, str) else list(urls)
         if not url_list:
             raise ValueError("SGLangClient needs at least one server URL")
-        if max_concurrency < 1 or max_retries < 0 or tp_size < 1:
-            raise ValueError("SGLangClient: max_concurrency and tp_size must be >= 1, max_retries >= 0")
-        self._servers = [_Server(url.rstrip("/")) for url in url_list]
+        tp_sizes = [tp_size] * len(url_list) if isinstance(tp_size, int) else [int(t) for t in tp_size]
+        if len(tp_sizes) != len(url_list) or min(tp_sizes) < 1:
+            raise ValueError(f"SGLangClient: tp_size {tp_size!r} must be >= 1 (one value or one per worker)")
+        if max_concurrency < 1 or max_retries < 0:
+            raise ValueError("SGLangClient: max_concurrency must be >= 1, max_retries >= 0")
+        self._servers = [_Server(url.rstrip("/"), tp_size=t) for url, t in zip(url_list, tp_sizes)]
+        self._router = _Server(router_url.rstrip("/")) if router_url else None
+        self._router_usable = self._router is not None
+        self._acknowledged: set[str] | None = (
+            None  # workers that acknowledged every call of the current update
+        )
         self.num_layers = num_layers
         self.top_k = top_k
         self.timeout_s = timeout_s
@@ -107,7 +129,6 @@ class SGLangClient(RolloutEngine):
         self.max_backoff_s = max_backoff_s
         self.cooldown_s = cooldown_s
         self.weight_sync_timeout_s = weight_sync_timeout_s
-        self.tp_size = tp_size
         self._serializer = serializer
         self._weight_version = 0
         self._lock = threading.Lock()
@@ -126,6 +147,7 @@ class SGLangClient(RolloutEngine):
             0.0,
         )
         self._http = httpx.Client(
+            headers=auth_headers(api_key),
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
             limits=httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency),
         )
@@ -133,7 +155,13 @@ class SGLangClient(RolloutEngine):
 
     @property
     def urls(self) -> list[str]:
+        """The workers."""
         return [s.url for s in self._servers]
+
+    @property
+    def router_url(self) -> str | None:
+        """The router that ``/generate`` goes to, or None (no router, or bypassed after a partial update)."""
+        return self._router.url if self._router is not None and self._router_usable else None
 
     # ------------------------------------------------------------------ generation
     def generate(self, requests: Sequence[GenerationRequest]) -> list[list[Sample]]:
@@ -288,14 +316,18 @@ class SGLangClient(RolloutEngine):
         ) from last_error
 
     def _pick_server(self, avoid: _Server | None) -> _Server:
-        """Round-robin over servers with the current weights, skipping those on cooldown while others remain."""
+        """The router when usable and not cooling down; else round-robin over workers with the current weights,
+        skipping those on cooldown while others remain."""
         with self._lock:
             current = [s for s in self._servers if s.weight_version == self._weight_version]
             if not current:
-                raise RolloutError("no server holds the current weights; run update_weights_from_disk again")
+                raise RolloutError("no worker holds the current weights; run a weight update again")
+            now = time.monotonic()
+            router = self._router if self._router_usable else None
+            if router is not None and router is not avoid and router.cooldown_until <= now:
+                return router
             start = next(self._round_robin) % len(current)
             ordered = current[start:] + current[:start]
-            now = time.monotonic()
             ready = [s for s in ordered if s.cooldown_until <= now]
             preferred = [s for s in ready if s is not avoid] or ready
             if preferred:
@@ -372,7 +404,13 @@ class SGLangClient(RolloutEngine):
 
     # ------------------------------------------------------------------ weights and housekeeping
     def update_weights_from_disk(self, path: str, *, flush_cache: bool = True) -> None:
-        """``POST /update_weights_from_disk {model_path}`` on every server, then ``POST /flush_cache``."""
+        """``POST /update_weights_from_disk {model_path}`` on every worker, then finish the update (flush caches).
+
+        ``path`` must be absolute and readable by every worker (a shared filesystem on a cluster)."""
+        if not path.startswith("/"):
+            raise ValueError(
+                f"update_weights_from_disk needs an absolute path the servers can read, got {path!r}"
+            )
 
         def load(server: _Server) -> None:
             reply = self._post(
@@ -384,25 +422,24 @@ class SGLangClient(RolloutEngine):
             )
             self._check_success(reply, server, "update_weights_from_disk")
 
-        self._sync_weights(load, f"update_weights_from_disk({path})")
-        if flush_cache:
-            self.flush_cache()
+        self._update_each_worker(load, f"update_weights_from_disk({path})")
+        self.finish_weight_update(flush_cache=flush_cache)
 
     def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """``POST /update_weights_from_tensor`` with SGLang-serialized tensors, one payload per TP rank.
+        """``POST /update_weights_from_tensor`` with one bucket of serialized tensors, one payload per TP rank of
+        each worker (call :meth:`finish_weight_update` after the last bucket).
 
-        The tensors travel as CUDA IPC handles, so this works only with servers colocated on the trainer's GPUs.
-        """
+        SGLang's serializer passes CUDA IPC handles, so this works only with servers colocated on the trainer's GPUs
+        (or the CPU server in the trainer's own process)."""
         serializer = self._serializer or _sglang_serializer()
-        named = [(name, tensor) for name, tensor in named_tensors]
-        blob = serializer(named)
-        payload = {
-            "serialized_named_tensors": [blob] * self.tp_size,
-            "load_format": None,
-            "flush_cache": True,
-        }
+        blob = serializer([(name, tensor) for name, tensor in named_tensors])
 
         def load(server: _Server) -> None:
+            payload = {
+                "serialized_named_tensors": [blob] * server.tp_size,
+                "load_format": None,
+                "flush_cache": False,
+            }
             reply = self._post(
                 server,
                 "/update_weights_from_tensor",
@@ -412,7 +449,16 @@ class SGLangClient(RolloutEngine):
             )
             self._check_success(reply, server, "update_weights_from_tensor")
 
-        self._sync_weights(load, "update_weights_from_tensors")
+        self._update_each_worker(load, "update_weights_from_tensors")
+
+    def weight_group_layout(self) -> tuple[int, list[int]]:
+        """``(world_size, rank_offsets)`` of a weight-update group: the trainer is rank 0, worker ``i``'s TP ranks
+        follow from ``rank_offsets[i]``."""
+        offsets, next_rank = [], 1
+        for server in self._servers:
+            offsets.append(next_rank)
+            next_rank += server.tp_size
+        return next_rank, offsets
 
     def init_weights_update_group(
         self,
@@ -423,12 +469,11 @@ class SGLangClient(RolloutEngine):
         group_name: str = "weight_update_group",
         backend: str = "nccl",
     ) -> Future:
-        """``POST /init_weights_update_group`` on every server, in the background.
+        """``POST /init_weights_update_group`` on every worker, in the background.
 
-        The servers block until the trainer's rank joins the same group (``torch.distributed`` rendezvous at
-        ``master_address:master_port``, trainer rank 0, server ``i`` taking ranks from ``rank_offsets[i]``): join,
-        then wait on the returned future. Not exercised by CPU tests (needs NCCL and real SGLang servers).
-        """
+        The workers block until the trainer's rank joins the same group (rendezvous at
+        ``master_address:master_port``, trainer rank 0, worker ``i`` taking ranks from ``rank_offsets[i]``): join,
+        then wait on the returned future (:meth:`weight_group_layout` gives the sizes)."""
         if len(rank_offsets) != len(self._servers):
             raise ValueError(f"{len(rank_offsets)} rank_offsets for {len(self._servers)} servers")
 
@@ -459,11 +504,10 @@ class SGLangClient(RolloutEngine):
         shapes: Sequence[Sequence[int]],
         group_name: str = "weight_update_group",
     ) -> Future:
-        """``POST /update_weights_from_distributed`` (tensor metadata) on every current server, in the background.
-
-        The servers then receive each tensor by NCCL broadcast from trainer rank 0: broadcast in the same order,
-        then wait on the returned future. On success the servers hold the new weight version.
-        """
+        """``POST /update_weights_from_distributed`` (one bucket's tensor metadata) on every worker of the group,
+        in the background. The workers then receive each tensor by broadcast from the trainer (group rank 0):
+        broadcast them in this order, then wait on the returned future; :meth:`finish_weight_update` after the
+        last bucket. A worker that fails here breaks the group: the error is raised, never skipped."""
         if not len(names) == len(dtypes) == len(shapes):
             raise ValueError("names, dtypes and shapes must have the same length")
         payload = {
@@ -471,10 +515,8 @@ class SGLangClient(RolloutEngine):
             "dtypes": list(dtypes),
             "shapes": [list(s) for s in shapes],
             "group_name": group_name,
-            "flush_cache": True,
+            "flush_cache": False,
         }
-        with self._lock:
-            servers = [s for s in self._servers if s.weight_version == self._weight_version]
 
         def load(server: _Server) -> None:
             reply = self._post(
@@ -487,13 +529,35 @@ class SGLangClient(RolloutEngine):
             self._check_success(reply, server, "update_weights_from_distributed")
 
         def run() -> None:
-            self._all_or_raise([(s,) for s in servers], load)
-            with self._lock:
-                self._weight_version += 1
-                for s in servers:
-                    s.weight_version = self._weight_version
+            self._all_or_raise([(s,) for s in self._servers], load)
+            self._acknowledge(self._servers)
 
         return self._background(run)
+
+    def finish_weight_update(self, *, flush_cache: bool = True) -> None:
+        """End a weight update: the workers that acknowledged every call since the last update hold the new
+        weights and are the only ones used from now on; then ``POST /flush_cache`` on them."""
+        with self._lock:
+            acknowledged = self._acknowledged or set()
+            self._acknowledged = None
+            updated = [s for s in self._servers if s.url in acknowledged]
+            if not updated:
+                raise RolloutError("weight update: no worker acknowledged it", field="transport")
+            self._weight_version += 1
+            for server in updated:
+                server.weight_version = self._weight_version
+                server.cooldown_until = 0.0
+            stale = [s.url for s in self._servers if s.weight_version != self._weight_version]
+            self._counters["rollout/stale_servers"] = float(len(stale))
+            bypass_router = bool(stale) and self._router_usable
+            if bypass_router:
+                self._router_usable = False
+        if stale:
+            logger.warning("weight update: unreachable workers keep old weights and are left out: %s", stale)
+        if bypass_router:
+            logger.warning("the router would still send requests to them: generating on the workers directly")
+        if flush_cache:
+            self.flush_cache()
 
     def flush_cache(self) -> None:
         """``POST /flush_cache`` on every server with the current weights (unreachable ones are cooled down)."""
@@ -533,8 +597,8 @@ class SGLangClient(RolloutEngine):
         self._http.close()
 
     # ------------------------------------------------------------------ helpers
-    def _sync_weights(self, load: Callable[[_Server], None], what: str) -> None:
-        """Run ``load`` on every server; the ones that succeed form the new weight version."""
+    def _update_each_worker(self, load: Callable[[_Server], None], what: str) -> None:
+        """Run one call of a weight update on every worker; remember which acknowledged it."""
         outcomes = self._for_each_server(self._servers, load)
         for outcome in outcomes:
             if isinstance(outcome, Exception) and not isinstance(outcome, _Transient):
@@ -542,19 +606,16 @@ class SGLangClient(RolloutEngine):
         updated = [s for s, outcome in zip(self._servers, outcomes) if not isinstance(outcome, Exception)]
         if not updated:
             raise RolloutError(
-                f"{what}: no server was reachable: {outcomes[0]}",
+                f"{what}: no worker was reachable: {outcomes[0]}",
                 server=self._servers[0].url,
                 field="transport",
             )
+        self._acknowledge(updated)
+
+    def _acknowledge(self, servers: Sequence[_Server]) -> None:
         with self._lock:
-            self._weight_version += 1
-            for server in updated:
-                server.weight_version = self._weight_version
-                server.cooldown_until = 0.0
-            stale = [s.url for s in self._servers if s.weight_version != self._weight_version]
-            self._counters["rollout/stale_servers"] = float(len(stale))
-        if stale:
-            logger.warning("%s: unreachable servers keep old weights and are left out: %s", what, stale)
+            urls = {s.url for s in servers}
+            self._acknowledged = urls if self._acknowledged is None else self._acknowledged & urls
 
     def _all_or_raise(self, arg_tuples: list[tuple], fn: Callable[..., None]) -> None:
         outcomes = list(self._pool.map(lambda args: _capture(fn, *args), arg_tuples))

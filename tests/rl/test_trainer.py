@@ -138,7 +138,9 @@ def test_http_rollouts_disk_weight_sync_and_kl_reference(tmp_path, data_files):
     rl = metrics(tmp_path / "run", "rl")
     assert len(rl) == 3
     assert all(r["mismatch/abs_delta_mean"] < 1e-4 for r in rl)  # weights reached the server each step
-    assert (tmp_path / "run" / "rollout_weights" / "model.safetensors").is_file()
+    versions = sorted((tmp_path / "run" / "rollout_weights").glob("v*"))
+    assert [v.name for v in versions] == ["v000004"]  # the push before RL + one per step; older ones removed
+    assert (versions[0] / "model.safetensors").is_file()
     # the reference is the policy as RL starts: no divergence at the first update, some after three steps
     assert rl[0]["kl/k3_ref"] == 0.0 < rl[-1]["kl/k3_ref"]
     assert (tmp_path / "run" / "reference_policy").is_dir()

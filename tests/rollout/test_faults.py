@@ -266,9 +266,12 @@ def test_weight_sync_payloads(fake):
 
     with fast_client([fake.url], serializer=serializer, tp_size=2) as client:
         client.update_weights_from_disk("/ckpt/step_3")
-        client.update_weights_from_tensors([("model.norm.weight", torch.ones(4))])
+        client.update_weights_from_tensors([("model.norm.weight", torch.ones(4))])  # one bucket ...
+        client.finish_weight_update()  # ... then the update is complete: flush once
+        assert client.weight_group_layout() == (3, [1])  # trainer rank 0, the worker's 2 TP ranks 1..2
         client.init_weights_update_group("10.0.0.1", 29500, world_size=3, rank_offsets=[1]).result(timeout=10)
         client.update_weights_from_distributed(["w"], ["bfloat16"], [[2, 3]]).result(timeout=10)
+        client.finish_weight_update(flush_cache=False)
         fake.mode = "refuse"
         with pytest.raises(RolloutError, match="update_weights_from_disk failed: fake"):
             client.update_weights_from_disk("/ckpt/bad")
@@ -277,6 +280,7 @@ def test_weight_sync_payloads(fake):
         "/update_weights_from_disk",
         "/flush_cache",
         "/update_weights_from_tensor",
+        "/flush_cache",
         "/init_weights_update_group",
         "/update_weights_from_distributed",
         "/update_weights_from_disk",
@@ -284,10 +288,10 @@ def test_weight_sync_payloads(fake):
     bodies = [b for _, b in fake.bodies]
     assert bodies[0] == {"model_path": "/ckpt/step_3"}
     tensors = bodies[2]["serialized_named_tensors"]
-    assert len(tensors) == 2 and bodies[2]["flush_cache"] is True
+    assert len(tensors) == 2 and bodies[2]["flush_cache"] is False  # flushed once, after the last bucket
     name, tensor = torch.load(io.BytesIO(base64.b64decode(tensors[0])))[0]
     assert name == "model.norm.weight" and torch.equal(tensor, torch.ones(4))
-    assert bodies[3] == {
+    assert bodies[4] == {
         "master_address": "10.0.0.1",
         "master_port": 29500,
         "rank_offset": 1,
@@ -295,11 +299,13 @@ def test_weight_sync_payloads(fake):
         "group_name": "weight_update_group",
         "backend": "nccl",
     }
-    assert (
-        bodies[4]["names"] == ["w"]
-        and bodies[4]["dtypes"] == ["bfloat16"]
-        and bodies[4]["shapes"] == [[2, 3]]
-    )
+    assert bodies[5] == {
+        "names": ["w"],
+        "dtypes": ["bfloat16"],
+        "shapes": [[2, 3]],
+        "group_name": "weight_update_group",
+        "flush_cache": False,
+    }
 
 
 @pytest.mark.skipif(

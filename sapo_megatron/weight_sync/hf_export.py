@@ -1,15 +1,9 @@
-"""Trainer → rollout engine weight sync, and HF export of the live model.
-
-Every rank takes part (tensor-parallel gathers and the cross-stage / cross-expert-rank transfer are
-collectives); the main rank receives full HF-named tensors in size-bounded buckets and pushes them to the engine:
-``tensor`` mode hands them over directly (``update_weights_from_tensors``), ``disk`` mode writes an HF checkpoint
-to a staging directory (atomically) and asks the engine to load it (``update_weights_from_disk``).
-"""
+"""HF export of the live (TP/PP/EP-sharded) Megatron model: buckets of full HF-named tensors, and whole HF
+checkpoints written with the same streaming writer as offline conversion."""
 
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -19,19 +13,26 @@ from sapo_megatron.arch import QwenArch
 from sapo_megatron.checkpoint import atomic
 from sapo_megatron.checkpoint.mapping import hf_expected_shapes
 from sapo_megatron.checkpoint.safetensors_stream import TensorSpec, plan_shards, write_index, write_shard
-from sapo_megatron.rollout.base import RolloutEngine
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
 DEFAULT_SHARD_BYTES = 5 * 1024**3
 
+Bucket = list[tuple[str, torch.Tensor]]
+
 
 def hf_buckets(
-    module: torch.nn.Module, arch: QwenArch, bucket_bytes: int
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Full HF-named tensors of the whole model, in buckets, on the main rank (others iterate to take part)."""
+    module: torch.nn.Module, arch: QwenArch, bucket_bytes: int, *, per_stage: bool = False
+) -> Iterator[Bucket]:
+    """Full HF-named tensors in buckets: of the whole model on the main rank, or (``per_stage``) of each
+    pipeline stage on that stage's source rank. Every rank must exhaust the iterator (it takes part in the
+    gathers and transfers); ranks that receive nothing get empty buckets."""
     from sapo_megatron.megatron.weights import iter_hf_buckets
 
-    yield from iter_hf_buckets(module, arch, bucket_bytes=bucket_bytes, dst=0)
+    yield from iter_hf_buckets(module, arch, bucket_bytes=bucket_bytes, dst=0, per_stage=per_stage)
+
+
+def bucket_bytes_of(bucket: Bucket) -> int:
+    return sum(t.numel() * t.element_size() for _, t in bucket)
 
 
 def export_hf(
@@ -74,39 +75,3 @@ def write_hf_checkpoint(
     atomic.fsync_path(tmp)
     atomic.publish(tmp, out_dir, replace=True)
     return out_dir
-
-
-class WeightSync:
-    """Pushes the trainer's weights to a rollout engine (the engine lives on the main rank only)."""
-
-    def __init__(
-        self,
-        engine: RolloutEngine | None,
-        arch: QwenArch,
-        *,
-        mode: str,
-        staging_dir: str | Path,
-        tokenizer=None,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    ) -> None:
-        self.engine, self.arch, self.mode = engine, arch, mode
-        self.staging_dir = Path(staging_dir)
-        self.tokenizer = tokenizer
-        self.bucket_bytes = bucket_bytes
-
-    def push(self, module: torch.nn.Module) -> dict[str, float]:
-        """Collective: call on every rank. Returns timing metrics (main rank)."""
-        start = time.perf_counter()
-        is_main = self.engine is not None
-        if self.mode == "disk":
-            path = export_hf(module, self.arch, self.staging_dir, tokenizer=self.tokenizer, is_main=is_main)
-            if is_main:
-                self.engine.update_weights_from_disk(str(path))
-        else:
-            tensors = (item for bucket in hf_buckets(module, self.arch, self.bucket_bytes) for item in bucket)
-            if is_main:
-                self.engine.update_weights_from_tensors(tensors)
-            else:
-                for _ in tensors:  # take part in the gathers
-                    pass
-        return {"time/weight_sync_s": time.perf_counter() - start} if is_main else {}

@@ -1,0 +1,84 @@
+"""Real server processes for tests: CPU rollout servers (the stand-in for SGLang) and the real ``sglang-router``
+(PyPI wheel), each in its own process on a free loopback port, stopped and reaped by the context managers."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import httpx
+import torch
+import transformers
+
+from sapo_megatron.cli import free_port
+from sapo_megatron.data.tokenizer import CharTokenizer
+from sapo_megatron.defaults import DEMO_MODEL
+
+
+def save_demo_model(path: Path, seed: int = 0) -> Path:
+    """A random HF checkpoint of the embedded demo's architecture (with its character tokenizer)."""
+    torch.manual_seed(seed)
+    config = transformers.Qwen3MoeConfig(**DEMO_MODEL)
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(path)
+    CharTokenizer().save(path)
+    return path
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} not healthy after {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+
+
+@contextlib.contextmanager
+def process(command: Sequence[str], log: Path, url: str) -> Iterator[str]:
+    with log.open("w") as out:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.Popen(
+            list(command), stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    try:
+        wait_healthy(url, proc, log)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=20)
+
+
+def cpu_server(model_dir: Path, log: Path, *, api_key: str | None = None, port: int | None = None):
+    """``python -m sapo_megatron.rollout.cpu_server`` on a free port; yields its URL."""
+    port = port or free_port()
+    command = [sys.executable, "-m", "sapo_megatron.rollout.cpu_server", "--model", str(model_dir)]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--threads", "1"]
+    if api_key:
+        command += ["--api-key", api_key]
+    return process(command, log, f"http://127.0.0.1:{port}")
+
+
+def router(workers: Sequence[str], log: Path, *, api_key: str | None = None):
+    """The real sglang-router in front of ``workers``; yields its URL. Each router also opens a Prometheus
+    port, which must differ between routers on one host."""
+    port = free_port()
+    command = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *workers]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port())]
+    command += ["--policy", "round_robin", "--log-level", "warn"]
+    if api_key:
+        command += ["--api-key", api_key]
+    return process(command, log, f"http://127.0.0.1:{port}")
