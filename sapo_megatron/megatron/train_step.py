@@ -100,13 +100,18 @@ class TrainEngine:
         self.optimizer.zero_grad()
         scale = len(micro_batches) * parallel_state.get_data_parallel_world_size()
         losses, metrics = self._run_schedule(micro_batches, partial(_scaled_loss, loss_fn, scale), False)
-        update_successful, grad_norm, _ = self.optimizer.step()
+        if _all_finite(self.model, losses):
+            update_successful, grad_norm, _ = self.optimizer.step()
+        else:  # a non-finite loss or gradient anywhere: skip the update on every rank (weights stay as they were)
+            update_successful, grad_norm = False, float("nan")
         if update_successful:
             self.scheduler.step(increment=1)
         loss, reduced = _reduce_metrics(losses, metrics)
         return StepResult(
             loss=loss,
-            grad_norm=float(grad_norm or 0.0),
+            grad_norm=float("nan")
+            if grad_norm is None and not update_successful
+            else float(grad_norm or 0.0),
             lr=float(self.optimizer.param_groups[0]["lr"]),
             update_successful=bool(update_successful),
             metrics=reduced,
@@ -209,6 +214,38 @@ def _scaled_loss(loss_fn: LossFn, scale: int, batch: MicroBatch, logits: torch.T
 def _collect_output(output_fn: OutputFn, batch: MicroBatch, logits: torch.Tensor):
     result = output_fn(logits, batch)
     return torch.zeros((), device=logits.device), (result, None)
+
+
+def _all_finite(model: list[torch.nn.Module], losses: list[torch.Tensor]) -> bool:
+    """Collective over every rank: are this step's loss contributions and reduced gradients all finite?
+
+    Megatron's optimizers step on non-finite gradients in bf16/fp32 (only fp16 loss scaling checks them) and
+    DDP's own NaN check is fatal; checking here lets the trainer skip the update and count it instead."""
+    device = next(model[0].parameters()).device
+    finite = torch.ones((), dtype=torch.bool, device=device)
+    for tensor in [*losses, *_grad_tensors(model)]:
+        finite &= torch.isfinite(tensor).all()  # stays on the device: one host sync below, not one per tensor
+    flag = finite.to(torch.float32).reshape(1)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item() == 1.0)
+
+
+def _grad_tensors(model: list[torch.nn.Module]) -> list[torch.Tensor]:
+    """The gradients as DDP holds them: its contiguous buffers (a few large tensors), else ``param.grad``."""
+    grads = []
+    for chunk in model:
+        # DDP's lists of buffers (a plain nn.Module's ``buffers`` is a method: not that)
+        buffers = [
+            buffer
+            for name in ("buffers", "expert_parallel_buffers")
+            if isinstance(getattr(chunk, name, None), list)
+            for buffer in getattr(chunk, name)
+        ]
+        if buffers:
+            grads += [buffer.grad_data for buffer in buffers]
+        else:
+            grads += [p.grad for p in chunk.parameters() if p.grad is not None]
+    return grads
 
 
 def _reduce_metrics(losses: list[torch.Tensor], metrics: list[Metrics]) -> tuple[float, dict[str, float]]:

@@ -67,3 +67,32 @@ def sft_step(payload: dict[str, Any]) -> dict[str, Any]:
         "nll": result.metrics["sft/nll"],
         "weights": weights,
     }
+
+
+def nonfinite_then_finite(payload: dict[str, Any]) -> dict[str, Any]:
+    """Step 1: the loss is NaN on rank ``nan_rank`` only; step 2: finite everywhere. Returns the weights this rank
+    owns before, after step 1 and after step 2, each step's result and the LR scheduler's step count."""
+    cfg = layout_config({**payload, "optimizer": {"name": "adam", "lr": 1e-2, "clip_grad": 1.0}})
+    init_parallel(cfg.parallel, seed=0, cfg=cfg)
+    engine = TrainEngine(cfg, total_steps=2)
+    batches = sft_micro_batches(payload["ids"], payload["mask"], cfg.parallel.micro_batches)
+
+    def weights() -> dict[str, torch.Tensor]:
+        return {n: t.clone() for n, t in iter_hf_weights(engine.module, cfg.model.arch, owned_only=True)}
+
+    def poisoned(logits, batch):
+        loss, metrics = sft_loss(logits, batch)
+        return (loss * float("nan") if dist.get_rank() == payload["nan_rank"] else loss), metrics
+
+    before = weights()
+    first = engine.train_step(batches, poisoned)
+    after_first, scheduler_steps = weights(), engine.scheduler.num_steps
+    second = engine.train_step(batches, sft_loss)
+    return {
+        "before": before,
+        "after_first": after_first,
+        "after_second": weights(),
+        "first": (first.update_successful, first.grad_norm),
+        "second": (second.update_successful, second.grad_norm),
+        "scheduler_steps": (scheduler_steps, engine.scheduler.num_steps),
+    }
