@@ -23,7 +23,9 @@ PROBE = [1, 14, 15, 12, 16, 17, 13]  # a tokenized prompt + answer of the charac
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     root = tmp_path_factory.mktemp("cluster")
-    model = save_demo_model(root / "served", seed=7)  # not the trainer's weights: the first sync replaces them
+    model = save_demo_model(
+        root / "served", seed=7
+    )  # not the trainer's weights: the first sync replaces them
     with (
         cpu_server(model, root / "w1.log") as w1,
         cpu_server(model, root / "w2.log") as w2,
@@ -70,9 +72,15 @@ def test_two_rank_trainer_behind_the_real_router(tmp_path, data_files, servers, 
     )
     train(config)
     run = tmp_path / "run"
-    rl = [row for row in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if row["phase"] == "rl"]
+    rl = [
+        row
+        for row in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
+        if row["phase"] == "rl"
+    ]
     assert len(rl) == 3
-    assert all(row["mismatch/abs_delta_mean"] < 1e-4 for row in rl), [r["mismatch/abs_delta_mean"] for r in rl]
+    assert all(row["mismatch/abs_delta_mean"] < 1e-4 for row in rl), [
+        r["mismatch/abs_delta_mean"] for r in rl
+    ]
     assert all(row["weight_sync/bytes"] > 0 for row in rl)
     exported = local_logprobs(run / "hf")
     assert np.abs(exported - local_logprobs(servers["model"])).max() > 1e-3  # the sync changed what is served

@@ -16,6 +16,7 @@ import torch
 from sapo_megatron.rollout.base import RolloutError
 from sapo_megatron.rollout.cpu_server import CPUServer
 from sapo_megatron.rollout.sglang_client import SGLangClient
+from sapo_megatron.rollout.topology import resolve_topology
 from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
 from tests.rollout.conftest import engine_from
 
@@ -115,11 +116,15 @@ class FakeSGLang(BaseHTTPRequestHandler):
         pass
 
     def do_GET(self):
+        self.server.auth.append((self.path, self.headers.get("Authorization")))
+        if self.path == "/get_server_info":
+            return self._json(200, {"tp_size": 4, "dp_size": 1})
         self._send(200, b"")
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"] or 0)) or b"{}")
         self.server.bodies.append((self.path, body))
+        self.server.auth.append((self.path, self.headers.get("Authorization")))
         if self.path != "/generate":
             return self._json(200, {"success": self.server.mode != "refuse", "message": "fake"})
         mode = self.server.mode
@@ -175,7 +180,7 @@ class FakeSGLang(BaseHTTPRequestHandler):
 def fake():
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeSGLang)
     httpd.daemon_threads = True
-    httpd.mode, httpd.bodies = "ok", []
+    httpd.mode, httpd.bodies, httpd.auth = "ok", [], []
     thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     httpd.url = f"http://127.0.0.1:{httpd.server_address[1]}"
@@ -314,3 +319,34 @@ def test_weight_sync_payloads(fake):
 def test_tensor_sync_without_sglang_says_what_is_needed(fake):
     with fast_client(fake.url) as client, pytest.raises(RolloutError, match=r"sapo-megatron\[gpu\]"):
         client.update_weights_from_tensors([("w", torch.ones(1))])
+
+
+def test_topology_reads_each_workers_tp_size_and_sends_the_api_key(fake):
+    topology = resolve_topology(urls=[fake.url], api_key="s3cret", timeout_s=10, log=lambda _: None)
+    assert topology.tp_sizes == (4,)  # from /get_server_info, as SGLang reports its server args
+    assert ("/get_server_info", "Bearer s3cret") in fake.auth
+    with fast_client([fake.url], api_key="s3cret", tp_size=topology.tp_sizes) as client:
+        client.generate(rollout(groups=1, n=1))
+        assert client.weight_group_layout() == (
+            5,
+            [1],
+        )  # one worker with 4 TP ranks after the trainer's rank 0
+    assert fake.auth[-1] == ("/generate", "Bearer s3cret")
+
+
+def test_disk_sync_paths_are_absolute(fake, tmp_path, monkeypatch):
+    from sapo_megatron.tiny import tiny_hf_config
+    from sapo_megatron.weight_sync import DiskSync
+
+    monkeypatch.chdir(tmp_path)
+    with fast_client([fake.url]) as client:
+        with pytest.raises(ValueError, match="absolute path"):
+            client.update_weights_from_disk("runs/demo/rollout_weights/v000001")
+        sync = DiskSync(client, _arch(tiny_hf_config("moe")), staging_dir="runs/demo/rollout_weights")
+    assert sync.version_dir(3) == tmp_path / "runs/demo/rollout_weights/v000003"
+
+
+def _arch(hf_config):
+    from sapo_megatron.arch import QwenArch
+
+    return QwenArch.from_hf_dict(hf_config)

@@ -1,0 +1,47 @@
+"""The rollout section: topology keys, weight-sync modes and their defaults, refusals that name the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from sapo_megatron.config import ConfigError, config_from_dict
+from sapo_megatron.tiny import tiny_hf_config
+
+
+def cfg(**rollout):
+    return config_from_dict({"model": {"hf_config": tiny_hf_config("moe")}, "rollout": rollout})
+
+
+def error_of(**rollout) -> str:
+    with pytest.raises(ConfigError) as info:
+        cfg(**rollout)
+    return str(info.value)
+
+
+def test_weight_sync_defaults_follow_the_engine():
+    assert cfg().rollout.weight_sync == "tensor"  # the in-process CPU engine shares the trainer's memory
+    assert cfg(engine="sglang", router_url="http://r:31000").rollout.weight_sync == "distributed"
+    assert cfg(engine="cpu", cpu_http=True, weight_sync="distributed").rollout.weight_sync == "distributed"
+
+
+def test_tensor_sync_to_remote_sglang_is_refused_with_the_reason():
+    message = error_of(engine="sglang", urls=["http://w:30000"], weight_sync="tensor")
+    assert "CUDA IPC" in message and "weight_sync: distributed" in message and "rollout.colocated" in message
+    assert cfg(engine="sglang", urls=["http://w:30000"], weight_sync="tensor", colocated=True)
+
+
+def test_distributed_sync_needs_servers():
+    assert "needs servers" in error_of(engine="cpu", weight_sync="distributed")
+
+
+def test_sglang_needs_somewhere_to_find_its_servers():
+    message = error_of(engine="sglang")
+    assert (
+        "rollout.urls" in message and "rollout.router_url" in message and "rollout.endpoints_file" in message
+    )
+    assert "only used with rollout.engine=sglang" in error_of(router_url="http://r:31000")
+
+
+def test_endpoints_file_excludes_explicit_urls():
+    message = error_of(engine="sglang", endpoints_file="/shared/rollout.json", urls=["http://w:30000"])
+    assert "already names the router and the workers" in message
