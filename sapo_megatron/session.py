@@ -8,8 +8,10 @@ The rollout engine lives on the main rank only; other ranks receive samples by b
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -17,6 +19,7 @@ from sapo_megatron.config import ConfigError, RunConfig
 from sapo_megatron.data.prompts import PromptRow, load_prompts
 from sapo_megatron.data.synthetic import make_addition_rows
 from sapo_megatron.data.tokenizer import load_tokenizer
+from sapo_megatron.errors import UserError
 from sapo_megatron.megatron.parallel import RankInfo, init_parallel
 from sapo_megatron.megatron.train_step import TrainEngine
 from sapo_megatron.rewards.registry import SafeReward, get_reward
@@ -25,6 +28,8 @@ from sapo_megatron.rollout.topology import Topology, resolve_topology
 from sapo_megatron.tracking import Tracker
 from sapo_megatron.weight_sync import DiskSync, TensorSync, WeightSync, export_hf
 from sapo_megatron.weight_sync.distributed import DistributedSync
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -117,7 +122,7 @@ def build_rollout(cfg: RunConfig, info: RankInfo, engine: TrainEngine, tokenizer
     """The rollout engine on the main rank (``None`` elsewhere), the in-process CPU server (``cpu_http``) and
     the server topology (every rank; ``None`` for the in-process engine)."""
     if cfg.rollout.engine == "sglang":
-        topology = broadcast_object(_resolve_servers(cfg, tokenizer) if info.is_main else None)
+        topology = on_main_rank(info, lambda: _resolve_servers(cfg, tokenizer))
         client = _sglang_client(cfg, topology, rollout_api_key(cfg)) if info.is_main else None
         return client, None, topology
     initial = _initial_export(cfg, engine, tokenizer if info.is_main else None, run_dir)  # collective
@@ -210,6 +215,32 @@ def build_weight_sync(
         make_client=lambda: _sglang_client(cfg, topology, api_key),
         timeout_s=cfg.rollout.timeout_s,
     )
+
+
+class MainRankFailed(UserError):
+    """Raised on the other ranks when work that only the main rank does (rollout, evaluation) failed there."""
+
+
+def on_main_rank(info: RankInfo, work: Callable[[], T]) -> T:
+    """Run ``work`` on the main rank only and hand its result to every rank. When it raises there, the main rank
+    re-raises it and every other rank raises :class:`MainRankFailed` (same exit code), so no rank is left waiting
+    in the next collective until the process-group timeout."""
+    outcome: tuple[bool, Any, int] | None = None
+    error: BaseException | None = None
+    if info.is_main:
+        try:
+            outcome = (True, work(), 0)
+        except Exception as exc:
+            error = exc
+            outcome = (False, f"{type(exc).__name__}: {exc}", getattr(exc, "exit_code", 1))
+    ok, value, exit_code = broadcast_object(outcome)
+    if ok:
+        return value
+    if error is not None:
+        raise error
+    failure = MainRankFailed(f"rank 0 failed: {value}")
+    failure.exit_code = exit_code
+    raise failure
 
 
 def broadcast_object(obj, *, src: int = 0):
