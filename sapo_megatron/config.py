@@ -249,10 +249,11 @@ class RolloutConfig(Section):
                 "run on the trainer's GPUs; use weight_sync: distributed (broadcast to remote servers) or disk "
                 "(shared filesystem), or set rollout.colocated: true if the servers are colocated"
             )
-        if self.weight_sync == "distributed" and self.engine == "cpu" and not self.cpu_http:
+        if self.weight_sync == "distributed" and self.engine == "cpu":
             raise ValueError(
-                "rollout.weight_sync=distributed needs servers (engine: sglang, or cpu with cpu_http: true); "
-                "the in-process CPU engine takes weight_sync: tensor"
+                "rollout.weight_sync=distributed broadcasts to servers in other processes (engine: sglang, e.g. "
+                "CPU servers started with `sapo-megatron serve`); the CPU engine in the trainer's process takes "
+                "weight_sync: tensor or disk"
             )
         return self
 

@@ -21,7 +21,7 @@ def error_of(**rollout) -> str:
 def test_weight_sync_defaults_follow_the_engine():
     assert cfg().rollout.weight_sync == "tensor"  # the in-process CPU engine shares the trainer's memory
     assert cfg(engine="sglang", router_url="http://r:31000").rollout.weight_sync == "distributed"
-    assert cfg(engine="cpu", cpu_http=True, weight_sync="distributed").rollout.weight_sync == "distributed"
+    assert cfg(engine="cpu", cpu_http=True).rollout.weight_sync == "tensor"  # the server runs in-process
 
 
 def test_tensor_sync_to_remote_sglang_is_refused_with_the_reason():
@@ -30,8 +30,9 @@ def test_tensor_sync_to_remote_sglang_is_refused_with_the_reason():
     assert cfg(engine="sglang", urls=["http://w:30000"], weight_sync="tensor", colocated=True)
 
 
-def test_distributed_sync_needs_servers():
-    assert "needs servers" in error_of(engine="cpu", weight_sync="distributed")
+def test_distributed_sync_needs_servers_in_other_processes():
+    for in_process in ({}, {"cpu_http": True}):
+        assert "servers in other processes" in error_of(engine="cpu", weight_sync="distributed", **in_process)
 
 
 def test_sglang_needs_somewhere_to_find_its_servers():
