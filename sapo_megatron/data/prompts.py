@@ -251,8 +251,8 @@ def check_encodable(
             raise TokenizerError(
                 f"{_row_location(source, index)}: {field} {text!r} has the character {char!r} (position "
                 f"{position}), which the char tokenizer cannot encode",
-                hint=f"it knows only {tokenizer.chars!r}; remove such rows or set data.tokenizer to a tokenizer "
-                "that covers them",
+                hint=f"it knows only {tokenizer.chars!r}; remove such rows or set data.tokenizer to a "
+                "tokenizer that covers them",
             )
 
 

@@ -130,8 +130,8 @@ class CharTokenizer:
         (directory / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
 
     def hf_backend(self) -> Any:
-        """A ``tokenizers.Tokenizer`` with this vocabulary: one token per character, ``<bos>`` prepended by its
-        post-processor, special tokens marked special (skipped by ``decode(skip_special_tokens=True)``)."""
+        """A ``tokenizers.Tokenizer`` with this vocabulary: one token per character, ``<bos>`` prepended by
+        its post-processor, special tokens marked special (skipped by ``decode(skip_special_tokens=True)``)."""
         from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
         vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
