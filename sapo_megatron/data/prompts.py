@@ -44,7 +44,7 @@ def load_prompts(path: str | Path) -> list[PromptRow]:
     else:
         raise DatasetError(f"{path}: unknown prompt file type {suffix!r} (expected .jsonl or .parquet)")
     if not rows:
-        raise DatasetError(f"{path}: no rows")
+        raise DatasetError(f"{path}: no rows (the file is empty or holds only blank lines)")
     return rows
 
 
@@ -214,9 +214,11 @@ class PromptIterator:
         }
         for key, value in expected.items():
             if state.get(key) != value:
-                raise ValueError(
-                    f"PromptIterator.load_state_dict: saved {key}={state.get(key)!r} but this iterator has {value!r}; "
-                    "resuming would not continue the same sequence"
+                raise DatasetError(
+                    f"cannot resume the prompt order: the checkpoint was saved with {key}={state.get(key)!r}, this "
+                    f"run has {value!r} (different prompt data, seed or shuffling); resuming would not continue "
+                    "the same sequence",
+                    hint="resume with the data files and seed the checkpoint was written with, or start a new run",
                 )
         if not 0 <= int(state["position"]) <= len(self.rows):
             raise ValueError(f"PromptIterator.load_state_dict: position {state['position']} out of range")

@@ -101,7 +101,7 @@ def test_other_file_errors(tmp_path):
     with pytest.raises(DatasetError, match="unknown prompt file type"):
         load_prompts(tmp_path / "p.csv")
     (tmp_path / "empty.jsonl").write_text("\n")
-    with pytest.raises(DatasetError, match="no rows"):
+    with pytest.raises(DatasetError, match=r"no rows \(the file is empty"):
         load_prompts(tmp_path / "empty.jsonl")
 
 
@@ -126,10 +126,13 @@ def test_iterator_resumes_exactly():
     resumed = PromptIterator(ROWS, batch_size=3, seed=11)
     resumed.load_state_dict(state)
     assert seen + [next(resumed) for _ in range(5)] == expected
-    with pytest.raises(ValueError, match="fingerprint"):
+    with pytest.raises(
+        DatasetError, match="cannot resume the prompt order: the checkpoint was saved with fingerprint="
+    ):
         PromptIterator([*ROWS[:-1], PromptRow("x", "y")], batch_size=3, seed=11).load_state_dict(state)
-    with pytest.raises(ValueError, match="seed"):
+    with pytest.raises(DatasetError, match="saved with seed=11, this run has 12") as err:
         PromptIterator(ROWS, batch_size=3, seed=12).load_state_dict(state)
+    assert "data files and seed" in err.value.hint
 
 
 def test_take_continues_the_epoch_without_skipping_rows():
@@ -216,7 +219,7 @@ def test_addition_task_is_deterministic_and_splits_never_overlap():
         assert pair_split(a, b, 0.2) == pair_split(b, a, 0.2) == "train"
         assert numeric_match(row.ground_truth, row.ground_truth) == 1.0
         CharTokenizer().encode(row.prompt + row.ground_truth)  # the demo tokenizer covers the task
-    with pytest.raises(ValueError, match="distinct heldout problems"):
+    with pytest.raises(DatasetError, match=r"distinct heldout addition problems .*\(data\.heldout_size\)"):
         make_addition_rows(50, digits=1, split="heldout", seed=0)
 
 
