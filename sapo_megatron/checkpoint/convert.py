@@ -542,8 +542,6 @@ def megatron_to_hf(
     the stored dtype of the embedding, i.e. the model's parameter dtype; a training checkpoint of a bf16
     model keeps its norms in fp32, HF checkpoints do not).
     """
-    from sapo_megatron.megatron import dist_ckpt
-
     out_dir = Path(out_dir)
     path = atomic.find_checkpoint(megatron_dir)
     atomic.refuse_overlap(
@@ -556,6 +554,8 @@ def megatron_to_hf(
         arch = QwenArch.from_hf_dict(raw_config)
     except (ArchError, ValueError) as err:
         raise ConversionError(f"HF config of {path}: {err}") from err
+    from sapo_megatron.megatron import dist_ckpt  # after the input checks: importing Megatron takes seconds
+
     with dist_ckpt.single_process_megatron():
         layout = dist_ckpt.reference_layout(dist_ckpt.build_meta_model(arch))
         plans = plan_params(layout, arch)
