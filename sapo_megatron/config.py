@@ -527,12 +527,17 @@ def _resolve_relative_hf_config(raw: dict[str, Any], base_dir: Path) -> None:
 
 
 def _set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
+    """Apply one ``--set`` override. Setting the ``name`` of a section with variants (``algorithm.loss``,
+    ``algorithm.correction``) switches the variant: keys the new one does not accept (e.g. SAPO's ``tau_pos``
+    when switching to ``grpo``) are dropped, the shared ones (``kl_coef``, ``agg``, ...) are kept."""
     node = raw
     *parents, leaf = dotted.split(".")
     for key in parents:
         node = node.setdefault(key, {})
         if not isinstance(node, dict):
             raise ConfigError(f"override {dotted}: {key} is not a section")
+    if leaf == "name" and isinstance(value, str):
+        _drop_keys_of_other_variant(node, tuple(parents), value)
     node[leaf] = value
 
 
@@ -549,6 +554,8 @@ def _explain(item: dict[str, Any]) -> str:
         return "unknown key" + _suggestion(item)
     if item["type"] == "missing":
         return "required field is missing"
+    if isinstance(_section_at(tuple(item["loc"])), dict):  # algorithm.loss / correction: name the variants
+        return _variant_problem(item)
     message = str(item["msg"]).removeprefix("Value error, ")
     if "input" in item and item["type"] not in ("value_error",):
         message += f" (got {item['input']!r})"
@@ -556,17 +563,92 @@ def _explain(item: dict[str, Any]) -> str:
 
 
 def _suggestion(item: dict[str, Any]) -> str:
-    key = str(item["loc"][-1])
-    known = _known_keys(item["loc"][:-1])
+    key, section_loc = str(item["loc"][-1]), item["loc"][:-1]
+    known = _known_keys(section_loc)
     close = difflib.get_close_matches(key, known, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
-    return f"{hint} accepted keys: {', '.join(sorted(known))}" if known else hint
+    if known:
+        hint += f"{' A' if close else '; a'}ccepted keys: {', '.join(sorted(known))}"
+    return hint + _other_variants_hint(key, section_loc)
 
 
 def _known_keys(section_loc: tuple[Any, ...]) -> list[str]:
-    model: type[BaseModel] | None = RunConfig
-    for part in section_loc:
-        field = model.model_fields.get(str(part)) if model else None
-        annotation = field.annotation if field else None
-        model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
-    return list(model.model_fields) if model else []
+    """The keys the config section at ``section_loc`` accepts (a variant's own keys after its tag, e.g.
+    ``("algorithm", "loss", "grpo")``); [] when the location is not a section."""
+    model = _section_at(section_loc)
+    return list(model.model_fields) if isinstance(model, type) else []
+
+
+def _section_at(loc: tuple[Any, ...]) -> type[BaseModel] | dict[str, type[BaseModel]] | None:
+    """What sits at ``loc`` under :class:`RunConfig`: a section's model, ``{name: model}`` for a section with
+    variants (a union discriminated by ``name``; the next part of ``loc`` is then the name), or None."""
+    current: type[BaseModel] | dict[str, type[BaseModel]] | None = RunConfig
+    for part in map(str, loc):
+        if part.startswith("function-"):  # a validator's frame in pydantic's error location, not a key
+            continue
+        if isinstance(current, dict):
+            current = current.get(part)
+        elif current is not None:
+            field = current.model_fields.get(part)
+            current = _section_type(field.annotation) if field else None
+    return current
+
+
+def _section_type(annotation: Any) -> type[BaseModel] | dict[str, type[BaseModel]] | None:
+    from typing import get_args
+
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    members = get_args(annotation)
+    if members and all(
+        isinstance(m, type) and issubclass(m, BaseModel) and "name" in m.model_fields for m in members
+    ):
+        return {tag: m for m in members for tag in get_args(m.model_fields["name"].annotation)}
+    return None
+
+
+def _drop_keys_of_other_variant(section: dict[str, Any], section_loc: tuple[str, ...], name: str) -> None:
+    variants = _section_at(section_loc)
+    if not isinstance(variants, dict) or name not in variants:
+        return  # not a section with variants, or an unknown name (validation reports it)
+    accepted = variants[name].model_fields
+    for key in [k for k in section if k not in accepted]:
+        del section[key]
+
+
+def _variant_problem(item: dict[str, Any]) -> str:
+    """An unknown or missing ``name`` in a section with variants: list the names and their keys."""
+    loc = tuple(str(p) for p in item["loc"])
+    variants = _section_at(loc)
+    given = item.get("input")
+    if not isinstance(given, dict):
+        problem = f"expected a mapping with a 'name', got {given!r}"
+    elif "name" in given:
+        problem = f"unknown name {given['name']!r}"
+    else:
+        problem = "no 'name' given"
+    choices = "; ".join(f"{tag} ({_settings_of(model)})" for tag, model in variants.items())
+    example = f"--set '{'.'.join(loc)}={{name: {next(iter(variants))}}}'"
+    return f"{problem}; choose one of: {choices}. Example: {example}"
+
+
+def _settings_of(model: type[BaseModel]) -> str:
+    return ", ".join(k for k in model.model_fields if k != "name") or "no settings"
+
+
+def _other_variants_hint(key: str, section_loc: tuple[Any, ...]) -> str:
+    """For a key of another variant (``eps_high`` under ``loss: {name: sapo}``): which variants take it and
+    how to switch."""
+    if len(section_loc) < 2:
+        return ""
+    variants = _section_at(section_loc[:-1])
+    if not isinstance(variants, dict):
+        return ""
+    owners = [tag for tag, model in variants.items() if key in model.model_fields]
+    if not owners:
+        return ""
+    path = ".".join(map(str, section_loc[:-1]))
+    return (
+        f"; {key!r} is a setting of {path} {' / '.join(owners)}, not {section_loc[-1]}: to switch, "
+        f"--set {path}.name={owners[0]}"
+    )

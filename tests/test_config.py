@@ -99,11 +99,86 @@ def test_wrong_type_names_field():
 
 def test_loss_settings_belong_to_their_loss():
     message = error_of(raw(algorithm={"loss": {"name": "sapo", "eps_high": 0.28}}))
-    assert "algorithm.loss.sapo.eps_high: unknown key" in message
+    assert message.splitlines()[1] == (
+        "  - algorithm.loss.sapo.eps_high: unknown key; accepted keys: agg, entropy_coef, kl_coef, level, max_len, "
+        "name, tau_neg, tau_pos; 'eps_high' is a setting of algorithm.loss grpo / gspo / gspo_token, not sapo: "
+        "to switch, --set algorithm.loss.name=grpo"
+    )
 
 
-def test_unknown_loss_name():
-    assert "algorithm.loss" in error_of(raw(algorithm={"loss": {"name": "ppo"}}))
+@pytest.mark.parametrize(
+    ("sections", "line"),
+    [
+        (
+            {"parallel": {"tpp": 2}},
+            "parallel.tpp: unknown key; did you mean 'tp'? Accepted keys: cp, ep, etp, ",
+        ),
+        (
+            {"algorithm": {"advantage": {"std": 1}}},
+            "algorithm.advantage.std: unknown key; accepted keys: eps, name",
+        ),
+        (
+            {"algorithm": {"correction": {"name": "tis", "cap_": 3}}},
+            "algorithm.correction.tis.cap_: unknown key; did you mean 'cap'? Accepted keys: cap, name",
+        ),
+        (
+            {"algorithm": {"loss": {"name": "gspo", "tau_pos": 1}}},
+            "algorithm.loss.gspo.tau_pos: unknown key; accepted keys: agg, entropy_coef, eps_high, eps_low, "
+            "kl_coef, max_len, name; 'tau_pos' is a setting of algorithm.loss sapo, not gspo: to switch, "
+            "--set algorithm.loss.name=sapo",
+        ),
+        (
+            {"algorithm": {"reward_fn": "x"}},
+            "algorithm.reward_fn: unknown key; did you mean 'reward'? Accepted keys: ",
+        ),
+    ],
+    ids=["parallel", "advantage", "correction", "loss", "algorithm"],
+)
+def test_every_unknown_key_error_lists_the_accepted_keys(sections, line):
+    assert f"  - {line}" in error_of(raw(**sections))
+
+
+def test_unknown_or_missing_variant_name_lists_the_variants():
+    message = error_of(raw(algorithm={"loss": {"name": "ppo"}}))
+    assert (
+        "algorithm.loss: unknown name 'ppo'; choose one of: sapo (agg, max_len, kl_coef, entropy_coef, "
+        in message
+    )
+    assert "grpo (agg, max_len, kl_coef, entropy_coef, eps_low, eps_high, dual_clip)" in message
+    message = error_of(raw(algorithm={"correction": {"cap": 3}}))
+    assert message.splitlines()[1] == (
+        "  - algorithm.correction: no 'name' given; choose one of: none (no settings); tis (cap); icepop (low, high). "
+        "Example: --set 'algorithm.correction={name: none}'"
+    )
+    assert "algorithm.loss: expected a mapping with a 'name', got 'grpo'" in error_of(
+        raw(algorithm={"loss": "grpo"})
+    )
+
+
+def test_setting_a_loss_name_switches_the_loss_and_keeps_shared_settings(tmp_path):
+    path = tmp_path / "run.yaml"
+    loss = {"name": "sapo", "tau_pos": 2.0, "tau_neg": 3.0, "kl_coef": 0.05, "agg": "token-mean"}
+    path.write_text(yaml.safe_dump({"model": {"hf_config": tiny_hf_config()}, "algorithm": {"loss": loss}}))
+    cfg = load_config(path, {"algorithm.loss.name": "grpo", "algorithm.correction.name": "tis"})
+    assert cfg.algorithm.loss.model_dump() == {
+        "name": "grpo",
+        "agg": "token-mean",  # shared settings stay
+        "kl_coef": 0.05,
+        "entropy_coef": 0.0,
+        "max_len": None,
+        "eps_low": 0.2,  # grpo's own defaults; sapo's tau_pos / tau_neg are gone
+        "eps_high": 0.28,
+        "dual_clip": None,
+    }
+    assert cfg.algorithm.correction.name == "tis" and cfg.algorithm.correction.cap == 2.0
+    cfg = load_config(path, {"algorithm.loss.name": "gspo", "algorithm.loss.eps_high": 5e-4})
+    assert (cfg.algorithm.loss.name, cfg.algorithm.loss.eps_high) == ("gspo", 5e-4)
+    assert load_config(path, {"name": "x"}).algorithm.loss.tau_pos == 2.0  # a run's name is no variant
+
+
+def test_cli_switches_the_loss_of_the_demo(capsys):
+    assert main(["train", "--dry-run", "--set", "algorithm.loss.name=grpo"]) == 0
+    assert "config OK" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(HAVE_TE, reason="checks the message shown where Transformer Engine is missing")
@@ -160,12 +235,34 @@ def test_bad_yaml_and_missing_file(tmp_path):
 
 
 def test_resolved_config_round_trips(tmp_path):
-    cfg = config_from_dict(raw(trainer={"steps": 7}))
-    path = cfg.save_resolved(tmp_path / "config.yaml")
-    again = load_config(path)
-    assert again.model_dump() == cfg.model_dump() | {"model": again.model_dump()["model"]}
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(__import__("json").dumps(tiny_hf_config()))
+    settings = {
+        "trainer": {"steps": 7, "prompts_per_step": 4},
+        "parallel": {"micro_batches": 2},
+        "algorithm": {"loss": {"name": "grpo", "eps_high": 0.3}, "correction": {"name": "tis", "cap": 3.0}},
+        "rollout": {"temperature": 0.5, "n_samples": 4},
+        "data": {"train": "train.jsonl", "digits": 3},
+    }
+    cfg = config_from_dict({"model": {"hf_config": str(tmp_path / "hf")}, **settings})
+    saved = cfg.save_resolved(tmp_path / "out" / "config.yaml")
+    again = load_config(saved)
+    assert again.model_dump(exclude={"model"}) == cfg.model_dump(exclude={"model"})
+    assert again.model.hf_config == tiny_hf_config_resolved(cfg)  # the architecture is inlined
+    assert again.model.model_dump(exclude={"hf_config"}) == cfg.model.model_dump(exclude={"hf_config"})
     assert again.model.arch == cfg.model.arch
-    assert again.trainer.steps == 7
+    assert (again.trainer.steps, again.algorithm.loss.eps_high, again.algorithm.correction.cap) == (
+        7,
+        0.3,
+        3.0,
+    )
+    assert again.model_dump() != config_from_dict(raw()).model_dump()  # the settings above are no defaults
+
+
+def tiny_hf_config_resolved(cfg) -> dict:
+    """The HF config as save_resolved writes it (a path in ``cfg`` becomes this mapping)."""
+    assert isinstance(cfg.model.hf_config, str)
+    return cfg.model.arch.to_hf_dict()
 
 
 def test_embedded_default_validates():

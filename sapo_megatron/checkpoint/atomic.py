@@ -108,16 +108,84 @@ def read_marker(directory: str | Path) -> dict[str, Any]:
     return marker
 
 
+RUN_CHECKPOINTS = "checkpoints"
+"""The folder of a training run (``output_dir``) that holds its training states and their ``latest`` pointer."""
+
+
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory from either the directory itself or a run folder holding a ``latest`` pointer."""
+    """A checkpoint directory from the directory itself, a folder holding a ``latest`` pointer, or a run folder
+    (``output_dir``, whose ``checkpoints/latest`` names the newest training state)."""
     path = Path(path)
-    pointer = path / LATEST
-    if not (path / MARKER).exists() and pointer.is_file():
-        name = pointer.read_text().strip()
-        if not name or "/" in name or name.startswith("."):
-            raise IncompleteCheckpointError(f"{pointer} holds {name!r}, not a checkpoint directory name")
-        return path / name
+    if (path / MARKER).exists():
+        return path
+    for folder in (path, path / RUN_CHECKPOINTS):
+        pointer = folder / LATEST
+        if pointer.is_file():
+            name = pointer.read_text().strip()
+            if not name or "/" in name or name.startswith("."):
+                raise IncompleteCheckpointError(f"{pointer} holds {name!r}, not a checkpoint directory name")
+            return folder / name
     return path
+
+
+_CHECKPOINT_FILES = ("metadata.json", ".metadata", "common.pt", HF_CONFIG)
+"""Files of a torch_dist checkpoint besides the marker: their presence means a save started here."""
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """:func:`resolve_checkpoint`, refusing with a message that lists what was looked for when ``path`` is
+    neither a checkpoint (complete or not), a folder with a ``latest`` pointer nor a run folder."""
+    path = Path(path)
+    resolved = resolve_checkpoint(path)
+    started_here = path.name.endswith(".partial") or any((path / name).exists() for name in _CHECKPOINT_FILES)
+    if resolved != path or started_here:
+        return resolved  # read_marker then tells a complete checkpoint from an interrupted save
+    if not path.is_dir():
+        raise IncompleteCheckpointError(f"checkpoint directory {path} does not exist")
+    raise IncompleteCheckpointError(
+        f"{path} is not a Megatron checkpoint: looked for {path / MARKER} (a checkpoint), {path / LATEST} (a "
+        f"folder of checkpoints) and {path / RUN_CHECKPOINTS / LATEST} (a training run's output_dir)"
+        + _run_folder_hint(path)
+    )
+
+
+def _run_folder_hint(path: Path) -> str:
+    if (path / RUN_CHECKPOINTS).is_dir():
+        return (
+            f"; {path / RUN_CHECKPOINTS} has no '{LATEST}' pointer: no checkpoint of this run was completed"
+        )
+    if (path / "hf" / "config.json").is_file():
+        return f"; this run's HF export is already in {path / 'hf'}"
+    return ""
+
+
+class PathConflictError(UserError, ValueError):
+    """An output path that is, contains or lies inside an input path."""
+
+
+def path_relation(output: str | Path, source: str | Path) -> str | None:
+    """How ``output`` overlaps ``source`` ("is the same directory as", "lies inside", "contains"), or None;
+    compared after resolving symbolic links."""
+    out, src = Path(output).resolve(), Path(source).resolve()
+    if out == src:
+        return "is the same directory as"
+    if out.is_relative_to(src):
+        return "lies inside"
+    if src.is_relative_to(out):
+        return "contains"
+    return None
+
+
+def refuse_overlap(output: str | Path, inputs: dict[str, str | Path | None]) -> None:
+    """:class:`PathConflictError` when ``output`` is one of ``inputs`` (``{description: path}``; None entries
+    are skipped), lies inside one or contains one: writing it, even with ``--force``, would destroy an input."""
+    for description, source in inputs.items():
+        relation = None if source is None else path_relation(output, source)
+        if relation is not None:
+            raise PathConflictError(
+                f"the output directory {output} {relation} the {description} {source}; writing it would "
+                "overwrite the input (--force does not change that): choose an output directory outside it"
+            )
 
 
 def publish(tmp: Path, final: Path, *, replace: bool = True) -> None:

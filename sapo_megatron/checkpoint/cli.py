@@ -2,10 +2,12 @@
 
     sapo-megatron convert hf-to-megatron --hf DIR --out DIR [--force]
     sapo-megatron convert megatron-to-hf --megatron DIR --out DIR [--hf-reference DIR] [--max-shard-size 5GB]
+        (DIR: a checkpoint, a folder with a 'latest' pointer, or a training run's output_dir)
     sapo-megatron convert verify --hf DIR --megatron DIR [--tolerance X] [--tp N --pp N --ep N ...]
 
 ``verify`` under ``torchrun`` checks a parallel layout (every rank runs the command). Exit status: 0 on success,
-1 when the parity check fails, 2 on invalid input (the message names the problem).
+1 when the parity check fails, 2 on invalid input (the message names the problem). An output directory that is,
+contains or lies inside an input is refused before anything is written, even with ``--force``.
 """
 
 from __future__ import annotations
@@ -13,9 +15,12 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from pathlib import Path
 
+from sapo_megatron.checkpoint import atomic
 from sapo_megatron.checkpoint.atomic import IncompleteCheckpointError
 from sapo_megatron.checkpoint.mapping import MappingError
+from sapo_megatron.errors import UserError
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
@@ -50,9 +55,17 @@ def add_convert_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
     h2m.set_defaults(func=run_hf_to_megatron, handler=run_hf_to_megatron)
 
     m2h = commands.add_parser("megatron-to-hf", help="Megatron torch_dist → HF safetensors")
-    m2h.add_argument("--megatron", required=True, help="Megatron checkpoint (or a run folder with 'latest')")
+    m2h.add_argument(
+        "--megatron",
+        required=True,
+        help="Megatron checkpoint, a folder with a 'latest' pointer, or a training run's output_dir",
+    )
     m2h.add_argument("--out", required=True, help="output HF checkpoint directory")
-    m2h.add_argument("--hf-reference", default=None, help="HF directory to copy tokenizer files from")
+    m2h.add_argument(
+        "--hf-reference",
+        default=None,
+        help="HF directory to copy tokenizer files from (default for a run folder: its hf/ export)",
+    )
     m2h.add_argument("--max-shard-size", type=parse_size, default="5GB", help="per safetensors file")
     m2h.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default=None, help="default: as stored")
     _common_output_args(m2h)
@@ -83,7 +96,7 @@ def _fail(err: BaseException) -> int:
     return 2
 
 
-_INPUT_ERRORS = (ValueError, MappingError, FileExistsError, IncompleteCheckpointError)
+_INPUT_ERRORS = (UserError, ValueError, MappingError, FileExistsError, IncompleteCheckpointError)
 """Bad input, reported as one line (ConversionError, ArchError, CheckpointMismatchError are ValueErrors)."""
 
 
@@ -103,11 +116,14 @@ def run_hf_to_megatron(args: argparse.Namespace) -> int:
 def run_megatron_to_hf(args: argparse.Namespace) -> int:
     from sapo_megatron.checkpoint.convert import megatron_to_hf
 
+    reference = args.hf_reference or run_tokenizer_reference(Path(args.megatron), Path(args.out))
+    if reference is not None and args.hf_reference is None:
+        print(f"copying the run's tokenizer files from {reference}")
     try:
         out = megatron_to_hf(
             args.megatron,
             args.out,
-            args.hf_reference,
+            reference,
             max_shard_bytes=args.max_shard_size,
             dtype=args.dtype,
             force=args.force,
@@ -117,6 +133,20 @@ def run_megatron_to_hf(args: argparse.Namespace) -> int:
         return _fail(err)
     print(f"wrote HF checkpoint {out}")
     return 0
+
+
+def run_tokenizer_reference(run_dir: Path, out: Path) -> Path | None:
+    """For a training run's output_dir: the folder holding its tokenizer files (its final HF export, else the
+    rollout weights), so that the export is complete without ``--hf-reference``; None for other inputs."""
+    from sapo_megatron.checkpoint.convert import TOKENIZER_FILES
+
+    if not (run_dir / atomic.RUN_CHECKPOINTS).is_dir():
+        return None
+    for candidate in (run_dir / "hf", run_dir / "rollout_weights"):
+        has_tokenizer = any((candidate / name).is_file() for name in TOKENIZER_FILES)
+        if has_tokenizer and atomic.path_relation(out, candidate) is None:
+            return candidate
+    return None
 
 
 def run_verify(args: argparse.Namespace) -> int:

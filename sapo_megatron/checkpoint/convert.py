@@ -48,6 +48,7 @@ from sapo_megatron.checkpoint.safetensors_stream import (
     write_index,
     write_shard,
 )
+from sapo_megatron.data.tokenizer import HF_TOKENIZER_FILES, TOKENIZER_FILE
 from sapo_megatron.errors import UserError
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
@@ -56,16 +57,9 @@ DEFAULT_TOLERANCE = {"fp32": 1e-3, "bf16": 0.25}
 """Default bound on max |Δlogit| by compute dtype (the tests hold tiny models to 1e-4 in fp32)."""
 
 TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "chat_template.jinja",
+    *HF_TOKENIZER_FILES,
     "generation_config.json",
-    "char_tokenizer.json",  # the embedded demo's character tokenizer (sapo_megatron.data.tokenizer)
+    TOKENIZER_FILE,  # the embedded demo's character tokenizer (sapo_megatron.data.tokenizer)
 )
 SAFETENSORS_DTYPE_NAMES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 
@@ -251,6 +245,7 @@ def hf_to_megatron(
     """
 
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    atomic.refuse_overlap(out_dir, {"HF checkpoint (--hf)": hf_dir})
     atomic.refuse_overwrite(out_dir, force=force)
     raw_config, arch = read_hf_config(hf_dir)
     try:
@@ -536,6 +531,10 @@ def megatron_to_hf(
 ) -> Path:
     """Export a Megatron torch_dist checkpoint (saved under any layout) as an HF safetensors checkpoint.
 
+    ``megatron_dir`` is a checkpoint (a conversion output, model weights or a training state), a folder with a
+    ``latest`` pointer, or a training run's ``output_dir`` (its newest training state). ``out_dir`` must not
+    be, contain or lie inside an input.
+
     Writes size-bounded shards (+ ``model.safetensors.index.json``), ``config.json`` from the HF config stored
     in the checkpoint (else from ``hf_reference``), and the tokenizer files of ``hf_reference``. Parameters are
     read in batches of about ``read_batch_bytes`` and streamed into the shards, so memory stays bounded by
@@ -543,17 +542,20 @@ def megatron_to_hf(
     the stored dtype of the embedding, i.e. the model's parameter dtype; a training checkpoint of a bf16
     model keeps its norms in fp32, HF checkpoints do not).
     """
-    from sapo_megatron.megatron import dist_ckpt
-
     out_dir = Path(out_dir)
+    path = atomic.find_checkpoint(megatron_dir)
+    atomic.refuse_overlap(
+        out_dir, {"Megatron checkpoint (--megatron)": path, "HF reference (--hf-reference)": hf_reference}
+    )
     atomic.refuse_overwrite(out_dir, force=force)
-    path = atomic.resolve_checkpoint(megatron_dir)
     atomic.read_marker(path)
     raw_config = _checkpoint_hf_config(path, hf_reference)
     try:
         arch = QwenArch.from_hf_dict(raw_config)
     except (ArchError, ValueError) as err:
         raise ConversionError(f"HF config of {path}: {err}") from err
+    from sapo_megatron.megatron import dist_ckpt  # after the input checks: importing Megatron takes seconds
+
     with dist_ckpt.single_process_megatron():
         layout = dist_ckpt.reference_layout(dist_ckpt.build_meta_model(arch))
         plans = plan_params(layout, arch)
@@ -728,7 +730,7 @@ def verify(
     from sapo_megatron.megatron.model import BuildOptions, build_gpt_model
 
     hf_dir = Path(hf_dir)
-    mc_path = atomic.resolve_checkpoint(megatron_dir)
+    mc_path = atomic.find_checkpoint(megatron_dir)
     atomic.read_marker(mc_path)
     _, arch = read_hf_config(hf_dir)
     stored = _checkpoint_hf_config(mc_path, hf_dir)

@@ -32,8 +32,10 @@ class PromptRow:
 def load_prompts(path: str | Path) -> list[PromptRow]:
     """Read ``.jsonl`` (one JSON object per line; blank lines are skipped) or ``.parquet``."""
     path = Path(path)
+    if path.is_dir():
+        raise DatasetError(f"{path} is a directory; give a .jsonl or .parquet prompt file")
     if not path.is_file():
-        raise DatasetError(f"{path}: no such file")
+        raise DatasetError(f"{path}: no such file" + _relative_hint(path))
     suffix = path.suffix.lower()
     if suffix in (".jsonl", ".json"):
         rows = _load_jsonl(path)
@@ -42,7 +44,7 @@ def load_prompts(path: str | Path) -> list[PromptRow]:
     else:
         raise DatasetError(f"{path}: unknown prompt file type {suffix!r} (expected .jsonl or .parquet)")
     if not rows:
-        raise DatasetError(f"{path}: no rows")
+        raise DatasetError(f"{path}: no rows (the file is empty or holds only blank lines)")
     return rows
 
 
@@ -69,18 +71,33 @@ def _row(record: Any, where: str) -> PromptRow:
     return PromptRow(prompt=record["prompt"], ground_truth=record["ground_truth"], domain=domain)
 
 
+def _relative_hint(path: Path) -> str:
+    return "" if path.is_absolute() else f" (relative to the current directory {Path.cwd()})"
+
+
+def _jsonl_lines(path: Path) -> Iterator[tuple[int, str]]:
+    """``(line number, text)`` of the non-blank lines of a jsonl file, 1-based: the lines that hold rows."""
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DatasetError(
+                    f"{path}:{line_no}: not UTF-8 text (byte {raw[exc.start]:#04x} at column {exc.start + 1})"
+                ) from None
+            if line.strip():
+                yield line_no, line
+
+
 def _load_jsonl(path: Path) -> list[PromptRow]:
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{line_no}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DatasetError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
-            rows.append(_row(record, where))
+    for line_no, line in _jsonl_lines(path):
+        where = f"{path}:{line_no}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
+        rows.append(_row(record, where))
     return rows
 
 
@@ -111,8 +128,10 @@ def _fingerprint(rows: Sequence[PromptRow]) -> str:
 class PromptIterator:
     """Batches of prompt rows, epoch after epoch, in a shuffled order fixed by ``(seed, epoch)``.
 
-    Batches run across epoch boundaries (no row is dropped). ``state_dict()`` records where the next batch starts;
-    an iterator given that state with ``load_state_dict`` yields exactly the batches the original would have.
+    ``next(it)`` gives ``batch_size`` rows, ``it.take(n)`` the next ``n`` (dynamic sampling's refills); both
+    run across epoch boundaries and consume rows in the same single order, so no row is skipped.
+    ``state_dict()`` records where the next row is; an iterator given that state with ``load_state_dict``
+    yields exactly the rows the original would have.
     ``num_epochs=None`` iterates forever.
     """
 
@@ -150,8 +169,18 @@ class PromptIterator:
         return self
 
     def __next__(self) -> list[PromptRow]:
-        batch: list[PromptRow] = []
-        while len(batch) < self.batch_size:
+        batch = self.take(self.batch_size)
+        if not batch:
+            raise StopIteration
+        return batch
+
+    def take(self, n: int) -> list[PromptRow]:
+        """The next ``n`` rows, continuing the epoch (and the next ones); fewer only when ``num_epochs`` runs
+        out. ``state_dict()`` afterwards points just past them, so a resumed iterator continues exactly."""
+        if n < 0:
+            raise ValueError(f"PromptIterator.take: n must be >= 0, got {n}")
+        rows: list[PromptRow] = []
+        while len(rows) < n:
             if self.position >= len(self.rows):
                 self.epoch += 1
                 self.position = 0
@@ -159,12 +188,10 @@ class PromptIterator:
                 break
             if self._order_epoch != self.epoch:
                 self._order, self._order_epoch = self.order(self.epoch), self.epoch
-            take = min(self.batch_size - len(batch), len(self.rows) - self.position)
-            batch.extend(self.rows[i] for i in self._order[self.position : self.position + take])
-            self.position += take
-        if not batch:
-            raise StopIteration
-        return batch
+            count = min(n - len(rows), len(self.rows) - self.position)
+            rows.extend(self.rows[i] for i in self._order[self.position : self.position + count])
+            self.position += count
+        return rows
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -187,11 +214,55 @@ class PromptIterator:
         }
         for key, value in expected.items():
             if state.get(key) != value:
-                raise ValueError(
-                    f"PromptIterator.load_state_dict: saved {key}={state.get(key)!r} but this iterator has {value!r}; "
-                    "resuming would not continue the same sequence"
+                raise DatasetError(
+                    f"cannot resume the prompt order: the checkpoint was saved with {key}={state.get(key)!r}, this "
+                    f"run has {value!r} (different prompt data, seed or shuffling); resuming would not continue "
+                    "the same sequence",
+                    hint="resume with the data files and seed the checkpoint was written with, or start a new run",
                 )
         if not 0 <= int(state["position"]) <= len(self.rows):
             raise ValueError(f"PromptIterator.load_state_dict: position {state['position']} out of range")
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
+
+
+def check_encodable(
+    rows: Sequence[PromptRow], tokenizer: Any, source: str, *, template: str = "{prompt}"
+) -> None:
+    """Raise :class:`~sapo_megatron.data.tokenizer.TokenizerError` naming the first row whose prompt (as
+    formatted by ``template``) or ground truth (the SFT target) the tokenizer cannot encode.
+
+    ``source`` is where ``rows`` came from: a jsonl file (the error then gives ``file:line``), a parquet file
+    (``file row i``) or another name (``name row i``). Only tokenizers that can refuse text (the char
+    tokenizer: ``first_unknown``) are checked; an HF tokenizer maps anything to some ids.
+    """
+    from sapo_megatron.data.tokenizer import TokenizerError
+
+    first_unknown = getattr(tokenizer, "first_unknown", None)
+    if first_unknown is None:
+        return
+    for index, row in enumerate(rows):
+        for field, text in (
+            ("prompt", template.format(prompt=row.prompt)),
+            ("ground_truth", row.ground_truth),
+        ):
+            unknown = first_unknown(text)
+            if unknown is None:
+                continue
+            position, char = unknown
+            raise TokenizerError(
+                f"{_row_location(source, index)}: {field} {text!r} has the character {char!r} (position "
+                f"{position}), which the char tokenizer cannot encode",
+                hint=f"it knows only {tokenizer.chars!r}; remove such rows or set data.tokenizer to a "
+                "tokenizer that covers them",
+            )
+
+
+def _row_location(source: str, index: int) -> str:
+    """``file:line`` of row ``index`` of a jsonl file (blank lines hold no row), else ``source row index``."""
+    path = Path(source)
+    if path.suffix.lower() in (".jsonl", ".json") and path.is_file():
+        for row_index, (line_no, _) in enumerate(_jsonl_lines(path)):
+            if row_index == index:
+                return f"{path}:{line_no}"
+    return f"{source} row {index}"

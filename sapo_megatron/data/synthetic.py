@@ -12,7 +12,7 @@ from typing import Literal
 
 import numpy as np
 
-from sapo_megatron.data.prompts import PromptRow
+from sapo_megatron.data.prompts import DatasetError, PromptRow
 
 DOMAIN = "addition"
 Split = Literal["train", "heldout"]
@@ -47,7 +47,7 @@ def make_addition_rows(
     """``n`` distinct addition problems of one split.
 
     ``digits`` is the operand length, or an inclusive range drawn uniformly per problem. Problems are distinct as
-    ordered pairs; raises ValueError when the split has too few problems left to draw ``n``.
+    ordered pairs; raises :class:`DatasetError` (a ValueError) when the split has too few problems to draw ``n``.
     """
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
@@ -62,9 +62,9 @@ def make_addition_rows(
     while len(rows) < n:
         attempts += 1
         if attempts > max_attempts_per_row * max(n, 1):
-            raise ValueError(
-                f"could draw only {len(rows)} of {n} distinct {split} problems with digits={digits}; "
-                "ask for fewer or allow more digits"
+            raise DatasetError(
+                f"could draw only {len(rows)} of {n} distinct {split} addition problems with digits={digits}; "
+                f"ask for fewer (data.{split}_size) or allow more digits (data.digits)"
             )
         lo, hi = ranges[int(rng.integers(len(ranges)))]
         a, b = (int(x) for x in rng.integers(lo, hi + 1, size=2))

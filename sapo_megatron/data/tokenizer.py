@@ -1,15 +1,51 @@
-"""A character-level tokenizer for the embedded demo: a fixed, tiny vocabulary, saved as one small JSON file."""
+"""Tokenizers the trainer uses: the embedded demo's character tokenizer and an adapter for HF tokenizers.
+
+Both give the same small interface: ``encode(text, add_bos=, add_eos=)``, ``decode(ids)``, ``vocab_size``,
+``pad_id`` / ``bos_id`` / ``eos_id`` and ``save(directory)``.
+
+:meth:`CharTokenizer.save` writes its own ``char_tokenizer.json`` (read by this project, e.g. the CPU rollout
+server) and the same vocabulary as a Hugging Face fast tokenizer (``tokenizer.json``, ``tokenizer_config.json``,
+``special_tokens_map.json``), so that an exported demo model loads with ``transformers.AutoTokenizer`` next to
+``AutoModelForCausalLM``. That HF tokenizer gives the ids of :meth:`CharTokenizer.encode`: with
+``add_special_tokens=True`` (transformers' default) it prepends ``<bos>`` like ``encode(text, add_bos=True)`` –
+which is how the trainer encodes prompts, so ``generate`` sees exactly what the rollouts saw; with
+``add_special_tokens=False`` it equals ``encode(text)``. It never appends ``<eos>`` (prompts do not end with
+one; generation stops at it). A character outside the vocabulary is an error there too (the vocabulary has no
+unknown token).
+"""
 
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
+
+from sapo_megatron.errors import UserError
 
 TOKENIZER_FILE = "char_tokenizer.json"
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>")
 # Digits, arithmetic, the answer markers the rewards understand ("=", "####"), and lower-case words.
 DEFAULT_CHARS = " 0123456789+-*/=()#.,:?abcdefghijklmnopqrstuvwxyz"
+
+HF_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+"""Files that make up a Hugging Face tokenizer (whichever of them a tokenizer directory has)."""
+
+
+class TokenizerError(UserError, ValueError):
+    """A tokenizer that cannot be loaded, or text it cannot encode."""
 
 
 class CharTokenizer:
@@ -27,18 +63,23 @@ class CharTokenizer:
     def vocab_size(self) -> int:
         return self._offset + len(self.chars)
 
-    def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
-        ids = [self.bos_id] if add_bos else []
+    def first_unknown(self, text: str) -> tuple[int, str] | None:
+        """``(position, character)`` of the first character of ``text`` outside the vocabulary, or None."""
         for position, char in enumerate(text):
-            token = self._char_to_id.get(char)
-            if token is None:
-                raise ValueError(
-                    f"CharTokenizer: character {char!r} at position {position} of {text!r} is not in the vocabulary"
-                )
-            ids.append(token)
-        if add_eos:
-            ids.append(self.eos_id)
-        return ids
+            if char not in self._char_to_id:
+                return position, char
+        return None
+
+    def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+        unknown = self.first_unknown(text)
+        if unknown is not None:
+            position, char = unknown
+            raise TokenizerError(
+                f"the char tokenizer cannot encode {char!r} (position {position} of {text!r}); "
+                f"it knows only {self.chars!r}"
+            )
+        ids = [self._char_to_id[char] for char in text]
+        return [*([self.bos_id] if add_bos else []), *ids, *([self.eos_id] if add_eos else [])]
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
         out = []
@@ -54,14 +95,57 @@ class CharTokenizer:
         return "".join(out)
 
     def save(self, directory: str | Path) -> Path:
-        path = Path(directory) / TOKENIZER_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
+        """Write ``char_tokenizer.json`` and the HF tokenizer files into ``directory``; returns the former."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        path = directory / TOKENIZER_FILE
         path.write_text(
             json.dumps(
                 {"type": "char", "version": 1, "special_tokens": list(SPECIAL_TOKENS), "chars": self.chars}
             )
         )
+        self.save_hf(directory)
         return path
+
+    def save_hf(self, directory: str | Path) -> None:
+        """The vocabulary as a Hugging Face fast tokenizer (see the module docstring for its ids)."""
+        directory = Path(directory)
+        self.hf_backend().save(str(directory / "tokenizer.json"))
+        special = {
+            "pad_token": SPECIAL_TOKENS[0],
+            "bos_token": SPECIAL_TOKENS[1],
+            "eos_token": SPECIAL_TOKENS[2],
+        }
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            **special,
+            "add_bos_token": True,
+            "add_eos_token": False,
+            # Spaces are tokens here: transformers' clean-up would delete the one before "," or ".".
+            "clean_up_tokenization_spaces": False,
+            # Decoder-only generation continues the last token: batches of prompts pad on the left.
+            "padding_side": "left",
+        }
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (directory / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+
+    def hf_backend(self) -> Any:
+        """A ``tokenizers.Tokenizer`` with this vocabulary: one token per character, ``<bos>`` prepended by
+        its post-processor, special tokens marked special (skipped by ``decode(skip_special_tokens=True)``)."""
+        from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+        vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
+        vocab.update(self._char_to_id)
+        backend = Tokenizer(models.WordLevel(vocab, unk_token=None))
+        # Every character on its own (no normaliser: the vocabulary is case- and space-sensitive).
+        backend.pre_tokenizer = pre_tokenizers.Split(Regex("(?m:.)"), behavior="isolated")
+        backend.decoder = decoders.Fuse()  # join tokens without the word-level decoder's spaces
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+        bos = SPECIAL_TOKENS[self.bos_id]
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A $B:1", special_tokens=[(bos, self.bos_id)]
+        )
+        return backend
 
     @classmethod
     def load(cls, directory: str | Path) -> CharTokenizer:
@@ -69,13 +153,14 @@ class CharTokenizer:
         try:
             data = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"CharTokenizer: cannot read {path}: {exc}") from exc
+            raise TokenizerError(f"cannot read the char tokenizer {path}: {exc}") from exc
         if (
-            data.get("type") != "char"
+            not isinstance(data, dict)
+            or data.get("type") != "char"
             or data.get("special_tokens") != list(SPECIAL_TOKENS)
             or not isinstance(data.get("chars"), str)
         ):
-            raise ValueError(f"CharTokenizer: {path} is not a char tokenizer file of this version")
+            raise TokenizerError(f"{path} is not a char tokenizer file of this version")
         return cls(data["chars"])
 
     def __eq__(self, other: object) -> bool:
@@ -91,12 +176,23 @@ class HFTokenizer:
     def __init__(self, directory: str | Path) -> None:
         from transformers import AutoTokenizer
 
-        self._tok = AutoTokenizer.from_pretrained(str(directory))
+        self.directory = Path(directory)
+        if not any((self.directory / name).is_file() for name in HF_TOKENIZER_FILES):
+            raise TokenizerError(
+                f"{directory} holds no tokenizer: none of {', '.join(HF_TOKENIZER_FILES[:4])}, ... is there"
+            )
+        try:
+            self._tok = AutoTokenizer.from_pretrained(str(directory))
+        except (OSError, ValueError) as exc:  # transformers' ways of saying "no usable tokenizer here"
+            reason = " ".join(str(exc).split())  # its messages span several lines
+            raise TokenizerError(f"cannot load the HF tokenizer in {directory}: {reason}") from exc
         self.eos_id = self._tok.eos_token_id
         self.pad_id = self._tok.pad_token_id if self._tok.pad_token_id is not None else self.eos_id
         self.bos_id = self._tok.bos_token_id
         if self.eos_id is None:
-            raise ValueError(f"tokenizer in {directory} defines no eos token; RL needs one to stop responses")
+            raise TokenizerError(
+                f"the tokenizer in {directory} defines no eos token; RL needs one to stop responses"
+            )
 
     @property
     def vocab_size(self) -> int:
@@ -112,8 +208,16 @@ class HFTokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def save(self, directory: str | Path) -> Path:
-        self._tok.save_pretrained(str(directory))
-        return Path(directory)
+        """Copy the tokenizer files of the directory it was loaded from, unchanged (``save_pretrained`` would
+        re-serialise them, and may drop files such as a chat template it does not know)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        copied = [name for name in HF_TOKENIZER_FILES if (self.directory / name).is_file()]
+        for name in copied:
+            shutil.copyfile(self.directory / name, directory / name)
+        if not copied:  # loaded through files of other names: let transformers write its own
+            self._tok.save_pretrained(str(directory))
+        return directory
 
 
 def load_tokenizer(spec: str) -> CharTokenizer | HFTokenizer:
@@ -124,5 +228,8 @@ def load_tokenizer(spec: str) -> CharTokenizer | HFTokenizer:
     if (Path(spec) / TOKENIZER_FILE).is_file():
         return CharTokenizer.load(spec)
     if not Path(spec).is_dir():
-        raise ValueError(f"data.tokenizer={spec!r}: not 'char' and not a tokenizer directory")
+        raise TokenizerError(
+            f"data.tokenizer={spec!r}: not 'char' and not a directory "
+            "(give 'char' or a directory holding tokenizer.json / tokenizer_config.json)"
+        )
     return HFTokenizer(spec)

@@ -8,18 +8,22 @@ from sapo_megatron.rewards.answers import (
 )
 from sapo_megatron.rewards.math_verify_reward import math_verify_available, math_verify_reward
 from sapo_megatron.rewards.registry import (
+    RewardError,
     RewardFn,
     SafeReward,
     available_rewards,
+    check_reward_available,
     get_reward,
     register_reward,
     safe_reward,
 )
 
 __all__ = [
+    "RewardError",
     "RewardFn",
     "SafeReward",
     "available_rewards",
+    "check_reward_available",
     "exact_match",
     "extract_final_answer",
     "extract_last_number",

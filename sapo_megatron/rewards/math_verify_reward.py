@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-_INSTALL_HINT = "the math_verify reward needs math-verify: pip install 'sapo-megatron[math]'"
+INSTALL_HINT = "the math_verify reward needs the math-verify package: pip install 'sapo-megatron[math]'"
 
 
 def math_verify_available() -> bool:
@@ -24,7 +24,7 @@ def math_verify_reward(response: str, ground_truth: str) -> float:
     try:
         from math_verify import parse, verify
     except ImportError as exc:
-        raise ImportError(_INSTALL_HINT) from exc
+        raise ImportError(INSTALL_HINT) from exc
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
     gold = parse(ground_truth, parsing_timeout=timeout)
     predicted = parse(response, parsing_timeout=timeout)

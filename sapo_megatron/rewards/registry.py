@@ -1,4 +1,5 @@
-"""Reward functions by name, and :func:`safe_reward`, which keeps a crashing reward from stopping training."""
+"""Reward functions by name, :func:`check_reward_available` (before training), and :class:`SafeReward`, which
+keeps a crashing reward from stopping training – up to a per-step error budget."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import threading
 from collections.abc import Callable
 from typing import Protocol
 
+from sapo_megatron.errors import UserError
 from sapo_megatron.rewards.answers import exact_match, numeric_match
-from sapo_megatron.rewards.math_verify_reward import math_verify_reward
+from sapo_megatron.rewards.math_verify_reward import INSTALL_HINT, math_verify_available, math_verify_reward
 
 logger = logging.getLogger(__name__)
 
@@ -20,16 +22,30 @@ class RewardFn(Protocol):
     def __call__(self, response: str, ground_truth: str) -> float: ...
 
 
+class RewardError(UserError, RuntimeError):
+    """Too many of a step's rewards raised: the reward function (or what it needs) is broken."""
+
+
 _REGISTRY: dict[str, RewardFn] = {}
+_MISSING_DEPENDENCY: dict[str, Callable[[], str | None]] = {}
+"""Per reward, a check that returns what is missing to run it (None when it can run)."""
 
 
-def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
-    """Decorator: make a reward function available to configs under ``name``."""
+def register_reward(
+    name: str, *, missing_dependency: Callable[[], str | None] | None = None
+) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: make a reward function available to configs under ``name``.
+
+    ``missing_dependency`` returns a message (what to install) when the reward cannot run here, else None;
+    :func:`check_reward_available` calls it before training.
+    """
 
     def decorator(fn: RewardFn) -> RewardFn:
         if name in _REGISTRY and _REGISTRY[name] is not fn:
             raise ValueError(f"a reward named {name!r} is already registered")
         _REGISTRY[name] = fn
+        if missing_dependency is not None:
+            _MISSING_DEPENDENCY[name] = missing_dependency
         return fn
 
     return decorator
@@ -46,15 +62,34 @@ def available_rewards() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def check_reward_available(name: str) -> None:
+    """Raise :class:`~sapo_megatron.config.ConfigError` (about ``algorithm.reward``) when ``name`` is not a
+    registered reward or a package it needs is missing, so that a run never scores every sample 0."""
+    from sapo_megatron.config import ConfigError
+
+    if name not in _REGISTRY:
+        raise ConfigError(
+            f"algorithm.reward={name!r} is not a registered reward; registered: "
+            + ", ".join(available_rewards())
+        )
+    missing = _MISSING_DEPENDENCY.get(name, lambda: None)()
+    if missing:
+        raise ConfigError(f"algorithm.reward={name!r} cannot run here: {missing}")
+
+
 register_reward("exact_match")(exact_match)
 register_reward("numeric_match")(numeric_match)
-register_reward("math_verify")(math_verify_reward)
+register_reward("math_verify", missing_dependency=lambda: None if math_verify_available() else INSTALL_HINT)(
+    math_verify_reward
+)
 
 
 class SafeReward:
-    """Wraps a reward: an exception (or a non-finite value) yields 0.0 and counts in ``reward/errors``.
+    """Wraps a reward: an exception (or a non-finite value) yields 0.0 and counts as an error.
 
-    The first exception is logged with its traceback; later ones only count.
+    ``errors`` / ``calls`` count the whole run; the step counters (since the last :meth:`take_step_metrics`)
+    feed ``reward/error_frac`` and :meth:`check_error_budget`, which stops the run when a step's share of
+    errors is too high. The first exception of the run is logged with its traceback; later ones only count.
     """
 
     def __init__(self, fn: RewardFn, name: str | None = None) -> None:
@@ -62,27 +97,60 @@ class SafeReward:
         self.name = name or getattr(fn, "__name__", type(fn).__name__)
         self.errors = 0
         self.calls = 0
+        self._step_errors = 0
+        self._step_calls = 0
+        self._step_first_error: str | None = None
         self._lock = threading.Lock()
 
     def __call__(self, response: str, ground_truth: str) -> float:
         with self._lock:
             self.calls += 1
+            self._step_calls += 1
         try:
             value = float(self.fn(response, ground_truth))
             if not math.isfinite(value):
                 raise ValueError(f"reward {self.name} returned {value}")
             return value
-        except Exception:
-            with self._lock:
-                self.errors += 1
-                first = self.errors == 1
-            if first:
-                logger.exception("reward %s raised; scoring 0.0 (later errors are only counted)", self.name)
+        except Exception as exc:
+            self._count_error(exc)
             return 0.0
 
+    def _count_error(self, exc: Exception) -> None:
+        with self._lock:
+            self.errors += 1
+            self._step_errors += 1
+            first_of_run = self.errors == 1
+            if self._step_first_error is None:
+                self._step_first_error = f"{type(exc).__name__}: {exc}"
+        if first_of_run:
+            logger.exception("reward %s raised; scoring 0.0 (later errors are only counted)", self.name)
+
     def metrics(self) -> dict[str, float]:
+        """Counts of the whole run."""
         with self._lock:
             return {"reward/errors": float(self.errors), "reward/calls": float(self.calls)}
+
+    def take_step_metrics(self) -> dict[str, float]:
+        """``reward/error_frac`` (errors / calls, 0 without calls) and ``reward/errors`` since the previous
+        call, then start counting the next step."""
+        with self._lock:
+            calls, errors = self._step_calls, self._step_errors
+            self._step_calls = self._step_errors = 0
+            self._step_first_error = None
+        return {"reward/error_frac": errors / calls if calls else 0.0, "reward/errors": float(errors)}
+
+    def check_error_budget(self, max_frac: float) -> None:
+        """Raise :class:`RewardError` when more than ``max_frac`` of this step's calls raised (a step without
+        calls passes). Call it before :meth:`take_step_metrics`, which resets the step."""
+        with self._lock:
+            calls, errors, first = self._step_calls, self._step_errors, self._step_first_error
+        if not calls or errors / calls <= max_frac:
+            return
+        raise RewardError(
+            f"reward {self.name!r} raised on {errors} of {calls} samples this step ({errors / calls:.0%}), "
+            f"more than algorithm.max_reward_error_frac={max_frac}; first error: {first}",
+            hint="fix the reward (or install what it needs); those samples would all score 0",
+        )
 
 
 def safe_reward(fn: RewardFn, name: str | None = None) -> SafeReward:

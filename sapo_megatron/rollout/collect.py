@@ -1,20 +1,22 @@
 """One rollout batch: prompts → n samples each → rewards → group advantages, with DAPO dynamic sampling.
 
 The trainer calls :func:`collect` on the rank that drives the engine; everything here is engine-agnostic.
+A group with an aborted sample is never trained (its group statistics would be biased); like an uninformative
+group under dynamic sampling, it is replaced by a group of a fresh prompt.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from sapo_megatron.algo import AdvantageConfig, nonconstant_groups, overlong_penalty
 from sapo_megatron.data.prompts import PromptRow
-from sapo_megatron.rollout.base import RolloutEngine
+from sapo_megatron.rollout.base import RolloutEngine, RolloutError
 from sapo_megatron.rollout.types import GenerationRequest, Sample, SamplingParams
 
 
@@ -48,6 +50,10 @@ class RolloutBatch:
 
 Encode = Callable[[PromptRow], list[int]]
 Score = Callable[[Sample, PromptRow], float]
+Refill = Callable[[int], Sequence[PromptRow]]
+"""``refill(n)``: the next ``n`` prompts of the data order (e.g. ``PromptIterator.take``); fewer when the data
+runs out."""
+Scored = tuple[PromptRow, list[Sample], torch.Tensor]
 
 
 def generate_groups(
@@ -84,7 +90,7 @@ def collect(
     engine: RolloutEngine,
     prompts: list[PromptRow],
     *,
-    refill: Iterator[list[PromptRow]],
+    refill: Refill,
     encode: Encode,
     score: Score,
     settings: CollectSettings,
@@ -92,27 +98,27 @@ def collect(
 ) -> RolloutBatch:
     """Generate and score one batch of ``len(prompts)`` groups.
 
-    With dynamic sampling, groups whose rewards are all equal (zero advantage everywhere) are dropped and
-    replaced by groups of fresh prompts from ``refill``, for at most ``max_refills`` extra rounds; if the batch is
-    still short, the dropped groups fill it (they carry zero advantage), and ``rollout/kept_group_frac`` says so.
+    Groups with a sample the engine aborted (``finish_reason == "abort"``, still so after the client's retries)
+    are dropped unscored, and counted in ``rollout/aborted_groups``. With dynamic sampling, groups whose rewards
+    are all equal (zero advantage everywhere) are dropped too. Dropped groups are replaced by groups of exactly
+    as many fresh prompts from ``refill`` (the data order continues: no prompt is skipped), for at most
+    ``max_refills`` extra rounds. If the batch is then still short, the all-equal groups fill it (zero
+    advantage; ``rollout/kept_group_frac`` says so); aborted groups never do: :class:`RolloutError` if the
+    batch cannot be completed without them.
     """
     start, wanted = time.perf_counter(), len(prompts)
-    kept: list[tuple[PromptRow, list[Sample], torch.Tensor]] = []
-    dropped: list[tuple[PromptRow, list[Sample], torch.Tensor]] = []
+    pool = _GroupPool()
     batch_prompts, rounds = prompts, 0
-    while True:
+    while batch_prompts:
         groups = generate_groups(engine, batch_prompts, encode, settings, seed * 31 + rounds)
-        rewards = score_groups(groups, batch_prompts, score, settings)
-        informative = (
-            nonconstant_groups(rewards) if settings.dynamic_sampling else torch.ones(len(groups), dtype=bool)
-        )
-        for row, group, reward, keep in zip(batch_prompts, groups, rewards, informative.tolist()):
-            (kept if keep else dropped).append((row, group, reward))
         rounds += 1
-        if len(kept) >= wanted or rounds > settings.max_refills:
+        pool.add(batch_prompts, groups, score, settings)
+        if len(pool.informative) >= wanted or rounds > settings.max_refills:
             break
-        batch_prompts = next(refill)[: wanted - len(kept)]
-    chosen = (kept + dropped)[:wanted]
+        batch_prompts = list(refill(wanted - len(pool.informative)))
+    chosen = (pool.informative + pool.uninformative)[:wanted]
+    if len(chosen) < wanted:
+        raise _incomplete_batch(len(chosen), wanted, rounds, pool.aborted_groups)
     rewards = torch.stack([reward for _, _, reward in chosen])
     batch = RolloutBatch(
         prompts=[row for row, _, _ in chosen],
@@ -120,16 +126,67 @@ def collect(
         rewards=rewards,
         advantages=settings.advantage.compute(rewards),
     )
-    batch.metrics = _rollout_metrics(batch, kept_groups=min(len(kept), wanted), rounds=rounds, wanted=wanted)
+    kept_groups = min(len(pool.informative), wanted)
+    batch.metrics = _rollout_metrics(batch, kept_groups=kept_groups, rounds=rounds, wanted=wanted)
+    batch.metrics["rollout/aborted_groups"] = float(pool.aborted_groups)
+    batch.metrics["response/aborted_frac"] = pool.aborted_samples / max(pool.samples, 1)  # all that came back
     batch.metrics["time/rollout_s"] = time.perf_counter() - start
     return batch
+
+
+@dataclass
+class _GroupPool:
+    """The groups generated for one batch so far, sorted by what they are good for."""
+
+    informative: list[Scored] = field(default_factory=list)  # trained first
+    uninformative: list[Scored] = field(default_factory=list)  # all-equal rewards (dynamic sampling only)
+    aborted_groups: int = 0  # never scored, never trained
+    aborted_samples: int = 0
+    samples: int = 0
+
+    def add(
+        self,
+        prompts: Sequence[PromptRow],
+        groups: list[list[Sample]],
+        score: Score,
+        settings: CollectSettings,
+    ) -> None:
+        complete = []
+        for row, group in zip(prompts, groups):
+            aborted = sum(s.finish_reason == "abort" for s in group)
+            self.samples += len(group)
+            self.aborted_samples += aborted
+            self.aborted_groups += aborted > 0
+            if not aborted:
+                complete.append((row, group))
+        if not complete:
+            return
+        rewards = score_groups([g for _, g in complete], [row for row, _ in complete], score, settings)
+        if settings.dynamic_sampling:
+            keep = nonconstant_groups(rewards).tolist()
+        else:
+            keep = [True] * len(complete)
+        for (row, group), reward, kept in zip(complete, rewards, keep):
+            (self.informative if kept else self.uninformative).append((row, group, reward))
+
+
+def _incomplete_batch(groups: int, wanted: int, rounds: int, aborted_groups: int) -> RolloutError:
+    error = RolloutError(
+        f"only {groups} of {wanted} prompt groups could be completed in {rounds} rollout rounds: "
+        f"{aborted_groups} groups had samples that the rollout engine aborted (even after the client's retries), "
+        "and aborted samples are never trained"
+    )
+    error.hint = (
+        "check the rollout servers (logs, health, memory); raise rollout.timeout_s or rollout.max_retries, or "
+        "algorithm.max_refills to refill more rounds"
+    )
+    return error
 
 
 def _rollout_metrics(batch: RolloutBatch, *, kept_groups: int, rounds: int, wanted: int) -> dict[str, float]:
     samples = batch.samples
     lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
     truncated = sum(s.finish_reason == "length" for s in samples)
-    aborted = sum(s.finish_reason == "abort" for s in samples)
     return {
         "reward/mean": float(batch.rewards.mean()),
         "reward/std": float(batch.rewards.std()) if batch.rewards.numel() > 1 else 0.0,
@@ -139,7 +196,6 @@ def _rollout_metrics(batch: RolloutBatch, *, kept_groups: int, rounds: int, want
         "response/length_mean": float(lengths.mean()),
         "response/length_max": float(lengths.max()),
         "response/truncated_frac": truncated / len(samples),
-        "response/aborted_frac": aborted / len(samples),
         "rollout/kept_group_frac": kept_groups / wanted,
         "rollout/rounds": float(rounds),
         "rollout/tokens": float(lengths.sum()),

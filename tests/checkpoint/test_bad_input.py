@@ -1,5 +1,6 @@
 """Bad input is refused before anything is written, with a message that names the tensor and what was expected;
-an interrupted conversion never leaves an output that looks complete."""
+an output that would overwrite an input is refused even with --force; a run folder is a valid --megatron; an
+interrupted conversion never leaves an output that looks complete."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ from safetensors.torch import load_file, save_file
 from sapo_megatron.checkpoint import atomic, cli, convert
 from sapo_megatron.checkpoint.atomic import IncompleteCheckpointError
 from sapo_megatron.checkpoint.convert import ConversionError, hf_to_megatron, megatron_to_hf
-from tests.checkpoint.conftest import read_hf_tensors
+from sapo_megatron.data.tokenizer import CharTokenizer
+from tests.checkpoint.conftest import assert_bitwise_equal, read_hf_tensors
+from tests.distributed import run_distributed
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -203,3 +206,121 @@ def test_parse_size():
     assert cli.parse_size("5GB") == 5 * 10**9
     assert cli.parse_size("512MiB") == 512 * 2**20
     assert cli.parse_size("1000") == 1000
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize(
+    ("hf_arg", "out_arg"),
+    [("hf", "hf"), ("hf", "hf/megatron"), ("run/hf", "run")],
+    ids=["same", "output-inside-input", "input-inside-output"],
+)
+def test_hf_to_megatron_never_overwrites_its_input(hf_checkpoints, tmp_path, capsys, hf_arg, out_arg):
+    hf = Path(shutil.copytree(hf_checkpoints["dense-fp32"], tmp_path / hf_arg))
+    before = _tree(tmp_path)
+    argv = ["convert", "hf-to-megatron", "--hf", str(hf), "--out", str(tmp_path / out_arg), "--force"]
+    assert cli.main([*argv, "--no-progress"]) == 2
+    relation = {"same": "is the same directory as", "output": "lies inside", "input": "contains"}
+    err = capsys.readouterr().err
+    assert (
+        f"error: the output directory {tmp_path / out_arg} " in err
+        and f"the HF checkpoint (--hf) {hf}" in err
+    )
+    assert any(text in err for text in relation.values()) and "--force does not change that" in err
+    assert _tree(tmp_path) == before  # nothing written, nothing removed
+
+
+def test_megatron_to_hf_never_overwrites_its_inputs(converted, hf_checkpoints, tmp_path, capsys):
+    mcore = Path(shutil.copytree(converted["dense-fp32"], tmp_path / "mcore"))
+    reference = Path(shutil.copytree(hf_checkpoints["dense-fp32"], tmp_path / "reference"))
+    before = _tree(tmp_path)
+    base = ["convert", "megatron-to-hf", "--megatron", str(mcore), "--force", "--no-progress"]
+    assert cli.main([*base, "--out", str(mcore)]) == 2
+    assert f"{mcore} is the same directory as the Megatron checkpoint (--megatron)" in capsys.readouterr().err
+    assert cli.main([*base, "--out", str(reference), "--hf-reference", str(reference)]) == 2
+    assert (
+        f"{reference} is the same directory as the HF reference (--hf-reference)" in capsys.readouterr().err
+    )
+    assert cli.main([*base, "--out", str(tmp_path)]) == 2
+    assert f"{tmp_path} contains the Megatron checkpoint (--megatron) {mcore}" in capsys.readouterr().err
+    assert _tree(tmp_path) == before
+
+
+def _fake_run(tmp_path: Path, checkpoint: Path) -> Path:
+    """A training run's output_dir: checkpoints/step_000002 (+ latest) and an hf/ export with the tokenizer."""
+    run = tmp_path / "run"
+    shutil.copytree(checkpoint, run / "checkpoints" / "step_000002")
+    (run / "checkpoints" / "latest").write_text("step_000002\n")
+    CharTokenizer().save(run / "hf")
+    return run
+
+
+def test_megatron_to_hf_accepts_a_run_folder(converted, hf_checkpoints, tmp_path, capsys):
+    run = _fake_run(tmp_path, converted["dense-fp32"])
+    out = tmp_path / "export"
+    assert (
+        cli.main(["convert", "megatron-to-hf", "--megatron", str(run), "--out", str(out), "--no-progress"])
+        == 0
+    )
+    assert f"copying the run's tokenizer files from {run / 'hf'}" in capsys.readouterr().out
+    assert_bitwise_equal(read_hf_tensors(out), read_hf_tensors(hf_checkpoints["dense-fp32"]))
+    for name in ("tokenizer.json", "tokenizer_config.json", "char_tokenizer.json"):
+        assert (out / name).read_bytes() == (run / "hf" / name).read_bytes()
+    # re-exporting into the run's own hf/ is allowed (it is no input of the weights)
+    argv = ["convert", "megatron-to-hf", "--megatron", str(run), "--out", str(run / "hf"), "--force"]
+    assert cli.main([*argv, "--no-progress"]) == 0
+    assert_bitwise_equal(read_hf_tensors(run / "hf"), read_hf_tensors(hf_checkpoints["dense-fp32"]))
+
+
+def test_what_is_not_a_checkpoint_is_explained(tmp_path):
+    def refusal(path: Path) -> str:
+        with pytest.raises(IncompleteCheckpointError) as err:
+            megatron_to_hf(path, tmp_path / "out", progress=False)
+        assert not (tmp_path / "out").exists()
+        return str(err.value)
+
+    (tmp_path / "empty").mkdir()
+    assert refusal(tmp_path / "empty") == (
+        f"{tmp_path / 'empty'} is not a Megatron checkpoint: looked for {tmp_path / 'empty' / atomic.MARKER} "
+        f"(a checkpoint), {tmp_path / 'empty' / 'latest'} (a folder of checkpoints) and "
+        f"{tmp_path / 'empty' / 'checkpoints' / 'latest'} (a training run's output_dir)"
+    )
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    assert refusal(tmp_path / "run").endswith(
+        "has no 'latest' pointer: no checkpoint of this run was completed"
+    )
+    CharTokenizer().save(tmp_path / "exported" / "hf")
+    (tmp_path / "exported" / "hf" / "config.json").write_text("{}")
+    assert refusal(tmp_path / "exported").endswith(
+        f"this run's HF export is already in {tmp_path / 'exported' / 'hf'}"
+    )
+    assert refusal(tmp_path / "missing") == f"checkpoint directory {tmp_path / 'missing'} does not exist"
+
+
+def save_initial_train_state(payload: dict) -> None:
+    """One rank: a TrainEngine initialised from an HF checkpoint saves its training state as the trainer does."""
+    from sapo_megatron.config import config_from_dict
+    from sapo_megatron.megatron import dist_ckpt
+    from sapo_megatron.megatron.parallel import init_parallel
+    from sapo_megatron.megatron.train_step import TrainEngine
+    from tests.checkpoint.scenarios import _allow_child_processes
+
+    _allow_child_processes()  # Megatron's checkpoint writer starts worker processes
+    hf = payload["hf_dir"]
+    cfg = config_from_dict({"model": {"hf_config": hf, "init": "hf", "init_path": hf}})
+    init_parallel(cfg.parallel, seed=0, cfg=cfg, cpu_threads=1)
+    engine = TrainEngine(cfg, total_steps=2)
+    dist_ckpt.save_train_state(engine, Path(payload["run"]) / "checkpoints" / "step_000001", {"step": 1})
+
+
+def test_training_state_of_a_run_exports_its_weights(hf_checkpoints, tmp_path):
+    hf = hf_checkpoints["moe-fp32"]
+    run_distributed(
+        f"{__name__}:save_initial_train_state", 1, {"hf_dir": str(hf), "run": str(tmp_path / "run")}
+    )
+    marker = atomic.read_marker(tmp_path / "run" / "checkpoints" / "step_000001")
+    assert marker["kind"] == "train_state"  # model, optimizer, schedule and RNG in one checkpoint
+    megatron_to_hf(tmp_path / "run", tmp_path / "export", progress=False)
+    assert_bitwise_equal(read_hf_tensors(tmp_path / "export"), read_hf_tensors(hf))

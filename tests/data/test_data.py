@@ -11,11 +11,15 @@ from sapo_megatron.data import (
     DatasetError,
     PromptIterator,
     PromptRow,
+    TokenizerError,
+    check_encodable,
     load_prompts,
     make_addition_rows,
     pair_split,
     save_jsonl,
 )
+from sapo_megatron.data.tokenizer import HFTokenizer, load_tokenizer
+from sapo_megatron.errors import UserError
 from sapo_megatron.rewards import numeric_match
 
 ROWS = [
@@ -86,11 +90,18 @@ def test_bad_parquet_row_names_file_and_row(tmp_path):
 def test_other_file_errors(tmp_path):
     with pytest.raises(DatasetError, match="no such file"):
         load_prompts(tmp_path / "missing.jsonl")
+    with pytest.raises(DatasetError, match=r"is a directory; give a \.jsonl or \.parquet prompt file"):
+        load_prompts(tmp_path)
+    (tmp_path / "latin1.jsonl").write_bytes(
+        b'{"prompt": "1+1=", "ground_truth": "2"}\n{"prompt": "caf\xe9"}\n'
+    )
+    with pytest.raises(DatasetError, match=r"latin1\.jsonl:2: not UTF-8 text \(byte 0xe9 at column 16\)"):
+        load_prompts(tmp_path / "latin1.jsonl")
     (tmp_path / "p.csv").write_text("a,b\n")
     with pytest.raises(DatasetError, match="unknown prompt file type"):
         load_prompts(tmp_path / "p.csv")
     (tmp_path / "empty.jsonl").write_text("\n")
-    with pytest.raises(DatasetError, match="no rows"):
+    with pytest.raises(DatasetError, match=r"no rows \(the file is empty"):
         load_prompts(tmp_path / "empty.jsonl")
 
 
@@ -115,10 +126,62 @@ def test_iterator_resumes_exactly():
     resumed = PromptIterator(ROWS, batch_size=3, seed=11)
     resumed.load_state_dict(state)
     assert seen + [next(resumed) for _ in range(5)] == expected
-    with pytest.raises(ValueError, match="fingerprint"):
+    with pytest.raises(
+        DatasetError, match="cannot resume the prompt order: the checkpoint was saved with fingerprint="
+    ):
         PromptIterator([*ROWS[:-1], PromptRow("x", "y")], batch_size=3, seed=11).load_state_dict(state)
-    with pytest.raises(ValueError, match="seed"):
+    with pytest.raises(DatasetError, match="saved with seed=11, this run has 12") as err:
         PromptIterator(ROWS, batch_size=3, seed=12).load_state_dict(state)
+    assert "data files and seed" in err.value.hint
+
+
+def test_take_continues_the_epoch_without_skipping_rows():
+    taker = PromptIterator(ROWS, batch_size=4, seed=3)
+    batches = PromptIterator(ROWS, batch_size=4, seed=3)
+    reference = [r for _ in range(5) for r in next(batches)]  # 20 rows: two epochs in order
+    taken = [next(taker), taker.take(1), taker.take(3), taker.take(0), next(taker), taker.take(8)]
+    assert [len(part) for part in taken] == [4, 1, 3, 0, 4, 8]
+    assert [r for part in taken for r in part] == reference
+    assert (taker.state_dict()["epoch"], taker.state_dict()["position"]) == (1, 10)
+    finite = PromptIterator(ROWS, batch_size=4, shuffle=False, num_epochs=1)
+    assert finite.take(25) == ROWS and finite.take(1) == []  # a finite iterator stops after its last epoch
+
+
+def test_state_after_take_resumes_exactly():
+    first = PromptIterator(ROWS, batch_size=4, seed=5)
+    next(first), first.take(3)  # a batch and a refill: position 7
+    state = json.loads(json.dumps(first.state_dict()))
+    expected = [next(first), first.take(5), next(first)]
+    resumed = PromptIterator(ROWS, batch_size=4, seed=5)
+    resumed.load_state_dict(state)
+    assert [next(resumed), resumed.take(5), next(resumed)] == expected
+
+
+def test_check_encodable_names_file_line_and_character(tmp_path):
+    good = json.dumps({"prompt": "1+1=", "ground_truth": "2"})
+    path = write_lines(
+        tmp_path / "p.jsonl", [good, "", good, json.dumps({"prompt": "1+1=", "ground_truth": "Two"})]
+    )
+    rows = load_prompts(path)
+    with pytest.raises(TokenizerError) as err:
+        check_encodable(rows, CharTokenizer(), str(path))
+    assert str(err.value) == (
+        f"{path}:4: ground_truth 'Two' has the character 'T' (position 0), which the char tokenizer cannot encode"
+    )
+    assert isinstance(err.value, UserError) and "data.tokenizer" in err.value.hint
+    check_encodable(rows[:2], CharTokenizer(), str(path))  # the first two rows are fine
+    bad_prompt = [PromptRow("2+2=", "4"), PromptRow("2*2 = X", "4")]
+    with pytest.raises(
+        TokenizerError,
+        match=r"^synthetic:addition row 1: prompt '2\*2 = X' has the character 'X' \(position 6\)",
+    ):
+        check_encodable(bad_prompt, CharTokenizer(), "synthetic:addition")
+    with pytest.raises(
+        TokenizerError, match=r"^train row 0: prompt 'Q: 2\+2=' has the character 'Q' \(position 0\)"
+    ):
+        check_encodable(
+            bad_prompt, CharTokenizer(), "train", template="Q: {prompt}"
+        )  # as the trainer formats it
 
 
 def test_char_tokenizer_round_trip(tmp_path):
@@ -132,7 +195,7 @@ def test_char_tokenizer_round_trip(tmp_path):
     tok.save(tmp_path)
     loaded = CharTokenizer.load(tmp_path)
     assert loaded == tok and loaded.encode(text) == tok.encode(text) and loaded.vocab_size == tok.vocab_size
-    with pytest.raises(ValueError, match="'!' at position 2"):
+    with pytest.raises(TokenizerError, match=r"cannot encode '!' \(position 2 of '12!'\)"):
         tok.encode("12!")
     with pytest.raises(ValueError, match="outside"):
         tok.decode([tok.vocab_size])
@@ -156,5 +219,67 @@ def test_addition_task_is_deterministic_and_splits_never_overlap():
         assert pair_split(a, b, 0.2) == pair_split(b, a, 0.2) == "train"
         assert numeric_match(row.ground_truth, row.ground_truth) == 1.0
         CharTokenizer().encode(row.prompt + row.ground_truth)  # the demo tokenizer covers the task
-    with pytest.raises(ValueError, match="distinct heldout problems"):
+    with pytest.raises(DatasetError, match=r"distinct heldout addition problems .*\(data\.heldout_size\)"):
         make_addition_rows(50, digits=1, split="heldout", seed=0)
+
+
+ADDITIONS = [f"{a}+{b}=" for a in range(10, 100) for b in range(10, 100)]
+
+
+@pytest.fixture(scope="module")
+def exported_char_tokenizer(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("tok")
+    CharTokenizer().save(directory)
+    return directory
+
+
+def test_exported_char_tokenizer_loads_with_transformers(exported_char_tokenizer):
+    from transformers import AutoTokenizer
+
+    tok = CharTokenizer()
+    hf = AutoTokenizer.from_pretrained(exported_char_tokenizer)
+    assert len(hf) == tok.vocab_size == 52
+    assert (hf.pad_token_id, hf.bos_token_id, hf.eos_token_id) == (tok.pad_id, tok.bos_id, tok.eos_id)
+    with_bos = hf(ADDITIONS)["input_ids"]  # transformers' default add_special_tokens=True prepends <bos>
+    assert with_bos == [tok.encode(text, add_bos=True) for text in ADDITIONS]
+    plain = hf(ADDITIONS, add_special_tokens=False)["input_ids"]
+    assert plain == [tok.encode(text) for text in ADDITIONS]
+    every_char = tok.chars + " 12 , 3. ab"
+    assert hf(every_char, add_special_tokens=False)["input_ids"] == tok.encode(every_char)
+    ids = tok.encode(every_char, add_bos=True, add_eos=True)
+    assert hf.decode(ids, skip_special_tokens=True) == every_char  # spaces kept, specials skipped
+    assert hf.decode(ids) == f"<bos>{every_char}<eos>"
+    padded = hf(["1+1=", "22+33="], padding=True)
+    assert padded["input_ids"][0] == [0, 0, *tok.encode("1+1=", add_bos=True)]  # left padding for generate
+    with pytest.raises(Exception, match="UNK"):  # no unknown token: refused, never silently dropped
+        hf("12!")
+
+
+def test_char_tokenizer_still_loads_from_an_export(exported_char_tokenizer):
+    assert load_tokenizer(str(exported_char_tokenizer)) == CharTokenizer()  # char_tokenizer.json wins
+
+
+def test_hf_tokenizer_adapter_and_copy(exported_char_tokenizer, tmp_path):
+    adapter = HFTokenizer(exported_char_tokenizer)
+    tok = CharTokenizer()
+    assert adapter.encode("12+34=", add_bos=True, add_eos=True) == tok.encode(
+        "12+34=", add_bos=True, add_eos=True
+    )
+    assert adapter.vocab_size == tok.vocab_size and adapter.decode(tok.encode("7 + 8")) == "7 + 8"
+    adapter.save(tmp_path / "copy")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        assert (tmp_path / "copy" / name).read_bytes() == (exported_char_tokenizer / name).read_bytes()
+
+
+def test_tokenizer_loading_errors(tmp_path):
+    with pytest.raises(TokenizerError, match=r"holds no tokenizer: none of tokenizer\.json"):
+        HFTokenizer(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(TokenizerError, match="cannot load the HF tokenizer in") as err:
+        HFTokenizer(tmp_path)
+    assert "\n" not in str(err.value)
+    with pytest.raises(TokenizerError, match="not 'char' and not a directory"):
+        load_tokenizer(str(tmp_path / "missing"))
+    (tmp_path / "char_tokenizer.json").write_text('{"type": "bpe"}')
+    with pytest.raises(TokenizerError, match="is not a char tokenizer file"):
+        load_tokenizer(str(tmp_path))

@@ -6,8 +6,12 @@ import logging
 
 import pytest
 
+from sapo_megatron.config import ConfigError
+from sapo_megatron.errors import UserError
 from sapo_megatron.rewards import (
+    RewardError,
     available_rewards,
+    check_reward_available,
     exact_match,
     extract_final_answer,
     extract_last_number,
@@ -120,7 +124,9 @@ def test_math_verify_reward():
     assert results == [1.0]  # works off the main thread (timeouts switched off there)
 
 
-def test_math_verify_missing_names_the_extra(monkeypatch):
+@pytest.fixture
+def without_math_verify(monkeypatch):
+    """Imports of math_verify fail, as on a machine without the package."""
     import builtins
 
     real_import = builtins.__import__
@@ -131,5 +137,66 @@ def test_math_verify_missing_names_the_extra(monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_math_verify)
+
+
+def test_math_verify_missing_names_the_extra(without_math_verify):
     with pytest.raises(ImportError, match=r"pip install 'sapo-megatron\[math\]'"):
         get_reward("math_verify")("1", "1")
+
+
+def test_unusable_reward_is_a_config_error_before_training(without_math_verify):
+    with pytest.raises(ConfigError) as err:
+        check_reward_available("math_verify")
+    assert str(err.value) == (
+        "algorithm.reward='math_verify' cannot run here: the math_verify reward needs the math-verify package: "
+        "pip install 'sapo-megatron[math]'"
+    )
+    check_reward_available("numeric_match")  # no dependency
+    with pytest.raises(
+        ConfigError, match=r"'numeric_macth' is not a registered reward; registered: .*numeric_match"
+    ):
+        check_reward_available("numeric_macth")
+
+
+def test_math_verify_passes_the_check_where_installed():
+    if not math_verify_available():
+        with pytest.raises(ConfigError):
+            check_reward_available("math_verify")
+    else:
+        check_reward_available("math_verify")
+
+
+def failing_reward(failures: set[str]):
+    """A reward that raises on the responses in ``failures`` (naming them) and scores 1.0 otherwise."""
+
+    def reward(response: str, ground_truth: str) -> float:
+        if response in failures:
+            raise RuntimeError(f"cannot parse {response}")
+        return 1.0
+
+    return reward
+
+
+def test_error_budget_per_step():
+    reward = safe_reward(
+        failing_reward({"r3", "s0", "s2", "s4", "s6", "s8", "s10", "s12", "s14", "s16", "s18"})
+    )
+    step1 = [reward(f"r{i}", "x") for i in range(20)]  # 1 of 20 raises: 5%
+    assert step1.count(0.0) == 1
+    reward.check_error_budget(0.1)
+    assert reward.take_step_metrics() == {"reward/error_frac": 0.05, "reward/errors": 1.0}
+    step2 = [reward(f"s{i}", "x") for i in range(20)]  # 10 of 20 raise: 50%
+    assert step2.count(0.0) == 10
+    with pytest.raises(RewardError) as err:
+        reward.check_error_budget(0.1)
+    assert isinstance(err.value, UserError)
+    assert str(err.value) == (
+        "reward 'reward' raised on 10 of 20 samples this step (50%), more than "
+        "algorithm.max_reward_error_frac=0.1; first error: RuntimeError: cannot parse s0"
+    )  # the first error of this step, not of the run
+    reward.check_error_budget(0.5)  # exactly at the budget is allowed
+    assert reward.take_step_metrics() == {"reward/error_frac": 0.5, "reward/errors": 10.0}
+    assert reward.take_step_metrics() == {"reward/error_frac": 0.0, "reward/errors": 0.0}
+    reward.check_error_budget(0.0)  # a step without calls passes
+    assert reward.metrics() == {"reward/errors": 11.0, "reward/calls": 40.0}  # the run's totals stay
+    assert reward.errors == 11

@@ -1,0 +1,48 @@
+"""Input files a run reads, checked before anything starts (``train --dry-run`` and ``train`` itself).
+
+:func:`check_input_files` lists every missing path at once, each with the config field that names it. Not
+checked: ``rollout.endpoints_file``, which another job (the rollout servers) writes while the trainer waits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sapo_megatron.config import ConfigError, RunConfig
+
+
+def check_input_files(cfg: RunConfig) -> None:
+    """Raise :class:`ConfigError` naming every input path of ``cfg`` that does not exist (or is of the wrong
+    kind); relative paths are read from the current directory, as the run will read them."""
+    problems = [problem for field, path, kind in _inputs(cfg) if (problem := _check(field, path, kind))]
+    if problems:
+        raise ConfigError("missing input files:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _inputs(cfg: RunConfig) -> list[tuple[str, str, str]]:
+    """``(config field, path, "file" | "dir" | "any")`` of every input the run reads."""
+    data, model = cfg.data, cfg.model
+    inputs = [
+        (field, source, "file")
+        for field, source in (("data.train", data.train), ("data.heldout", data.heldout))
+        if source is not None and not source.startswith("synthetic:")
+    ]
+    if data.tokenizer != "char":
+        inputs.append(("data.tokenizer", data.tokenizer, "dir"))
+    if isinstance(model.hf_config, str):
+        inputs.append(("model.hf_config", model.hf_config, "any"))
+    if model.init != "random" and model.init_path:
+        inputs.append(("model.init_path", model.init_path, "dir"))
+    return inputs
+
+
+def _check(field: str, path_text: str, kind: str) -> str | None:
+    path = Path(path_text)
+    where = "" if path.is_absolute() else f" (relative to the current directory {Path.cwd()})"
+    if not path.exists():
+        return f"{field}: {path_text} does not exist{where}"
+    if kind == "file" and not path.is_file():
+        return f"{field}: {path_text} is not a file (a .jsonl or .parquet prompt file is expected)"
+    if kind == "dir" and not path.is_dir():
+        return f"{field}: {path_text} is not a directory"
+    return None
