@@ -16,13 +16,14 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from sapo_megatron.config import ConfigError, RunConfig
-from sapo_megatron.data.prompts import PromptRow, load_prompts
+from sapo_megatron.data.prompts import PromptRow, check_encodable, load_prompts
 from sapo_megatron.data.synthetic import make_addition_rows
 from sapo_megatron.data.tokenizer import load_tokenizer
 from sapo_megatron.errors import UserError
+from sapo_megatron.inputs import check_input_files
 from sapo_megatron.megatron.parallel import RankInfo, init_parallel
 from sapo_megatron.megatron.train_step import TrainEngine
-from sapo_megatron.rewards.registry import SafeReward, get_reward
+from sapo_megatron.rewards.registry import SafeReward, check_reward_available, get_reward
 from sapo_megatron.rollout.base import RolloutEngine
 from sapo_megatron.rollout.topology import Topology, resolve_topology
 from sapo_megatron.tracking import Tracker
@@ -59,6 +60,8 @@ class Session:
 
 
 def build_session(cfg: RunConfig) -> Session:
+    check_input_files(cfg)
+    check_reward_available(cfg.algorithm.reward)
     info = init_parallel(
         cfg.parallel,
         seed=cfg.seed,
@@ -72,6 +75,8 @@ def build_session(cfg: RunConfig) -> Session:
         cfg.save_resolved(run_dir / "config.yaml")
     tokenizer = build_tokenizer(cfg)
     train_rows, heldout_rows = build_prompts(cfg)
+    for rows, source in ((train_rows, cfg.data.train), (heldout_rows, cfg.data.heldout)):
+        check_encodable(rows, tokenizer, source, template=cfg.data.prompt_template)
     engine = TrainEngine(cfg, total_steps=max(cfg.trainer.steps * cfg.trainer.mini_batches, 1))
     rollout, server, topology = build_rollout(cfg, info, engine, tokenizer, run_dir)
     sync = build_weight_sync(cfg, info, rollout, topology, tokenizer, run_dir)

@@ -16,7 +16,7 @@ from sapo_megatron.megatron.sft import sft_loss
 from sapo_megatron.megatron.train_step import ReferenceModel
 from sapo_megatron.rollout.collect import CollectSettings, RolloutBatch, collect
 from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
-from sapo_megatron.session import Session, broadcast_object, build_session
+from sapo_megatron.session import Session, build_session, on_main_rank
 from sapo_megatron.tracking import write_json_atomic
 from sapo_megatron.weight_sync import export_hf
 
@@ -136,10 +136,11 @@ def rl_step(
 ) -> dict[str, float]:
     """One rollout batch and its ``mini_batches`` policy updates; returns the step's metrics."""
     cfg, engine = session.cfg, session.engine
-    batch = _rollout(session, prompts, step)
-    sequences, metrics = broadcast_object(
-        (_train_sequences(batch), batch.metrics) if batch is not None else None
+    rows = next(prompts)  # every rank advances the iterator; refills (main rank) are shared below
+    sequences, metrics, prompt_state = on_main_rank(
+        session.info, lambda: _rollout(session, rows, prompts, step)
     )
+    prompts.load_state_dict(prompt_state)
     start = time.perf_counter()
     updates = _split(sequences, cfg.trainer.mini_batches)
     micro = [add_global_normalisers(_micro_batches(session, update)) for update in updates]
@@ -173,12 +174,10 @@ def _attach_logp(model, updates: list[list[dict]], key: str, temperature: float)
             batch[key] = logp
 
 
-def _rollout(session: Session, prompts: PromptIterator, step: int) -> RolloutBatch | None:
-    """Generate and score on the main rank; the prompt iterator advances identically on every rank."""
+def _rollout(session: Session, rows: list[PromptRow], prompts: PromptIterator, step: int):
+    """Generate and score on the main rank: the training sequences, the rollout metrics (with the reward
+    function's error fraction, which stops the run past its budget) and where the prompt data now stands."""
     cfg = session.cfg
-    rows = next(prompts)
-    if session.rollout is None:
-        return None
     settings = CollectSettings(
         n_samples=cfg.rollout.n_samples,
         sampling=_sampling(session, cfg.rollout.temperature),
@@ -187,10 +186,10 @@ def _rollout(session: Session, prompts: PromptIterator, step: int) -> RolloutBat
         max_refills=cfg.algorithm.max_refills,
         overlong_cache_len=cfg.algorithm.overlong_cache_len,
     )
-    return collect(
+    batch = collect(
         session.rollout,
         rows,
-        refill=prompts,
+        refill=prompts.take,
         encode=lambda row: encode_prompt(session, row),
         score=lambda sample, row: session.reward(
             session.tokenizer.decode(sample.response_ids), row.ground_truth
@@ -198,6 +197,9 @@ def _rollout(session: Session, prompts: PromptIterator, step: int) -> RolloutBat
         settings=settings,
         seed=cfg.seed * 7919 + step,
     )
+    session.reward.check_error_budget(cfg.algorithm.max_reward_error_frac)
+    batch.metrics.update(session.reward.take_step_metrics())
+    return _train_sequences(batch), batch.metrics, prompts.state_dict()
 
 
 def _sampling(session: Session, temperature: float) -> SamplingParams:
@@ -220,7 +222,10 @@ def _train_sequences(batch: RolloutBatch) -> list[TrainSequence]:
 
 
 def _split(sequences: list[TrainSequence], parts: int) -> list[list[TrainSequence]]:
-    size = len(sequences) // parts
+    """``parts`` equal mini-batches; never drops a sequence."""
+    size, rest = divmod(len(sequences), parts)
+    if rest:
+        raise RuntimeError(f"{len(sequences)} sequences do not split into {parts} equal mini-batches")
     return [sequences[i * size : (i + 1) * size] for i in range(parts)]
 
 
@@ -236,23 +241,28 @@ def _micro_batches(session: Session, sequences: list[TrainSequence]):
     )
 
 
-def evaluate(session: Session) -> float:
+def evaluate(session: Session) -> float | None:
     """Greedy accuracy (mean reward) on the held-out prompts, computed on the main rank."""
-    accuracy = None
-    if session.rollout is not None and session.heldout_rows:
-        requests = [
-            GenerationRequest(
-                prompt_ids=encode_prompt(session, row), n=1, sampling=_sampling(session, 0.0), group_id=i
-            )
-            for i, row in enumerate(session.heldout_rows)
-        ]
-        groups = session.rollout.generate(requests)
-        rewards = [
-            session.reward(session.tokenizer.decode(group[0].response_ids), row.ground_truth)
-            for group, row in zip(groups, session.heldout_rows)
-        ]
-        accuracy = sum(rewards) / len(rewards)
-    return broadcast_object(accuracy)
+    return on_main_rank(session.info, lambda: _heldout_accuracy(session))
+
+
+def _heldout_accuracy(session: Session) -> float | None:
+    if not session.heldout_rows:
+        return None
+    requests = [
+        GenerationRequest(
+            prompt_ids=encode_prompt(session, row), n=1, sampling=_sampling(session, 0.0), group_id=i
+        )
+        for i, row in enumerate(session.heldout_rows)
+    ]
+    groups = session.rollout.generate(requests)
+    rewards = [
+        session.reward(session.tokenizer.decode(group[0].response_ids), row.ground_truth)
+        for group, row in zip(groups, session.heldout_rows)
+    ]
+    session.reward.check_error_budget(session.cfg.algorithm.max_reward_error_frac)
+    session.reward.take_step_metrics()  # held-out calls do not count towards the next RL step
+    return sum(rewards) / len(rewards)
 
 
 def _save(session: Session, state: LoopState, started: float) -> None:
