@@ -52,7 +52,8 @@ def test_sparsify_hand_example_with_ties_and_different_lengths():
         (7, 0.2, 2),  # ceil(1.4)
         (5, 0.2, 1),  # exactly 1.0
         (5, 0.5, 3),  # ceil(2.5)
-        (3, 0.01, 1),  # at least one
+        (3, 0.01, 1),  # ceil(0.03)
+        (3, 1e-10, 1),  # at least one, even where keep · n is below float slack
         (100, 0.07, 7),  # 0.07 · 100 is 7.000000000000001 in floats: still 7, not 8
         (6, 1.0, 6),  # keep=1 keeps every response token
     ],
@@ -62,6 +63,13 @@ def test_sparsify_count_is_ceil_of_keep_n(n, keep, kept):
     out = saf_sparsify(adv, torch.ones(1, n), keep=keep)
     assert int((out != 0).sum()) == kept
     assert out[0, n - kept :].tolist() == adv[0, n - kept :].tolist()
+
+
+def test_sparsify_ties_go_to_earlier_tokens_in_long_rows():
+    # Long rows take other sort code paths; the earliest tied tokens must still win.
+    adv = torch.tensor([[0.5, -1.0] * 50])
+    kept = saf_keep_mask(adv, torch.ones(1, 100), keep=0.2)  # 20 tokens among the 50 tied at |1.0|
+    assert kept.nonzero()[:, 1].tolist() == list(range(1, 40, 2))
 
 
 def test_sparsify_keep_one_is_identity_on_the_mask():
