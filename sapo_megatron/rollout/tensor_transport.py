@@ -33,6 +33,7 @@ import binascii
 import io
 import multiprocessing
 import pickle
+from multiprocessing import resource_sharer
 from multiprocessing.reduction import ForkingPickler
 
 import torch
@@ -58,7 +59,6 @@ _ALLOWED_GLOBALS: dict[str, frozenset[str]] = {
             "rebuild_typed_storage_child",
         }
     ),
-    "multiprocessing.resource_sharer": frozenset({"DupFd"}),
 }
 _CUDA_REBUILDERS = {"rebuild_cuda_tensor", "_rebuild_cuda_tensor_modified", "rebuild_event"}
 
@@ -89,10 +89,12 @@ def deserialize_named_tensors(data: str | bytes) -> list[tuple[str, torch.Tensor
         loaded = _RestrictedUnpickler(io.BytesIO(raw)).load()
     except TensorTransportError:
         raise
-    except (multiprocessing.AuthenticationError, OSError, RuntimeError) as exc:  # the handle cannot be opened
+    except (OSError, RuntimeError) as exc:  # a shared-memory file that cannot be opened
         raise TensorTransportError(_unreachable_message(exc)) from exc
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as exc:
-        raise TensorTransportError(f"serialized_named_tensors is not a tensor payload: {exc}") from exc
+        raise TensorTransportError(
+            f"serialized_named_tensors is not a tensor payload: {type(exc).__name__}: {exc}"
+        ) from exc
     return _check_pairs(loaded)
 
 
@@ -123,11 +125,22 @@ def _check_pairs(loaded: object) -> list[tuple[str, torch.Tensor]]:
 
 def _unreachable_message(exc: BaseException) -> str:
     return (
-        f"cannot open the shared tensors ({type(exc).__name__}: {exc}). With torch's default 'file_descriptor' "
-        "sharing strategy only the sending process and its multiprocessing children can open them; for a server "
-        "in another local process call torch.multiprocessing.set_sharing_strategy('file_system') before "
-        "serializing, and across machines use update_weights_from_distributed or update_weights_from_disk"
+        f"cannot open the shared tensors ({type(exc).__name__}: {exc}). Each payload can be read once, while "
+        "the sender keeps its tensors; with torch's default 'file_descriptor' sharing strategy only the sending "
+        "process and its multiprocessing children can open it: for a server in another local process call "
+        "torch.multiprocessing.set_sharing_strategy('file_system') before serializing, and across machines use "
+        "update_weights_from_distributed or update_weights_from_disk"
     )
+
+
+class _SharedFd(resource_sharer.DupFd):
+    """``DupFd`` whose fetch from the sender's resource sharer fails with a message that says why."""
+
+    def detach(self) -> int:
+        try:
+            return super().detach()
+        except (multiprocessing.AuthenticationError, OSError, EOFError) as exc:
+            raise TensorTransportError(_unreachable_message(exc)) from exc
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
@@ -139,6 +152,8 @@ class _RestrictedUnpickler(pickle.Unpickler):
             )
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
+        if (module, name) == ("multiprocessing.resource_sharer", "DupFd"):
+            return _SharedFd
         if name in _ALLOWED_GLOBALS.get(module, ()):
             return super().find_class(module, name)
         raise TensorTransportError(

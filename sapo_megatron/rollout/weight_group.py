@@ -82,9 +82,9 @@ def init_custom_process_group(
         raise WeightGroupError(
             f"weight-update group {group_name!r} did not form (rank {rank} of world_size {world_size}, "
             f"{backend} over {url}, after {time.monotonic() - started:.1f}s, timeout "
-            f"{timeout.total_seconds():g}s): {_first_line(exc)}",
-            hint="world_size must count the trainer (rank 0) plus every server TP rank, each server joins at its "
-            "rank_offset, and the trainer must join as rank 0 while the servers wait",
+            f"{timeout.total_seconds():g}s): {_first_line(exc)}. Check that world_size counts the trainer (rank 0) "
+            "plus every server TP rank, that each server joins at its rank_offset and that the trainer joins as "
+            "rank 0 while the servers wait"
         ) from exc
 
 
@@ -129,8 +129,7 @@ def broadcast_bucket(
 
 def destroy_custom_process_group(group: dist.ProcessGroup) -> None:
     """Leave and free a group made by :func:`init_custom_process_group` (the default group is untouched)."""
-    _world().pg_group_ranks.pop(group, None)
-    dist.destroy_process_group(group)
+    dist.destroy_process_group(group)  # also drops the group's entries in torch's registry
 
 
 def tensor_metadata(
@@ -238,15 +237,19 @@ def _unbound_default_group() -> Iterator[None]:
 
 
 def _raise_if_refused(reply: Future | None) -> None:
+    """Raise if ``reply`` finished with an exception or with ``{"success": false, ...}``."""
     if reply is None or not reply.done():
         return
     error = reply.exception()
-    if error is not None:
-        raise WeightGroupError(
-            f"the server refused the weight update while the trainer was broadcasting: {error}",
-            hint="destroy the weight-update group on both sides (POST /destroy_weights_update_group) and form it "
-            "again before the next update",
-        ) from error
+    result = reply.result() if error is None else None
+    if error is None and not (isinstance(result, dict) and result.get("success") is False):
+        return
+    reason = error if error is not None else result.get("message")
+    raise WeightGroupError(
+        f"the server refused the weight update while the trainer was broadcasting: {reason}",
+        hint="destroy the weight-update group on both sides (POST /destroy_weights_update_group) and form it "
+        "again before the next update",
+    ) from error
 
 
 def _first_line(exc: BaseException) -> str:
