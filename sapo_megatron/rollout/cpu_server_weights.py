@@ -110,9 +110,8 @@ class WeightEndpoints:
             },
         )
         if fields["load_format"] not in (None, "auto", "safetensors"):
-            return _failure(
-                f"Failed to update weights: load_format {fields['load_format']!r} is not supported"
-            )
+            message = f"Failed to update weights: load_format {fields['load_format']!r} is not supported"
+            return _failure(message, num_paused_requests=0)
         with self._update_lock:
             try:
                 self.engine.update_weights_from_disk(fields["model_path"])

@@ -17,6 +17,8 @@ payload stays small and only a process that can open the handle can read the ten
 - **Another local process**, ``torch.multiprocessing.set_sharing_strategy("file_system")`` set by the sender before
   serializing: works (named shared-memory files), as long as the sender keeps the tensors alive until the receiver
   answered.
+- **File descriptors**: with ``file_descriptor`` every tensor holds about two descriptors while in flight (one
+  after): keep a payload to a few hundred tensors, or raise ``ulimit -n``.
 - **Another machine**: never (use ``/update_weights_from_distributed`` or ``/update_weights_from_disk``).
 - **CUDA tensors** travel as CUDA IPC handles; SGLang's own serializer additionally patches torch's reductions to
   name devices by UUID (``monkey_patch_torch_reductions``), which this module does not: against a real SGLang on
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import errno
 import io
 import multiprocessing
 import pickle
@@ -124,6 +127,11 @@ def _check_pairs(loaded: object) -> list[tuple[str, torch.Tensor]]:
 
 
 def _unreachable_message(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.errno == errno.EMFILE:
+        return (
+            f"cannot open the shared tensors: {exc}. Each tensor in flight holds file descriptors: send fewer "
+            "tensors per request or raise the limit (ulimit -n)"
+        )
     return (
         f"cannot open the shared tensors ({type(exc).__name__}: {exc}). Each payload can be read once, while "
         "the sender keeps its tensors; with torch's default 'file_descriptor' sharing strategy only the sending "
