@@ -156,6 +156,7 @@ class CPUEngine(RolloutEngine):
         self._cache_kwarg = (
             "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         )
+        self.seed = seed
         self._seed_rng = np.random.default_rng(seed)
         self._lock = threading.RLock()
         self._closed = False
@@ -249,22 +250,31 @@ class CPUEngine(RolloutEngine):
         """Copy HF-named tensors into the live model; all names and shapes are checked before anything is copied.
 
         Accepts the model's own parameter names and the per-expert checkpoint names of fused MoE experts
-        (``...mlp.experts.{e}.{gate,up,down}_proj.weight``, as on disk and as SGLang loads them).
+        (``...mlp.experts.{e}.{gate,up,down}_proj.weight``, as on disk and as SGLang loads them). Values are cast to
+        the model's dtype.
         """
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        updates: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for name, tensor in named_tensors:
-            target = self._target_for(name, params)
-            if tuple(target.shape) != tuple(tensor.shape):
-                raise ValueError(
-                    f"update_weights_from_tensors: {name} has shape {list(tensor.shape)}, "
-                    f"the model expects {list(target.shape)}"
-                )
-            updates.append((target, tensor))
+        named = list(named_tensors)
+        targets = self.weight_targets([(name, tuple(tensor.shape)) for name, tensor in named])
         with self._lock, torch.no_grad():
-            for target, tensor in updates:
+            for target, (_, tensor) in zip(targets, named):
                 target.copy_(tensor.to(device=target.device, dtype=target.dtype))
             self.weight_version += 1
+
+    def weight_targets(self, names_and_shapes: Sequence[tuple[str, Sequence[int]]]) -> list[torch.Tensor]:
+        """The live tensors that weights of these HF names and shapes would overwrite (views into fused experts).
+
+        Raises ValueError naming the first unknown name or mismatched shape; changes nothing.
+        """
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        targets = []
+        for name, shape in names_and_shapes:
+            target = self._target_for(name, params)
+            if tuple(target.shape) != tuple(shape):
+                raise ValueError(
+                    f"weight {name} has shape {list(shape)}, the model expects {list(target.shape)}"
+                )
+            targets.append(target)
+        return targets
 
     def flush_cache(self) -> None:
         """Nothing to do: every call starts from an empty KV cache (no prefix cache)."""
@@ -472,14 +482,12 @@ class CPUEngine(RolloutEngine):
             fused = params.get(fused_name)
             if fused is not None and fused.dim() == 3:
                 if expert >= fused.shape[0]:
-                    raise ValueError(
-                        f"update_weights_from_tensors: {name}: expert {expert} >= {fused.shape[0]}"
-                    )
+                    raise ValueError(f"weight {name}: expert {expert} >= {fused.shape[0]}")
                 if proj == "down_proj":
                     return fused.data[expert]
                 half = fused.shape[1] // 2  # gate_up_proj is [E, 2F, H]: gate rows first, then up rows
                 return fused.data[expert, :half] if proj == "gate_proj" else fused.data[expert, half:]
-        raise ValueError(f"update_weights_from_tensors: unknown weight name {name!r}")
+        raise ValueError(f"unknown weight name {name!r}")
 
 
 @contextlib.contextmanager

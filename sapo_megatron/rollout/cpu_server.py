@@ -1,13 +1,31 @@
-"""An HTTP server around :class:`CPUEngine` that speaks the subset of SGLang's native API the client uses.
+"""An HTTP server around :class:`CPUEngine` that speaks the part of SGLang's native API this project uses.
 
-Endpoints: ``POST /generate`` (``input_ids`` as a list or a list of lists, ``sampling_params``, ``return_logprob``,
-``logprob_start_len`` -1 or >= 0, ``return_routed_experts``, ``rid``), ``POST /update_weights_from_disk``
-(``model_path``), ``GET|POST /flush_cache``, ``GET /health``, ``GET /health_generate``, ``GET /get_model_info``,
-``GET /get_server_info``. Errors are answered like SGLang: HTTP 400 with ``{"error": {"message": ...}}``.
+It stands in for SGLang servers in tests and CI (also behind the real ``sglang-router``), so requests, replies and
+errors follow SGLang field by field (checked against ``python/sglang/srt/entrypoints/http_server.py`` and
+``python/sglang/srt/managers/io_struct.py``; see also :mod:`cpu_server_weights` and :mod:`cpu_server_http`).
 
-Concurrent ``/generate`` requests are gathered for a few milliseconds and run as one batch (the client sends one
-HTTP request per sample). Start in-process with ``CPUServer(engine).start()`` (port 0 picks a free port) or from the
-shell with ``python -m sapo_megatron.rollout.cpu_server --model DIR --port P``.
+Endpoints (what each checks):
+
+- ``POST|PUT /generate``: ``input_ids`` (a list or a list of lists of ints in the vocabulary), ``sampling_params``
+  (only the keys in ``_SAMPLING_KEYS``), ``return_logprob``, ``logprob_start_len`` (-1 or a prompt position),
+  ``return_routed_experts`` (MoE models only), ``rid``; prompt + ``max_new_tokens`` within the context length.
+  Errors: 400 ``{"error": {"message"}}``. Concurrent requests are gathered for a few milliseconds and run as one
+  batch (the client sends one HTTP request per sample).
+- ``GET /health`` (200 at once), ``GET /health_generate`` (200 after generating one token).
+- ``GET /get_model_info``: SGLang's ``model_path``, ``tokenizer_path``, ``is_generation``,
+  ``preferred_sampling_params``, ``weight_version``, plus the model's shape facts.
+- ``GET /get_server_info``: the ``server_args`` fields a client reads (``tp_size`` 1, ``dp_size``, ``pp_size``,
+  ``ep_size``, ``enable_return_routed_experts``, ``weight_version``, ``max_running_requests``,
+  ``context_length``, ...), never the API key. ``GET /get_weight_version``.
+- ``GET|POST /flush_cache``: nothing to flush (no prefix cache); 200 with SGLang's text.
+- Weight sync (:mod:`cpu_server_weights`): ``POST /update_weights_from_disk``, ``/update_weights_from_tensor``,
+  ``/init_weights_update_group``, ``/update_weights_from_distributed``, ``/destroy_weights_update_group``.
+- Unknown paths: 404 ``{"detail": "Not Found"}``; a known path with another method: 405, as FastAPI answers.
+
+With ``api_key`` (``--api-key``) every path but ``/health*`` needs ``Authorization: Bearer <key>`` (401
+``{"error": "Unauthorized"}`` otherwise). Start in-process with ``CPUServer(engine).start()`` (port 0 picks a free
+port) or from the shell with SGLang's flags: ``python -m sapo_megatron.rollout.cpu_server --model-path DIR --port P``
+(see :func:`add_serve_arguments`).
 """
 
 from __future__ import annotations
@@ -16,18 +34,32 @@ import argparse
 import json
 import logging
 import queue
+import signal
+import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from sapo_megatron import __version__
+from sapo_megatron.errors import UserError
 from sapo_megatron.rollout.cpu_engine import CPUEngine, RowResult, RowSpec
+from sapo_megatron.rollout.cpu_server_http import (
+    UNAUTHORIZED,
+    HTTPServer,
+    Response,
+    authorized,
+    json_response,
+    text_response,
+)
+from sapo_megatron.rollout.cpu_server_weights import InvalidRequest, WeightEndpoints
 from sapo_megatron.rollout.protocol import encode_routed_experts, finish_reason_json
 from sapo_megatron.rollout.types import SamplingParams
+from sapo_megatron.rollout.weight_group import DEFAULT_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
@@ -117,8 +149,23 @@ class _Batcher:
             offset += len(rows)
 
 
+class ServeError(UserError):
+    """The server cannot start with these settings (bad flag, model directory, address)."""
+
+
+Handler = Callable[[dict[str, Any]], tuple[HTTPStatus, Any]]
+FLUSH_CACHE_TEXT = (
+    "Cache flushed.\nPlease check backend logs for more details. "
+    "(When there are running or waiting requests, the operation will not be performed.)\n"
+)
+
+
 class CPUServer:
-    """The HTTP front of one :class:`CPUEngine`; binds 127.0.0.1 by default."""
+    """The HTTP front of one :class:`CPUEngine`; binds 127.0.0.1 by default and listens on construction.
+
+    ``api_key``: require ``Authorization: Bearer <api_key>`` like SGLang's ``--api-key``. ``dist_timeout_s``: how
+    long a weights update group may take to form, and each broadcast over it.
+    """
 
     def __init__(
         self,
@@ -128,13 +175,17 @@ class CPUServer:
         port: int = 0,
         batch_window_s: float = 0.005,
         tokenizer: Any = None,
+        api_key: str | None = None,
+        dist_timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
+        self.api_key = api_key
         self.batcher = _Batcher(engine, batch_window_s, engine.max_batch_size)
+        self.weights = WeightEndpoints(engine, dist_timeout_s=dist_timeout_s)
         self.stopped = False
-        self._httpd = _HTTPServer((host, port), _Handler)
-        self._httpd.app = self
+        self._routes = self._build_routes()
+        self._httpd = HTTPServer((host, port), self)
         self._thread: threading.Thread | None = None
         self._serving = False
         self._closed = False
@@ -167,7 +218,9 @@ class CPUServer:
         if self._serving:
             self._httpd.shutdown()
         self._httpd.server_close()
+        self._httpd.drop_connections()
         self.batcher.stop()
+        self.weights.close()
         if self._thread is not None:
             self._thread.join(timeout=30)
 
@@ -176,6 +229,47 @@ class CPUServer:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+    # ------------------------------------------------------------------ routing
+    def _build_routes(self) -> dict[str, tuple[tuple[str, ...], Handler]]:
+        weights = self.weights
+        return {
+            "/generate": (("POST", "PUT"), lambda body: (HTTPStatus.OK, self.generate(body))),
+            "/health": (("GET",), lambda _: (HTTPStatus.OK, "")),
+            "/health_generate": (("GET",), lambda _: (HTTPStatus.OK, self.health_generate())),
+            "/get_model_info": (("GET",), lambda _: (HTTPStatus.OK, self.model_info())),
+            "/get_server_info": (("GET",), lambda _: (HTTPStatus.OK, self.server_info())),
+            "/get_weight_version": (
+                ("GET",),
+                lambda _: (HTTPStatus.OK, {"weight_version": weights.weight_version}),
+            ),
+            "/flush_cache": (("GET", "POST"), lambda _: (HTTPStatus.OK, FLUSH_CACHE_TEXT)),
+            "/update_weights_from_disk": (("POST",), weights.update_from_disk),
+            "/update_weights_from_tensor": (("POST",), weights.update_from_tensor),
+            "/init_weights_update_group": (("POST",), weights.init_group),
+            "/destroy_weights_update_group": (("POST",), weights.destroy_group),
+            "/update_weights_from_distributed": (("POST",), weights.update_from_distributed),
+        }
+
+    def handle(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> Response:
+        """One request: authorization, route, JSON body, and SGLang's error shapes."""
+        if not authorized(method, path, headers, self.api_key):
+            return UNAUTHORIZED
+        route = self._routes.get(path)
+        if route is None:
+            return json_response(HTTPStatus.NOT_FOUND, {"detail": "Not Found"})
+        methods, handler = route
+        if method not in methods:
+            return json_response(HTTPStatus.METHOD_NOT_ALLOWED, {"detail": "Method Not Allowed"})
+        try:
+            status, payload = handler(_json_body(body) if method != "GET" else {})
+        except InvalidRequest as exc:  # FastAPI's RequestValidationError, as SGLang answers it
+            return json_response(HTTPStatus.BAD_REQUEST, _validation_error(str(exc)))
+        except BadRequest as exc:  # SGLang's _create_error_response
+            return json_response(HTTPStatus.BAD_REQUEST, {"error": {"message": str(exc)}})
+        if isinstance(payload, str):
+            return text_response(status, payload)
+        return json_response(status, payload)
 
     # ------------------------------------------------------------------ endpoints
     def generate(self, body: dict[str, Any]) -> Any:
@@ -200,7 +294,7 @@ class CPUServer:
             "prompt_tokens": len(row.prompt_ids),
             "completion_tokens": len(res.output_ids),
             "cached_tokens": 0,
-            "weight_version": str(self.engine.weight_version),
+            "weight_version": self.weights.weight_version,
         }
         if info["return_logprob"]:
             meta["output_token_logprobs"] = [
@@ -224,35 +318,59 @@ class CPUServer:
         except ValueError:
             return ""
 
-    def update_weights_from_disk(self, body: dict[str, Any]) -> dict[str, Any]:
-        path = body.get("model_path")
-        if not isinstance(path, str):
-            raise BadRequest("model_path (string) is required")
-        try:
-            self.engine.update_weights_from_disk(path)
-        except (OSError, ValueError) as exc:
-            return {"success": False, "message": f"Failed to update weights: {exc}", "num_paused_requests": 0}
-        return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
-
-    def health_generate(self) -> None:
+    def health_generate(self) -> str:
         row = RowSpec(prompt_ids=[0], sampling=SamplingParams(max_new_tokens=1, temperature=0.0))
         self.batcher.submit([row]).result(timeout=60)
+        return ""
 
     def model_info(self) -> dict[str, Any]:
-        info = self.engine.model_info()
-        return {"model_path": info["model_path"], "tokenizer_path": None, "is_generation": True, **info}
+        return {
+            **self.engine.model_info(),
+            "tokenizer_path": None,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": self.weights.weight_version,
+        }
 
     def server_info(self) -> dict[str, Any]:
+        """The ``server_args`` (and scheduler) fields of SGLang's reply that a client reads; no API key."""
         host, port = self._httpd.server_address[:2]
         return {
             "model_path": self.engine.model_path,
+            "tokenizer_path": None,
+            "served_model_name": self.engine.model_path,
             "host": host,
             "port": port,
-            "served_by": "sapo_megatron.rollout.cpu_server",
+            "tp_size": 1,
+            "dp_size": 1,
+            "pp_size": 1,
+            "ep_size": 1,
             "enable_return_routed_experts": self.engine.is_moe,
+            "skip_tokenizer_init": self.tokenizer is None,
             "max_running_requests": self.engine.max_batch_size,
-            "weight_version": str(self.engine.weight_version),
+            "context_length": self.engine.max_context,
+            "random_seed": self.engine.seed,
+            "dist_timeout": self.weights.dist_timeout_s,
+            "weight_version": self.weights.weight_version,
+            "version": __version__,
+            "served_by": "sapo_megatron.rollout.cpu_server",
         }
+
+
+def _json_body(raw: bytes) -> dict[str, Any]:
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InvalidRequest(f"request body is not JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    return body
+
+
+def _validation_error(message: str) -> dict[str, Any]:
+    return {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
 
 
 def _as_list(value: Any, n: int, name: str) -> list[Any]:
@@ -332,84 +450,6 @@ def _parse_generate(body: dict[str, Any]) -> tuple[list[RowSpec], list[dict[str,
     return rows, echo, batched
 
 
-class _HTTPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    app: CPUServer
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: _HTTPServer
-    protocol_version = "HTTP/1.0"
-
-    def log_message(self, format: str, *args: Any) -> None:
-        logger.debug("%s " + format, self.address_string(), *args)
-
-    def do_GET(self) -> None:
-        self._dispatch("GET")
-
-    def do_POST(self) -> None:
-        self._dispatch("POST")
-
-    def _dispatch(self, method: str) -> None:
-        app = self.server.app
-        path = self.path.split("?", 1)[0]
-        try:
-            if path == "/health" and method == "GET":
-                self._send(HTTPStatus.OK, b"")
-            elif path == "/health_generate" and method == "GET":
-                app.health_generate()
-                self._send(HTTPStatus.OK, b"")
-            elif path == "/get_model_info" and method == "GET":
-                self._send_json(HTTPStatus.OK, app.model_info())
-            elif path == "/get_server_info" and method == "GET":
-                self._send_json(HTTPStatus.OK, app.server_info())
-            elif path == "/flush_cache":
-                app.engine.flush_cache()
-                self._send(HTTPStatus.OK, b"Cache flushed.\n", "text/plain")
-            elif path == "/generate" and method == "POST":
-                self._send_json(HTTPStatus.OK, app.generate(self._body()))
-            elif path == "/update_weights_from_disk" and method == "POST":
-                reply = app.update_weights_from_disk(self._body())
-                self._send_json(HTTPStatus.OK if reply["success"] else HTTPStatus.BAD_REQUEST, reply)
-            else:
-                self._send_error(HTTPStatus.NOT_FOUND, f"no route {method} {path}")
-        except BadRequest as exc:
-            self._send_error(HTTPStatus.BAD_REQUEST, str(exc))
-        except Exception as exc:
-            if app.stopped:
-                self.close_connection = True  # a stopped server answers nothing, like a crashed one
-                return
-            logger.exception("%s %s failed", method, path)
-            self._send_error(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(exc).__name__}: {exc}")
-
-    def _body(self) -> dict[str, Any]:
-        length = int(self.headers.get("Content-Length") or 0)
-        try:
-            body = json.loads(self.rfile.read(length) or b"{}")
-        except json.JSONDecodeError as exc:
-            raise BadRequest(f"request body is not JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise BadRequest("request body must be a JSON object")
-        return body
-
-    def _send_json(self, status: HTTPStatus, payload: Any) -> None:
-        self._send(status, json.dumps(payload).encode(), "application/json")
-
-    def _send_error(self, status: HTTPStatus, message: str) -> None:
-        self._send_json(status, {"error": {"message": message}})
-
-    def _send(self, status: HTTPStatus, data: bytes, content_type: str = "text/plain") -> None:
-        if self.server.app.stopped:
-            self.close_connection = True
-            return
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-
 def _load_tokenizer(model_dir: Path) -> Any:
     from sapo_megatron.data.tokenizer import TOKENIZER_FILE, CharTokenizer
 
@@ -424,10 +464,25 @@ def serve(
     seed: int = 0,
     num_threads: int | None = None,
     block: bool = True,
+    api_key: str | None = None,
+    dist_timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> CPUServer:
     """Load ``model_dir`` and serve it. ``block=False`` returns the started server (stop it with ``.stop()``)."""
-    engine = CPUEngine.from_pretrained(model_dir, seed=seed, num_threads=num_threads)
-    server = CPUServer(engine, host=host, port=port, tokenizer=_load_tokenizer(Path(model_dir)))
+    try:
+        engine = CPUEngine.from_pretrained(model_dir, seed=seed, num_threads=num_threads)
+    except FileNotFoundError as exc:
+        raise ServeError(f"--model-path {model_dir}: {exc}") from exc
+    try:
+        server = CPUServer(
+            engine,
+            host=host,
+            port=port,
+            tokenizer=_load_tokenizer(Path(model_dir)),
+            api_key=api_key,
+            dist_timeout_s=dist_timeout_s,
+        )
+    except OSError as exc:
+        raise ServeError(f"cannot listen on {host}:{port}: {exc}") from exc
     logger.info("serving %s at %s", model_dir, server.url)
     if not block:
         return server.start()
@@ -440,21 +495,125 @@ def serve(
     return server
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description="Serve an HF causal LM on CPU with SGLang's native HTTP API subset"
-    )
-    parser.add_argument("--model", required=True, help="HF checkpoint directory (config.json + safetensors)")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=30000)
-    parser.add_argument("--seed", type=int, default=0)
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """SGLang's ``launch_server`` flags that mean something here (same names, so scripts can swap servers)."""
     parser.add_argument(
-        "--threads", type=int, default=None, help="torch threads for the forwards (default: torch's)"
+        "--model-path",
+        "--model",
+        dest="model_path",
+        required=True,
+        help="HF checkpoint directory (config.json)",
     )
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=30000,
+        help="port to listen on, 0 for any free port (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every endpoint but /health* (default: %(default)s, no key)",
+    )
+    parser.add_argument(
+        "--tp-size",
+        "--tensor-parallel-size",
+        "--tp",
+        dest="tp_size",
+        type=int,
+        default=1,
+        help="tensor-parallel size; the CPU server runs one rank, so only 1 (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--enable-return-routed-experts",
+        action="store_true",
+        help="accepted for SGLang compatibility: MoE models always return routed experts on request "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads for the forwards (default: %(default)s: torch's)",
+    )
+    parser.add_argument(
+        "--seed",
+        "--random-seed",
+        dest="seed",
+        type=int,
+        default=0,
+        help="seed for requests without sampling_seed (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        help="seconds a weights update group may take to form, and each broadcast over it (default: %(default)s)",
+    )
+
+
+def serve_from_args(args: argparse.Namespace) -> int:
+    """Serve until SIGTERM or SIGINT; prints ``serving <model dir> at <url>`` once listening. Returns 0."""
+    if args.tp_size != 1:
+        raise ServeError(
+            f"--tp-size {args.tp_size}: the CPU server runs a single rank, only --tp-size 1 works"
+        )
+    if args.dist_timeout <= 0:
+        raise ServeError(f"--dist-timeout must be positive, got {args.dist_timeout}")
+    stop_requested = threading.Event()
+    with _stop_on_signals(stop_requested):
+        server = serve(
+            args.model_path,
+            args.host,
+            args.port,
+            seed=args.seed,
+            num_threads=args.threads,
+            block=False,
+            api_key=args.api_key,
+            dist_timeout_s=args.dist_timeout,
+        )
+        print(f"serving {args.model_path} at {server.url}", flush=True)
+        try:
+            while not stop_requested.wait(0.5):
+                pass
+        finally:
+            server.stop()
+    return 0
+
+
+class _stop_on_signals:
+    """Turn SIGTERM and SIGINT into ``event.set()`` while active (main thread only; elsewhere a no-op)."""
+
+    def __init__(self, event: threading.Event) -> None:
+        self.event = event
+        self.previous: dict[int, Any] = {}
+
+    def __enter__(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self.previous[signum] = signal.signal(signum, lambda *_: self.event.set())
+
+    def __exit__(self, *exc_info: object) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m sapo_megatron.rollout.cpu_server",
+        description="Serve an HF causal LM on CPU with the part of SGLang's HTTP API this project uses",
+    )
+    add_serve_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    serve(args.model, args.host, args.port, seed=args.seed, num_threads=args.threads)
+    try:
+        return serve_from_args(args)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

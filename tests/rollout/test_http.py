@@ -186,3 +186,39 @@ def test_module_entry_point_serves(moe_dir):
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+API_KEY = "s3cret-key"
+
+
+@pytest.fixture
+def keyed_server(moe_dir):
+    with CPUServer(engine_from(moe_dir, seed=0), api_key=API_KEY) as srv:
+        yield srv
+
+
+def test_api_key_is_required_where_sglang_requires_it(keyed_server):
+    generate = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}
+    with httpx.Client(base_url=keyed_server.url, timeout=30) as http:
+        for method, path, body in [
+            ("POST", "/generate", generate),
+            ("GET", "/get_server_info", None),
+            ("GET", "/get_model_info", None),
+            ("POST", "/flush_cache", None),
+            ("POST", "/update_weights_from_disk", {"model_path": "/nonexistent"}),
+            ("POST", "/init_weights_update_group", {}),
+            ("GET", "/no_such_path", None),
+        ]:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+                reply = http.request(method, path, json=body, headers=headers)
+                assert reply.status_code == 401 and reply.json() == {"error": "Unauthorized"}, (path, headers)
+        # /health* are exempt (probes carry no secret).
+        assert http.get("/health").status_code == 200 and http.get("/health_generate").status_code == 200
+        for headers in (
+            {"Authorization": f"Bearer {API_KEY}"},
+            {"authorization": f"bearer {API_KEY}"},
+            {"x-api-key": API_KEY},
+        ):
+            assert http.post("/generate", json=generate, headers=headers).status_code == 200, headers
+        info = http.get("/get_server_info", headers={"Authorization": f"Bearer {API_KEY}"})
+        assert info.status_code == 200 and API_KEY not in info.text and "api_key" not in info.json()

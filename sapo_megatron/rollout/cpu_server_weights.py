@@ -1,0 +1,287 @@
+"""The weight-sync endpoints of :mod:`cpu_server`, with SGLang's request fields, replies and messages.
+
+Checked against SGLang (``python/sglang/srt/managers/io_struct.py`` request classes,
+``python/sglang/srt/entrypoints/http_server.py`` handlers, ``python/sglang/srt/model_executor/model_runner.py``
+``update_weights_from_disk`` / ``init_weights_update_group`` / ``destroy_weights_update_group`` /
+``update_weights_from_distributed`` / ``update_weights_from_tensor``):
+
+- every reply is ``{"success": bool, "message": str}`` (``/update_weights_from_disk`` adds
+  ``num_paused_requests``), HTTP 200 on success and 400 on failure; when a request carries ``weight_version`` and
+  succeeds, the server's weight version becomes that string and the message gets " Weight version updated to X.";
+- a body that does not fit the request class (missing or mistyped field) is HTTP 400 with FastAPI's validation
+  shape ``{"object": "error", "message", "type": "Bad Request", "param": null, "code": 400}``. Unknown fields are
+  refused too (SGLang ignores them), so that a misspelt field is not silently dropped.
+
+Where this server differs from SGLang, on purpose:
+
+- ``/update_weights_from_distributed`` checks names, shapes and dtypes against the model (and that the group
+  exists) BEFORE receiving anything, and refuses a bad request at once with 400; SGLang receives every tensor first
+  and fails while loading, leaving the weights partly updated. Tensors are received in full, then loaded in one
+  step: a failed transfer changes nothing. The trainer must therefore not wait forever on its broadcast:
+  :func:`~sapo_megatron.rollout.weight_group.broadcast_bucket` watches the HTTP reply and stops when it fails.
+- The group uses ``--dist-timeout`` (default 30 min, torch's default, which SGLang's groups get) for forming and
+  for each broadcast; SGLang has no per-request timeout either.
+- Accepted fields that mean nothing on a CPU server and are ignored: ``flush_cache`` (no prefix cache),
+  ``abort_all_requests`` (requests in flight finish on the old weights; the update waits for the running batch),
+  ``torch_empty_cache``, ``disable_draft_model``, ``is_async``, ``keep_pause``, ``recapture_cuda_graph``,
+  ``token_step``. ``load_format`` ``flattened_bucket`` and custom loaders are refused with a clear message.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from http import HTTPStatus
+from typing import Any
+
+import torch
+
+from sapo_megatron.rollout.cpu_engine import CPUEngine
+from sapo_megatron.rollout.tensor_transport import TensorTransportError, deserialize_named_tensors
+from sapo_megatron.rollout.weight_group import (
+    DEFAULT_TIMEOUT_S,
+    WeightGroupError,
+    broadcast_bucket,
+    check_backend,
+    destroy_custom_process_group,
+    init_custom_process_group,
+    parse_dtype,
+)
+
+logger = logging.getLogger(__name__)
+
+Reply = tuple[HTTPStatus, dict[str, Any]]
+_REQUIRED = object()
+_OPTIONAL_STR = (str, type(None))
+_COMMON_UPDATE_FIELDS: dict[str, tuple[type | tuple[type, ...], Any]] = {
+    "flush_cache": (bool, True),
+    "abort_all_requests": (bool, False),
+    "weight_version": (_OPTIONAL_STR, None),
+    "torch_empty_cache": (bool, False),
+}
+
+
+class InvalidRequest(ValueError):
+    """The body does not fit the endpoint's request class; answered like FastAPI's validation error (400)."""
+
+
+@dataclasses.dataclass
+class _Group:
+    group: Any  # torch.distributed.ProcessGroup
+    device: torch.device
+    backend: str
+
+
+class WeightEndpoints:
+    """``/update_weights_from_{disk,tensor,distributed}``, ``/{init,destroy}_weights_update_group`` of one engine.
+
+    Updates run one at a time (broadcasts of one group must stay in request order); generation continues while a
+    transfer is received and pauses only for the copy into the model.
+    """
+
+    def __init__(self, engine: CPUEngine, *, dist_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.engine = engine
+        self.dist_timeout_s = dist_timeout_s
+        self.version_label: str | None = None  # set by a request's weight_version, as SGLang does
+        self._groups: dict[str, _Group] = {}
+        self._update_lock = threading.Lock()
+
+    @property
+    def weight_version(self) -> str:
+        return self.version_label if self.version_label is not None else str(self.engine.weight_version)
+
+    def close(self) -> None:
+        for name in list(self._groups):
+            self._destroy(name)
+
+    # ------------------------------------------------------------------ disk
+    def update_from_disk(self, body: dict[str, Any]) -> Reply:
+        fields = _fields(
+            body,
+            {
+                "model_path": (str, _REQUIRED),
+                "load_format": (_OPTIONAL_STR, None),
+                **_COMMON_UPDATE_FIELDS,
+                "is_async": (bool, False),
+                "keep_pause": (bool, False),
+                "recapture_cuda_graph": (bool, False),
+                "token_step": (int, 0),
+            },
+        )
+        if fields["load_format"] not in (None, "auto", "safetensors"):
+            message = f"Failed to update weights: load_format {fields['load_format']!r} is not supported"
+            return _failure(message, num_paused_requests=0)
+        with self._update_lock:
+            try:
+                self.engine.update_weights_from_disk(fields["model_path"])
+            except (OSError, ValueError) as exc:
+                return _failure(f"Failed to update weights: {exc}", num_paused_requests=0)
+            message = self._label("Succeeded to update model weights.", fields["weight_version"])
+        return HTTPStatus.OK, {"success": True, "message": message, "num_paused_requests": 0}
+
+    # ------------------------------------------------------------------ tensor
+    def update_from_tensor(self, body: dict[str, Any]) -> Reply:
+        fields = _fields(
+            body,
+            {
+                "serialized_named_tensors": (list, _REQUIRED),
+                "load_format": (_OPTIONAL_STR, None),
+                **_COMMON_UPDATE_FIELDS,
+                "disable_draft_model": ((bool, type(None)), None),
+            },
+        )
+        entries = fields["serialized_named_tensors"]
+        if not entries or not all(isinstance(e, str) for e in entries):
+            raise InvalidRequest(
+                "serialized_named_tensors must be a non-empty list of base64 strings, one per TP rank"
+            )
+        if fields["load_format"] not in (None, "direct"):
+            return _failure(
+                f"load_format {fields['load_format']!r} is not supported by the CPU server; send null"
+            )
+        with self._update_lock:
+            try:
+                named = deserialize_named_tensors(entries[0])  # this server is TP rank 0 of 1
+                self.engine.update_weights_from_tensors(named)
+            except (TensorTransportError, ValueError) as exc:
+                return _failure(f"Failed to update weights from tensor: {exc}")
+            message = self._label("Success", fields["weight_version"])
+        return HTTPStatus.OK, {"success": True, "message": message}
+
+    # ------------------------------------------------------------------ distributed
+    def init_group(self, body: dict[str, Any]) -> Reply:
+        fields = _fields(
+            body,
+            {
+                "master_address": (str, _REQUIRED),
+                "master_port": (int, _REQUIRED),
+                "rank_offset": (int, _REQUIRED),
+                "world_size": (int, _REQUIRED),
+                "group_name": (str, "weight_update_group"),
+                "backend": (str, "nccl"),
+            },
+        )
+        name, backend = fields["group_name"], fields["backend"]
+        if name in self._groups:
+            return _failure(f"Failed to initialize custom process group: group {name!r} already exists.")
+        try:
+            check_backend(backend)
+            group = init_custom_process_group(
+                backend,
+                fields["master_address"],
+                fields["master_port"],
+                fields["world_size"],
+                fields["rank_offset"],  # + tp_rank 0: this server has one rank
+                name,
+                timeout=self.dist_timeout_s,
+            )
+        except WeightGroupError as exc:
+            logger.error("init_weights_update_group failed: %s", exc)
+            return _failure(f"Failed to initialize custom process group: {exc}.")
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        )
+        self._groups[name] = _Group(group, device, backend)
+        return HTTPStatus.OK, {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    def destroy_group(self, body: dict[str, Any]) -> Reply:
+        name = _fields(body, {"group_name": (str, "weight_update_group")})["group_name"]
+        if name not in self._groups:
+            return _failure("The group to be destroyed does not exist.")
+        self._destroy(name)
+        return HTTPStatus.OK, {"success": True, "message": "Succeeded to destroy custom process group."}
+
+    def update_from_distributed(self, body: dict[str, Any]) -> Reply:
+        fields = _fields(
+            body,
+            {
+                "names": (list, _REQUIRED),
+                "dtypes": (list, _REQUIRED),
+                "shapes": (list, _REQUIRED),
+                "group_name": (str, "weight_update_group"),
+                "load_format": (_OPTIONAL_STR, None),
+                **_COMMON_UPDATE_FIELDS,
+            },
+        )
+        with self._update_lock:
+            try:
+                group, specs = self._check_distributed(fields)
+            except ValueError as exc:  # refused before any broadcast: the trainer's sends stay unmatched
+                return _failure(f"Failed to update parameter online: {exc}. Nothing was received or changed.")
+            tensors = [torch.empty(shape, dtype=dtype, device=group.device) for dtype, shape in specs]
+            try:
+                broadcast_bucket(group.group, tensors)
+            except (RuntimeError, WeightGroupError) as exc:
+                return _failure(
+                    f"Failed to update parameter online: {exc}. The model's weights are unchanged; destroy and "
+                    "re-initialize the weights update group."
+                )
+            self.engine.update_weights_from_tensors(zip(fields["names"], tensors))
+            message = self._label("Succeeded to update parameter online.", fields["weight_version"])
+        return HTTPStatus.OK, {"success": True, "message": message}
+
+    def _check_distributed(
+        self, fields: dict[str, Any]
+    ) -> tuple[_Group, list[tuple[torch.dtype, list[int]]]]:
+        names, dtypes, shapes = fields["names"], fields["dtypes"], fields["shapes"]
+        group = self._groups.get(fields["group_name"])
+        if group is None:
+            raise ValueError(
+                f"Group {fields['group_name']} not in {list(self._groups)}. "
+                "Please call `init_weights_update_group` first"
+            )
+        if fields["load_format"] is not None:
+            raise ValueError(
+                f"load_format {fields['load_format']!r} is not supported by the CPU server; send null"
+            )
+        if not len(names) == len(dtypes) == len(shapes):
+            raise ValueError(
+                f"names, dtypes and shapes have {len(names)}, {len(dtypes)}, {len(shapes)} entries"
+            )
+        for name, shape in zip(names, shapes):
+            if not isinstance(name, str):
+                raise ValueError(f"names must be strings, got {name!r}")
+            if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+                raise ValueError(f"shape of {name} must be a list of non-negative ints, got {shape!r}")
+        specs = [(parse_dtype(dtype), shape) for dtype, shape in zip(dtypes, shapes)]
+        self.engine.weight_targets(list(zip(names, shapes)))  # unknown names, wrong shapes
+        return group, specs
+
+    def _destroy(self, name: str) -> None:
+        entry = self._groups.pop(name)
+        try:
+            destroy_custom_process_group(entry.group)
+        except RuntimeError as exc:
+            logger.warning("destroying weights update group %s: %s", name, exc)
+
+    def _label(self, message: str, weight_version: str | None) -> str:
+        if weight_version is None:
+            return message
+        self.version_label = weight_version
+        return f"{message} Weight version updated to {weight_version}."
+
+
+def _failure(message: str, **extra: Any) -> Reply:
+    return HTTPStatus.BAD_REQUEST, {"success": False, "message": message, **extra}
+
+
+def _fields(body: dict[str, Any], spec: dict[str, tuple[type | tuple[type, ...], Any]]) -> dict[str, Any]:
+    """Check ``body`` against ``{field: (type(s), default or _REQUIRED)}``; returns every field's value."""
+    unknown = sorted(set(body) - set(spec))
+    if unknown:
+        raise InvalidRequest(f"unknown fields {unknown}; this endpoint takes {sorted(spec)}")
+    values = {}
+    for field, (types, default) in spec.items():
+        if field not in body:
+            if default is _REQUIRED:
+                raise InvalidRequest(f"field {field!r} is required")
+            values[field] = default
+            continue
+        value = body[field]
+        allowed = types if isinstance(types, tuple) else (types,)
+        if (isinstance(value, bool) and bool not in allowed) or not isinstance(value, allowed):
+            names = " or ".join("null" if t is type(None) else t.__name__ for t in allowed)
+            raise InvalidRequest(f"field {field!r} must be {names}, got {type(value).__name__}")
+        values[field] = value
+    return values
