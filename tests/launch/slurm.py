@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import time
@@ -99,14 +100,23 @@ def job_field(job_id: str, field: str) -> str:
 
 
 def free_port_block(count: int) -> int:
-    """The first of ``count`` consecutive TCP ports on 127.0.0.1 that are free right now."""
+    """The first of ``count`` consecutive TCP ports on 127.0.0.1 that are free right now, below the kernel's
+    ephemeral range (outgoing connections take ports from that range at any time, e.g. a router's metrics port)."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     for _ in range(200):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + count < 65536 and all(port_is_free(base + i) for i in range(count)):
+        base = random.randrange(10000, low - count)
+        if all(port_is_free(base + i) and port_can_bind(base + i) for i in range(count)):
             return base
-    raise RuntimeError(f"no block of {count} free ports found")
+    raise RuntimeError(f"no block of {count} free ports found between 10000 and {low}")
+
+
+def port_can_bind(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def port_is_free(port: int) -> bool:

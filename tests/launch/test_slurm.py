@@ -147,7 +147,8 @@ def tiny_train_config(path: Path, model_dir: Path, output_dir: Path, *, steps: i
             "train": "synthetic:addition",
             "heldout": "synthetic:addition",
             "tokenizer": "char",
-            "digits": 1,
+            "train_size": 64,
+            "heldout_size": 8,
         },
         "algorithm": {"loss": {"name": "sapo"}, "reward": "numeric_match"},
         "trainer": {
