@@ -72,6 +72,7 @@ def test_ranks_get_their_env_and_slurm_signals_and_the_time_limit_requeues(tmp_p
             "LOCAL_WORLD_SIZE": "2",
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
+            "SAPO_WEIGHT_SYNC_ADDR": "127.0.0.1",  # the address of SAPO_BIND_IFNAME=lo
         }
         assert e["argv"] == [
             "train", "cfg.yaml", "--set", "a=1", "--set", f"rollout.endpoints_file={endpoints}", "--resume", "auto"
