@@ -50,7 +50,7 @@ write_conf() {
   host=$(hostname -s)
   cpus=$(nproc)
   install -d -m 0755 "$STATE" "$LOGS" "$RUN" /etc/slurm
-  for node in "${NODES[@]}"; do install -d -m 0755 "$STATE/$node"; done
+  for dir in ctld "${NODES[@]}"; do install -d -m 0755 "$STATE/$dir"; done
   cat > "$CONF.tmp" << EOF
 $MARKER
 ClusterName=sapo-ci
@@ -95,7 +95,8 @@ start_daemons() {
 up() {
   [ "$(id -u)" = 0 ] || die "needs root (it starts munged, slurmctld and slurmd)"
   command -v slurmctld > /dev/null || die "slurmctld not found: apt-get install slurm-wlm munge"
-  if [ -e "$CONF" ] && grep -qF "$MARKER" "$CONF" && cluster_answers; then
+  # (sinfo retries for about 10 s when slurmctld is down: look at its pid file first)
+  if [ -e "$CONF" ] && grep -qF "$MARKER" "$CONF" && pid_alive "$RUN/slurmctld.pid" && cluster_answers; then
     echo "slurm cluster already up: ${NODES[*]}"
     return
   fi
@@ -122,7 +123,7 @@ down() {
 
 case "${1:-up}" in
   up) up ;;
-  status) cluster_answers ;;
+  status) pid_alive "$RUN/slurmctld.pid" && cluster_answers ;;
   down) down ;;
   *) die "usage: $0 [up|status|down]" ;;
 esac
