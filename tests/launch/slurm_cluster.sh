@@ -73,6 +73,7 @@ SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides
 ReturnToService=2
 MailProg=/bin/true
+MpiDefault=none
 MinJobAge=600
 KillWait=30
 SlurmctldTimeout=30
