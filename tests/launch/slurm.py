@@ -63,6 +63,19 @@ class Job:
             time.sleep(0.2)
         raise AssertionError(f"job {self.job_id}: {what} not within {timeout} s\n{self.output_text()}")
 
+    def wait_while_alive(self, predicate: Callable[[], Any], timeout: float, what: str) -> Any:
+        """Like :meth:`wait_until`, but fail at once (with the job's output) when the job ends first."""
+
+        def check() -> Any:
+            value = predicate()
+            if not value and self.state() not in ("PENDING", "CONFIGURING", "RUNNING"):
+                raise AssertionError(
+                    f"job {self.job_id} ended ({self.state()}) before {what}\n{self.output_text()}"
+                )
+            return value
+
+        return self.wait_until(check, timeout, what)
+
     def wait_final(self, timeout: float) -> str:
         """Wait until the job is no longer pending or running; returns its final state."""
         self.wait_until(lambda: self.state() not in ACTIVE_STATES, timeout, "end of the job")

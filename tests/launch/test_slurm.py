@@ -47,14 +47,9 @@ class Rollout:
         self.endpoints_file = endpoints_file
         self.key_file = endpoints_file.with_suffix(".key")
         self.ports = ports
-        self.endpoints = job.wait_until(
-            lambda: self._endpoints_or_failure(), timeout=180, what="endpoints file with healthy servers"
+        self.endpoints = job.wait_while_alive(
+            lambda: read_json_when_complete(endpoints_file), 180, "the endpoints file with healthy servers"
         )
-
-    def _endpoints_or_failure(self):
-        if self.job.state() not in ("PENDING", "RUNNING"):
-            raise AssertionError(f"rollout job ended: {self.job.state()}\n{self.job.output_text()}")
-        return read_json_when_complete(self.endpoints_file)
 
     @property
     def api_key(self) -> str:
@@ -124,8 +119,17 @@ def test_rollout_job_fails_fast_when_a_server_exits(tmp_path, demo_model_dir, la
     assert not (tmp_path / "endpoints.json").exists()
 
 
-def tiny_train_config(path: Path, model_dir: Path, output_dir: Path, *, steps: int, save_every: int) -> Path:
-    """Two processes (TP2 + sequence parallel) training the tiny demo MoE against the rollout job's servers."""
+def tiny_train_config(
+    path: Path,
+    model_dir: Path,
+    output_dir: Path,
+    *,
+    steps: int,
+    save_every: int,
+    weight_sync: str = "distributed",
+) -> Path:
+    """Two processes (TP2 + sequence parallel) training the tiny demo MoE against the rollout job's servers.
+    ``weight_sync: disk`` writes the versions under ``output_dir``'s folder (absolute: the servers read them)."""
     config = {
         "name": "slurm-ci",
         "output_dir": str(output_dir),
@@ -136,7 +140,7 @@ def tiny_train_config(path: Path, model_dir: Path, output_dir: Path, *, steps: i
         "optimizer": {"lr": 1.0e-3, "weight_decay": 0.0},
         "rollout": {
             "engine": "sglang",
-            "weight_sync": "distributed",
+            "weight_sync": weight_sync,
             "n_samples": 4,
             "temperature": 1.0,
             "max_new_tokens": 4,
@@ -160,6 +164,8 @@ def tiny_train_config(path: Path, model_dir: Path, output_dir: Path, *, steps: i
             "export_hf": False,
         },
     }
+    if weight_sync == "disk":
+        config["rollout"]["weight_sync_dir"] = str(output_dir.parent / "weights")
     path.write_text(yaml.safe_dump(config))
     return path
 
@@ -177,9 +183,14 @@ def rl_metrics(output_dir: Path) -> list[dict]:
     return [record for record in map(json.loads, lines) if record.get("phase") == "rl"]
 
 
-def test_train_job_finds_the_servers_trains_and_syncs_weights(tmp_path, rollout, demo_model_dir, launch_env):
+@pytest.mark.parametrize("weight_sync", ["distributed", "disk"])
+def test_train_job_finds_the_servers_trains_and_syncs_weights(
+    tmp_path, rollout, demo_model_dir, launch_env, weight_sync
+):
     output_dir = tmp_path / "run"
-    config = tiny_train_config(tmp_path / "tiny.yaml", demo_model_dir, output_dir, steps=3, save_every=2)
+    config = tiny_train_config(
+        tmp_path / "tiny.yaml", demo_model_dir, output_dir, steps=3, save_every=2, weight_sync=weight_sync
+    )
     started = time.monotonic()
     job = submit(
         TRAIN_SCRIPT,
@@ -189,7 +200,7 @@ def test_train_job_finds_the_servers_trains_and_syncs_weights(tmp_path, rollout,
         sbatch_options=GPU_LESS,
     )
     assert job.wait_final(timeout=300) == "COMPLETED", job.output_text()
-    print(f"train job: {time.monotonic() - started:.1f} s")
+    print(f"train job ({weight_sync} sync): {time.monotonic() - started:.1f} s")
 
     summary = json.loads((output_dir / "summary.json").read_text())
     assert summary["steps"] == 3
@@ -211,7 +222,9 @@ def test_requeued_train_job_resumes_from_its_checkpoint(tmp_path, rollout, demo_
         workdir=tmp_path,
         sbatch_options=GPU_LESS,
     )
-    job.wait_until(lambda: (output_dir / "checkpoints" / "latest").exists(), 240, "the first checkpoint")
+    job.wait_while_alive(
+        lambda: (output_dir / "checkpoints" / "latest").exists(), 240, "the first checkpoint"
+    )
     requeued_at = time.monotonic()
     assert os.system(f"scontrol requeue {job.job_id}") == 0
     # Slurm holds a requeued job (BeginTime about two minutes ahead); release it once it is pending again.

@@ -60,7 +60,7 @@ def test_ranks_get_their_env_and_slurm_signals_and_the_time_limit_requeues(tmp_p
         TRAIN_SCRIPT, ["cfg.yaml", "--set", "a=1"], env=env, workdir=tmp_path, sbatch_options=GPU_LESS
     )
     log = Path(env["STUB_LOG"])
-    job.wait_until(lambda: count(log, "start") == 2, 60, "two ranks started")
+    job.wait_while_alive(lambda: count(log, "start") == 2, 60, "two ranks started")
 
     starts = [e for e in events(log) if e["event"] == "start"]
     assert sorted(e["env"]["RANK"] for e in starts) == ["0", "1"]
@@ -90,7 +90,7 @@ def test_ranks_get_their_env_and_slurm_signals_and_the_time_limit_requeues(tmp_p
     assert count(log, "checkpointed") == 2
 
     subprocess.run(["scontrol", "update", f"JobId={job.job_id}", "StartTime=now"], check=True)
-    job.wait_until(lambda: count(log, "start", restart="1") == 2, 60, "both ranks restarted")
+    job.wait_while_alive(lambda: count(log, "start", restart="1") == 2, 60, "both ranks restarted")
     # scancel: Slurm sends SIGTERM to every rank itself, once.
     job.cancel()
     assert job.wait_final(timeout=60) == "CANCELLED"
