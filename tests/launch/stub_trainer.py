@@ -45,6 +45,8 @@ def rank_main(argv: list[str]) -> int:
         "MASTER_ADDR",
         "MASTER_PORT",
         "SAPO_WEIGHT_SYNC_ADDR",
+        "GROUP_RANK",
+        "SLURMD_NODENAME",
     )
     log(
         "start",

@@ -65,8 +65,10 @@ def test_ranks_get_their_env_and_slurm_signals_and_the_time_limit_requeues(tmp_p
     starts = [e for e in events(log) if e["event"] == "start"]
     assert sorted(e["env"]["RANK"] for e in starts) == ["0", "1"]
     for e in starts:
-        assert e["env"] | {"RANK": None} == {
+        assert e["env"] | {"RANK": None, "SLURMD_NODENAME": None} == {
             "RANK": None,
+            "SLURMD_NODENAME": None,
+            "GROUP_RANK": "0",
             "WORLD_SIZE": "2",
             "LOCAL_RANK": e["env"]["RANK"],
             "LOCAL_WORLD_SIZE": "2",
@@ -99,6 +101,24 @@ def test_ranks_get_their_env_and_slurm_signals_and_the_time_limit_requeues(tmp_p
     assert count(log, "checkpointed") == 4
     output = job.output_text()
     assert "requeueing job" in output and "(restart 1)" in output  # --open-mode=append kept the first run
+
+
+def test_two_nodes_get_one_rank_each_with_the_first_node_as_master(tmp_path, launch_env):
+    env = stub_env(tmp_path, launch_env, STUB_NODES="2", STUB_PROCS="1", STUB_RUN_S="0")
+    job = submit(
+        TRAIN_SCRIPT, ["cfg.yaml"], env=env, workdir=tmp_path, sbatch_options=["--nodes=2", *GPU_LESS]
+    )
+    assert job.wait_final(timeout=60) == "COMPLETED", job.output_text()
+    starts = sorted(
+        (e for e in events(Path(env["STUB_LOG"])) if e["event"] == "start"), key=lambda e: e["rank"]
+    )
+    assert [(e["env"]["RANK"], e["env"]["GROUP_RANK"], e["env"]["LOCAL_RANK"]) for e in starts] == [
+        ("0", "0", "0"),
+        ("1", "1", "0"),
+    ]
+    assert [e["env"]["SLURMD_NODENAME"] for e in starts] == ["sapo1", "sapo2"]
+    assert {e["env"]["WORLD_SIZE"] for e in starts} == {"2"}
+    assert {e["env"]["LOCAL_WORLD_SIZE"] for e in starts} == {"1"}
 
 
 def test_allocation_mismatch_stops_before_any_process(tmp_path, launch_env):
