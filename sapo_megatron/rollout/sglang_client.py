@@ -149,7 +149,12 @@ class SGLangClient(RolloutEngine):
         self._http = httpx.Client(
             headers=auth_headers(api_key),
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
-            limits=httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency),
+            # SGLang (uvicorn) and the CPU server close idle connections after 5 s: close ours first, never race
+            limits=httpx.Limits(
+                max_connections=max_concurrency,
+                max_keepalive_connections=max_concurrency,
+                keepalive_expiry=4.0,
+            ),
         )
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="sglang-client")
 
@@ -432,7 +437,8 @@ class SGLangClient(RolloutEngine):
         SGLang's serializer passes CUDA IPC handles, so this works only with servers colocated on the trainer's GPUs
         (or the CPU server in the trainer's own process)."""
         serializer = self._serializer or _sglang_serializer()
-        blob = serializer([(name, tensor) for name, tensor in named_tensors])
+        named = [(name, tensor) for name, tensor in named_tensors]  # alive until every worker has replied
+        blob = serializer(named)
 
         def load(server: _Server) -> None:
             payload = {
@@ -450,6 +456,7 @@ class SGLangClient(RolloutEngine):
             self._check_success(reply, server, "update_weights_from_tensor")
 
         self._update_each_worker(load, "update_weights_from_tensors")
+        del named
 
     def weight_group_layout(self) -> tuple[int, list[int]]:
         """``(world_size, rank_offsets)`` of a weight-update group: the trainer is rank 0, worker ``i``'s TP ranks
@@ -533,6 +540,21 @@ class SGLangClient(RolloutEngine):
             self._acknowledge(self._servers)
 
         return self._background(run)
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        """``POST /destroy_weights_update_group`` on every worker (after a failed broadcast, or at the end)."""
+
+        def destroy(server: _Server) -> None:
+            reply = self._post(
+                server,
+                "/destroy_weights_update_group",
+                {"group_name": group_name},
+                request="destroy_weights_update_group",
+                timeout=60.0,
+            )
+            self._check_success(reply, server, "destroy_weights_update_group")
+
+        self._all_or_raise([(s,) for s in self._servers], destroy)
 
     def finish_weight_update(self, *, flush_cache: bool = True) -> None:
         """End a weight update: the workers that acknowledged every call since the last update hold the new

@@ -9,11 +9,11 @@ name, in request order (async ops, then wait), and load them. :func:`init_custom
 the same way, so the trainer can use it against a real SGLang server (``nccl`` on GPUs) and against our CPU server
 (``gloo``); the CPU server uses it for its own (single) rank.
 
-The group lives beside the default process group and never touches it: it gets its own TCP store (``rendezvous``),
+The group lives beside the default process group and never touches it: it gets its own TCP store (hosted by rank 0, see ``_tcp_store``),
 prefixed by the group name, and ``torch.distributed.distributed_c10d._new_process_group_helper`` builds it without
 the default group (a process without one, like the CPU server, is fine). What this relies on (torch 2.6 - 2.13):
 
-- public: ``torch.distributed.rendezvous``, ``PrefixStore``, ``Backend``, ``broadcast(..., group=, async_op=True)``,
+- public: ``TCPStore``, ``PrefixStore``, ``Backend``, ``broadcast(..., group=, async_op=True)``,
   ``Work.is_completed``, ``destroy_process_group(group)``;
 - private, guarded by :func:`_private_api` (a clear error if torch renamed them): ``_new_process_group_helper``
   (its options keyword is ``backend_options`` since 2.6, ``pg_options`` before; chosen by signature),
@@ -32,6 +32,7 @@ import inspect
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -173,8 +174,7 @@ def _build_group(
     backend: str, url: str, world_size: int, rank: int, group_name: str, timeout: datetime.timedelta
 ) -> dist.ProcessGroup:
     new_group_helper, world = _private_api()
-    store, _, _ = next(dist.rendezvous(url, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    store = _tcp_store(url, rank, world_size, timeout)
     store = dist.PrefixStore(group_name, store)  # SGLang's layout: keys of different groups cannot collide
     options_keyword = (
         "backend_options"
@@ -194,6 +194,24 @@ def _build_group(
         )
     world.pg_group_ranks[group] = {i: i for i in range(world_size)}
     return group
+
+
+def _tcp_store(url: str, rank: int, world_size: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The group's TCP store, hosted by rank 0, as SGLang's ``rendezvous(tcp://...)`` makes it
+    (``_create_c10d_store``: ``is_master = rank == 0``, multi-tenant).
+
+    Not ``dist.rendezvous`` itself: in a process started by torchrun (``TORCHELASTIC_USE_AGENT_STORE=True``) it
+    makes every rank a client of a store that torchrun's agent would host, so for this group nobody would host
+    it and all ranks would wait until the timeout (measured: a trainer under torchrun hung here)."""
+    parts = urlsplit(url)
+    return dist.TCPStore(
+        parts.hostname,
+        parts.port,
+        world_size,
+        is_master=rank == 0,
+        timeout=timeout,
+        multi_tenant=True,
+    )
 
 
 def _private_api():

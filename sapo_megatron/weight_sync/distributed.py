@@ -15,9 +15,11 @@ the job stops with one clear error instead of hanging in the next collective.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from collections.abc import Callable
+from concurrent.futures import wait
 from datetime import timedelta
 from urllib.parse import urlsplit
 
@@ -71,17 +73,22 @@ class DistributedSync(WeightSync):
         return sent
 
     def _broadcast(self, bucket: Bucket) -> int:
-        from sapo_megatron.rollout.weight_group import broadcast_tensors
+        from sapo_megatron.rollout.weight_group import broadcast_bucket, tensor_metadata
 
         client = self._ensure_group()
-        names = [name for name, _ in bucket]
-        dtypes = [str(t.dtype).removeprefix("torch.") for _, t in bucket]
-        shapes = [list(t.shape) for _, t in bucket]
+        names, dtypes, shapes = tensor_metadata(bucket)
         acknowledged = client.update_weights_from_distributed(
             names, dtypes, shapes, group_name=self.group_name
         )
-        broadcast_tensors(self._group, [t for _, t in bucket])
-        acknowledged.result(timeout=self.timeout_s)
+        try:
+            # ``reply``: a worker that refuses the bucket fails the broadcast at once, not after the group timeout
+            broadcast_bucket(
+                self._group, [t for _, t in bucket], reply=acknowledged, timeout_s=self.timeout_s
+            )
+            acknowledged.result(timeout=self.timeout_s)
+        except Exception:
+            self._drop_group()  # unmatched sends may remain in it: the next push forms a new one
+            raise
         return bucket_bytes_of(bucket)
 
     def _ensure_group(self) -> RolloutEngine:
@@ -96,6 +103,9 @@ class DistributedSync(WeightSync):
         joined = client.init_weights_update_group(
             address, port, world_size, rank_offsets, group_name=self.group_name, backend=self.backend
         )
+        wait([joined], timeout=1.0)  # a worker that refuses at once (bad backend, group exists) fails fast
+        if joined.done() and joined.exception() is not None:
+            raise joined.exception()
         self._group = init_custom_process_group(
             backend=self.backend,
             master_address=address,
@@ -108,10 +118,21 @@ class DistributedSync(WeightSync):
         joined.result(timeout=self.timeout_s)
         return client
 
+    def _drop_group(self) -> None:
+        from sapo_megatron.rollout.weight_group import destroy_custom_process_group
+
+        group, self._group = self._group, None
+        if group is None:
+            return
+        with contextlib.suppress(Exception):  # best effort: the group may already be broken
+            self._client.destroy_weights_update_group(self.group_name)
+        with contextlib.suppress(Exception):
+            destroy_custom_process_group(group)
+
     def close(self) -> None:
+        self._drop_group()
         if self._client is not None and self._client is not self.engine:
             self._client.close()
-        self._group = None
 
 
 def _raise_on_every_rank(error: BaseException | None) -> None:

@@ -43,7 +43,6 @@ def run_trainer(server_url: str, weights: str) -> dict:
         "weights": weights,
         "port_a": free_port(),
         "port_b": free_port(),
-        "port_default": free_port(),
         "timeout_s": DIST_TIMEOUT_S,
     }
     script = str(REPO_ROOT / "tests" / "rollout" / "weight_trainer.py")
@@ -51,7 +50,8 @@ def run_trainer(server_url: str, weights: str) -> dict:
         [sys.executable, script, json.dumps(cfg)],
         capture_output=True,
         text=True,
-        env=child_env(),
+        # as under torchrun: the weight-update group must still host its own store on the trainer (rank 0)
+        env={**child_env(), "TORCHELASTIC_USE_AGENT_STORE": "True"},
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]

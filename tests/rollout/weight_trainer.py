@@ -134,9 +134,9 @@ def wrong_world_size(pool: ThreadPoolExecutor, cfg: dict[str, Any]) -> dict[str,
 
 
 def main(cfg: dict[str, Any]) -> dict[str, Any]:
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{cfg['port_default']}", rank=0, world_size=1
-    )
+    # The trainer's own default group (a store of its own: this process runs as if under torchrun, whose
+    # TORCHELASTIC_USE_AGENT_STORE makes tcp:// rendezvous expect the agent's store, see run_trainer)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     pool = ThreadPoolExecutor(max_workers=2)
     report: dict[str, Any] = {}
     group = join(pool, cfg)
