@@ -1,6 +1,6 @@
 """A tiny training loop under :class:`InterruptGuard`, run as a subprocess by ``tests/test_interrupts.py``.
 
-``python tests/signal_loop.py [--steps N] [--step-s S] [--signals SIGINT,...] [--stall-after K] [--child]``; with
+``python tests/signal_loop.py [--steps N] [--step-s S] [--signals ...] [--stall-after K] [--fail-after K] [--child]``; with
 ``WORLD_SIZE`` > 1 in the environment it joins a gloo process group and stops on the combined flag. Prints
 ``rank R step K`` after each step and ``rank R stopped at K (REASON)`` when it stops (exit code 130).
 """
@@ -23,6 +23,8 @@ def main() -> int:
     parser.add_argument("--signals", default="SIGINT,SIGTERM,SIGUSR1")
     parser.add_argument("--stall-after", type=int, help="after this step, rank --stall-rank sleeps 120 s")
     parser.add_argument("--stall-rank", type=int, default=0)
+    parser.add_argument("--fail-after", type=int, help="after this step, rank --fail-rank exits with code 7")
+    parser.add_argument("--fail-rank", type=int, default=1)
     parser.add_argument("--child", action="store_true", help="start a child process that would outlive us")
     args = parser.parse_args()
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -37,6 +39,8 @@ def main() -> int:
         for step in range(1, args.steps + 1):
             time.sleep(args.step_s)
             print(f"rank {rank} step {step}", flush=True)
+            if step == args.fail_after and rank == args.fail_rank:
+                return 7
             if step == args.stall_after and rank == args.stall_rank:
                 time.sleep(120)  # a long call; the other ranks wait for this one in should_stop's all-reduce
             if guard.should_stop():

@@ -25,11 +25,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class Loop:
-    """``tests/signal_loop.py`` as a subprocess whose output lines are collected as they come."""
+    """``tests/signal_loop.py`` (or ``launcher`` running it) as a subprocess whose output lines are collected as
+    they come."""
 
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, *args: str, env: dict[str, str] | None = None, launcher: list[str] | None = None
+    ) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(LOOP), *args],
+            [*(launcher or []), sys.executable, str(LOOP), *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -57,7 +60,7 @@ class Loop:
                 return match
 
     def send(self, sig: signal.Signals) -> None:
-        os.kill(self.proc.pid, sig)
+        os.killpg(self.proc.pid, sig)  # like a terminal: the whole foreground process group
 
     def finish(self, timeout: float = 60.0) -> tuple[int, str]:
         code = self.proc.wait(timeout=timeout)
@@ -75,8 +78,8 @@ class Loop:
 def loops():
     started: list[Loop] = []
 
-    def start(*args: str, env: dict[str, str] | None = None) -> Loop:
-        started.append(Loop(*args, env=env))
+    def start(*args: str, env: dict[str, str] | None = None, launcher: list[str] | None = None) -> Loop:
+        started.append(Loop(*args, env=env, launcher=launcher))
         return started[-1]
 
     yield start
@@ -202,3 +205,37 @@ def test_the_guard_lives_in_the_main_thread():
     thread.start()
     thread.join()
     assert errors and "main thread" in errors[0]
+
+
+# --------------------------------------------------------------------------------------------------------
+# The local launcher (what `sapo-megatron train` uses for launch.procs_per_node > 1 on one machine)
+# --------------------------------------------------------------------------------------------------------
+
+LAUNCHER = [sys.executable, "-m", "tests.launch_ranks"]
+
+
+def test_the_launcher_forwards_each_signal_once_and_returns_the_ranks_status(loops):
+    launched = loops("--step-s", "0.1", launcher=[*LAUNCHER, "2"])
+    launched.wait_for(r"^rank 1 step 3$", timeout=120)
+    launched.send(signal.SIGINT)  # reaches the launcher only: the ranks run in their own sessions
+    code, output = launched.finish(timeout=120)
+    assert code == 130, output
+    stops = re.findall(r"rank (\d) stopped at (\d+) \(SIGINT\)", output)  # both got the signal themselves
+    assert sorted(rank for rank, _ in stops) == ["0", "1"] and stops[0][1] == stops[1][1], output
+    assert output.count("stopping after the current step") == 1 and "Traceback" not in output
+    assert "exiting now" not in output  # one Ctrl-C reached each rank once
+
+
+def test_the_launcher_forwards_a_second_signal(loops):
+    launched = loops("--stall-after", "2", launcher=[*LAUNCHER, "2"])
+    launched.wait_for(r"^rank 0 step 2$", timeout=120)
+    code, output, took = second_signal(launched, 0)
+    assert took < 5 and code == 130, output
+    assert "exiting now" in output and "Traceback" not in output
+
+
+def test_the_launcher_stops_the_other_ranks_when_one_fails(loops):
+    launched = loops("--step-s", "0.1", "--fail-after", "3", launcher=[*LAUNCHER, "--settle-s", "0.5", "2"])
+    code, output = launched.finish(timeout=120)
+    assert code == 7, output  # the status of the rank that failed first
+    assert "rank 1 step 3" in output and "rank 1 step 4" not in output
