@@ -40,7 +40,7 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -368,3 +368,53 @@ def made_progress(run_dir: str | Path) -> bool:
     """Whether a freshly started run logged a step or wrote a checkpoint."""
     state = inspect_run_dir(run_dir)
     return state.checkpoint is not None or bool(sum(state.metrics_rows.values()))
+
+
+# --------------------------------------------------------------------------------------------------------
+# All ranks
+# --------------------------------------------------------------------------------------------------------
+
+
+def start_run(
+    path: str | Path, *, mode: str, is_main: bool, announce: Callable[[str], None] | None = print
+) -> RunStart:
+    """Every rank, once the process group exists and before anything of the run is written.
+
+    The main rank applies :func:`prepare_run_dir`, sends ``train.log`` to the run directory
+    (:func:`logs.attach_run_log`) and announces the start's note; the outcome is broadcast, so every rank
+    returns the same :class:`RunStart` or raises the same :class:`RunDirError` (only the main rank's CLI prints
+    it). Without an initialized process group (one process) there is nothing to broadcast.
+    """
+    outcome: RunStart | RunDirError | None = None
+    if is_main:
+        try:
+            outcome = prepare_run_dir(path, mode=mode)
+        except RunDirError as err:
+            outcome = err
+    outcome = _broadcast_from_main(outcome)
+    if isinstance(outcome, RunDirError):
+        raise outcome
+    if is_main:
+        from sapo_megatron import logs
+
+        logs.attach_run_log(outcome.run_dir / LOG_FILE, header=f"sapo-megatron train: {_start_text(outcome)}")
+        if outcome.note and announce is not None:
+            announce(outcome.note)
+    return outcome
+
+
+def _start_text(start: RunStart) -> str:
+    if start.checkpoint is None:
+        return f"mode {start.mode}, fresh start"
+    return f"mode {start.mode}, resuming from {start.checkpoint.path.name} ({_steps_text(start.checkpoint.steps)})"
+
+
+def _broadcast_from_main(obj: Any) -> Any:
+    """``obj`` of rank 0 on every rank (identity without an initialized multi-rank process group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
