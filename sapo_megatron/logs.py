@@ -117,7 +117,8 @@ def console(*, is_main: bool = True, debug: bool = False) -> Iterator[RunLog | N
     global _active
     root = logging.getLogger()
     saved_level = root.level
-    stream_handler = logging.StreamHandler(sys.stderr)  # the real stderr: the file handler logs records itself
+    # The real stderr, not the tee below: the file handler writes records into the run log itself.
+    stream_handler = logging.StreamHandler(sys.stderr)
     stream_handler.setLevel(logging.INFO if debug else logging.WARNING)
     stream_handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     handlers: list[logging.Handler] = [stream_handler]

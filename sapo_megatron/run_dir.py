@@ -348,17 +348,18 @@ def remove_run_entries(run_dir: str | Path, names: tuple[str, ...] | None = None
 
 
 @contextlib.contextmanager
-def cleanup_failed_start(start: RunStart) -> Iterator[None]:
+def cleanup_failed_start(start: RunStart, *, enabled: bool = True) -> Iterator[None]:
     """Remove what a fresh start created if the block fails before the run logged a step or wrote a checkpoint.
 
     A failure after that keeps everything (the next start resumes, or is refused and told what to do). A resumed
     run's failure removes nothing: its directory holds the run it continues, and the next start resumes again.
-    ``train.log`` always stays. Main rank only, around everything after :func:`prepare_run_dir`.
+    ``train.log`` always stays. Around everything after :func:`start_run`; it acts where ``enabled`` (pass
+    ``is_main``: only the main rank cleans up).
     """
     try:
         yield
     except BaseException:
-        if not start.resume and not made_progress(start.run_dir):
+        if enabled and not start.resume and not made_progress(start.run_dir):
             with contextlib.suppress(OSError):  # never hide the run's own error behind a cleanup error
                 remove_run_entries(start.run_dir)
         raise
