@@ -16,6 +16,12 @@ import time
 from sapo_megatron.interrupts import InterruptGuard, print_line
 
 
+def say(line: str) -> None:
+    """One write per line: ranks share the launcher's stdout pipe, and short writes to a pipe do not mix."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=200)
@@ -34,17 +40,17 @@ def main() -> int:
         dist.init_process_group("gloo")
     if args.child:
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-        print(f"child {child.pid}", flush=True)
+        say(f"child {child.pid}")
     with InterruptGuard(args.signals.split(","), announce=print_line if rank == 0 else None) as guard:
         for step in range(1, args.steps + 1):
             time.sleep(args.step_s)
-            print(f"rank {rank} step {step}", flush=True)
+            say(f"rank {rank} step {step}")
             if step == args.fail_after and rank == args.fail_rank:
                 return 7
             if step == args.stall_after and rank == args.stall_rank:
                 time.sleep(120)  # a long call; the other ranks wait for this one in should_stop's all-reduce
             if guard.should_stop():
-                print(f"rank {rank} stopped at {step} ({guard.reason})", flush=True)
+                say(f"rank {rank} stopped at {step} ({guard.reason})")
                 return 130
     return 0
 

@@ -39,6 +39,7 @@ class Loop:
             env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})},
             start_new_session=True,
         )
+        self.launched = launcher is not None
         self.lines: list[str] = []
         self._queue: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -60,7 +61,12 @@ class Loop:
                 return match
 
     def send(self, sig: signal.Signals) -> None:
-        os.killpg(self.proc.pid, sig)  # like a terminal: the whole foreground process group
+        """To the process itself, or, when it is a launcher, to its process group as a terminal's Ctrl-C (its
+        ranks run in their own sessions and get the signal from it)."""
+        if self.launched:
+            os.killpg(self.proc.pid, sig)
+        else:
+            os.kill(self.proc.pid, sig)
 
     def finish(self, timeout: float = 60.0) -> tuple[int, str]:
         code = self.proc.wait(timeout=timeout)
