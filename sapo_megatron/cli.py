@@ -1,53 +1,187 @@
-"""``sapo-megatron`` command line: train (the RL loop; with no config, the embedded tiny demo), convert, serve."""
+"""``sapo-megatron`` command line: train (the RL loop; with no config, the embedded tiny demo), convert, serve.
+
+Errors a user can act on (:class:`~sapo_megatron.errors.UserError`: config, data, checkpoint, run directory, ...)
+print ``sapo-megatron: <message>`` and a ``hint:`` line, without a traceback unless ``--debug`` (``train.log``
+in the run directory has it either way), and exit with the error's code; an interrupted run prints one line
+saying how to resume and exits 130. Other exceptions are bugs: they keep their traceback. Under several ranks
+only rank 0 prints; the others exit with the same code.
+"""
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
+import shlex
 import socket
-import subprocess
 import sys
+import traceback
 from typing import Any
 
 import yaml
 
+from sapo_megatron import __version__, logs
 from sapo_megatron.config import ConfigError, RunConfig, load_config, validate_layout
+from sapo_megatron.errors import RunInterrupted, UserError
+from sapo_megatron.interrupts import EXIT_NOW_CODE
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        return int(args.handler(args) or 0)
-    except ConfigError as err:
-        print(f"sapo-megatron: configuration error\n{err}", file=sys.stderr)
-        return 2
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(_normalise_resume(argv))
+    args.argv = argv
+    debug = bool(getattr(args, "debug", False))
+    is_main = os.environ.get("RANK", "0") == "0"
+    with logs.console(is_main=is_main, debug=debug):
+        logs.filter_cpu_fallback_warnings()
+        try:
+            return int(args.handler(args) or 0)
+        except UserError as err:
+            return _report_user_error(err, argv, is_main=is_main, debug=debug)
+        except KeyboardInterrupt as err:  # a signal before (or without) the trainer's interrupt guard
+            logs.record_exception(err)
+            if is_main:
+                print("sapo-megatron: interrupted", file=sys.stderr)
+            return EXIT_NOW_CODE
+        except Exception:
+            traceback.print_exc()  # a bug: the whole traceback, on the console and in train.log
+            return 1
+
+
+def _report_user_error(err: UserError, argv: list[str], *, is_main: bool, debug: bool) -> int:
+    if not is_main:
+        return err.exit_code
+    if debug:
+        traceback.print_exception(type(err), err, err.__traceback__)
+    else:
+        logs.record_exception(err)
+    if isinstance(err, RunInterrupted):
+        print(f"sapo-megatron: {err}; resume with: {resume_command(argv)}", file=sys.stderr)
+        return err.exit_code
+    kind = "configuration error: " if isinstance(err, ConfigError) else ""
+    print(f"sapo-megatron: {kind}{err}", file=sys.stderr)
+    if err.hint:
+        print(f"hint: {err.hint}", file=sys.stderr)
+    return err.exit_code
+
+
+def resume_command(argv: list[str]) -> str:
+    """The command that continues the run ``argv`` started: the same arguments with ``--resume``."""
+    kept, skip_value = [], False
+    for arg in _normalise_resume(argv):
+        if skip_value:
+            skip_value = False
+            if arg == "auto":
+                continue
+        if arg == "--overwrite" or arg.startswith("--resume="):
+            continue
+        if arg == "--resume":
+            skip_value = True
+            continue
+        kept.append(arg)
+    return shlex.join(["sapo-megatron", *kept, "--resume"])
+
+
+def _normalise_resume(argv: list[str]) -> list[str]:
+    """``--resume`` takes an optional ``auto``; make a bare ``--resume`` explicit so that argparse does not take
+    a following config path for its value (``train --resume run.yaml``)."""
+    out = []
+    for i, arg in enumerate(argv):
+        following = argv[i + 1] if i + 1 < len(argv) else None
+        out.append("--resume=yes" if arg == "--resume" and following != "auto" else arg)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------
+# Parser
+# --------------------------------------------------------------------------------------------------------
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows each option's default after its help (unless the help already names it, or there is none)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not _shows_default(action) or "default" in text.lower():
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sapo-megatron", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="sapo-megatron", description=__doc__, formatter_class=_HelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"sapo-megatron {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_train_parser(commands)
     _add_serve_parser(commands)
     _add_convert_parser(commands)
+    _apply_formatter(parser)
     return parser
 
 
+def _apply_formatter(parser: argparse.ArgumentParser) -> None:
+    """Every (sub)parser shows defaults; an option without help text still gets ``(default: X)``."""
+    parser.formatter_class = _HelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _apply_formatter(sub)
+        elif not action.help and _shows_default(action):
+            action.help = "(default: %(default)s)"
+
+
+def _shows_default(action: argparse.Action) -> bool:
+    """An option whose default is worth printing (not a flag, not "nothing")."""
+    default = action.default
+    nothing = default is None or default is False or default is argparse.SUPPRESS or default == []
+    return not nothing and action.nargs != 0
+
+
 def _add_train_parser(commands) -> None:
-    train = commands.add_parser("train", help="run a training job (the embedded tiny demo without CONFIG)")
-    train.add_argument("config", nargs="?", help="YAML run config; omit for the embedded default")
-    train.add_argument("--output-dir", help="where the run writes (overrides output_dir)")
+    train = commands.add_parser(
+        "train",
+        help="run a training job (the embedded tiny demo without CONFIG)",
+        description="Run a training job: optional SFT warm start, RL, HF export. Without CONFIG, the embedded "
+        "tiny demo. A directory that holds a run is refused unless --resume or --overwrite says what to do.",
+    )
+    train.add_argument("config", nargs="?", help="YAML run config (default: the embedded demo)")
+    train.add_argument("--output-dir", help="where the run writes (default: output_dir of the config)")
+    train.add_argument(
+        "--resume",
+        nargs="?",
+        choices=("yes", "auto"),
+        metavar="auto",
+        help="continue from the newest checkpoint in the output directory; '--resume auto' continues when "
+        "there is one and starts fresh otherwise (for requeued jobs) (default: start a new run)",
+    )
+    train.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete the run in the output directory first (only what a run writes: train.log and other "
+        "files stay)",
+    )
     train.add_argument(
         "--dry-run", action="store_true", help="validate and print the resolved layout, then stop"
     )
-    train.add_argument("--world-size", type=int, help="world size to check the layout against (dry run)")
     train.add_argument(
-        "--resume", action="store_true", help="continue from the latest checkpoint in output_dir"
+        "--world-size",
+        type=int,
+        help="world size to check the layout against (dry run; default: the config's)",
     )
     train.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field (YAML value)"
+        "--launch-info",
+        action="store_true",
+        help="print 'nodes=N procs_per_node=P world_size=W' of the resolved config and stop",
     )
+    train.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field (YAML value); repeatable (default: none)",
+    )
+    train.add_argument("--debug", action="store_true", help="show the traceback of errors")
     train.set_defaults(handler=_train)
 
 
@@ -68,6 +202,11 @@ def _add_convert_parser(commands) -> None:
     add_convert_parser(commands)
 
 
+# --------------------------------------------------------------------------------------------------------
+# train
+# --------------------------------------------------------------------------------------------------------
+
+
 def _parse_overrides(pairs: list[str]) -> dict[str, Any]:
     overrides = {}
     for pair in pairs:
@@ -85,17 +224,49 @@ def resolve_config(args: argparse.Namespace) -> RunConfig:
     return load_config(args.config, overrides)
 
 
+def run_mode(args: argparse.Namespace) -> str:
+    """``new``, ``resume``, ``auto`` or ``overwrite`` (see :mod:`sapo_megatron.run_dir`)."""
+    if args.resume and args.overwrite:
+        raise UserError(
+            "--resume and --overwrite contradict each other",
+            hint="--resume continues the run in the output directory, --overwrite deletes it",
+        )
+    if args.overwrite:
+        return "overwrite"
+    return {None: "new", "yes": "resume", "auto": "auto"}[args.resume]
+
+
 def _train(args: argparse.Namespace) -> int:
     cfg = resolve_config(args)
+    if args.launch_info:
+        launch = cfg.launch
+        print(f"nodes={launch.nodes} procs_per_node={launch.procs_per_node} world_size={launch.world_size}")
+        return 0
     if args.dry_run:
         return _dry_run(cfg, args.world_size)
-    world = cfg.launch.world_size
-    if world > 1 and "WORLD_SIZE" not in os.environ:
-        return _relaunch_under_torchrun(cfg, args.argv)
-    from sapo_megatron.trainer import run
-
-    run(cfg, resume=args.resume)
+    mode = run_mode(args)
+    if cfg.launch.world_size > 1 and "WORLD_SIZE" not in os.environ:
+        return _launch_ranks(cfg, args.argv)
+    _run_training(cfg, mode)
     return 0
+
+
+def _run_training(cfg: RunConfig, mode: str) -> None:
+    from sapo_megatron import trainer
+
+    if "mode" in inspect.signature(trainer.run).parameters:
+        trainer.run(cfg, mode=mode)
+        return
+    # Until trainer.run(cfg, *, mode) applies the output-directory policy itself (issue 9's wiring in
+    # trainer.py/session.py), apply it here for a single process.
+    from sapo_megatron.run_dir import cleanup_failed_start, start_run
+
+    if cfg.launch.world_size > 1:
+        trainer.run(cfg, resume=mode == "resume")
+        return
+    start = start_run(cfg.output_dir, mode=mode, is_main=True)
+    with cleanup_failed_start(start):
+        trainer.run(cfg, resume=start.resume)
 
 
 def _dry_run(cfg: RunConfig, world_size: int | None) -> int:
@@ -108,25 +279,17 @@ def _dry_run(cfg: RunConfig, world_size: int | None) -> int:
     return 0
 
 
-def _relaunch_under_torchrun(cfg: RunConfig, argv: list[str]) -> int:
-    """Start ``procs_per_node`` local processes (multi-node jobs start under SLURM, see launch/)."""
+def _launch_ranks(cfg: RunConfig, argv: list[str]) -> int:
+    """Start ``procs_per_node`` local ranks of this same command (multi-node jobs start under SLURM, see
+    launch/); see :mod:`sapo_megatron.local_launch` for why not torchrun."""
     if cfg.launch.nodes > 1:
         raise ConfigError(
             f"launch.nodes={cfg.launch.nodes}: multi-node jobs start through launch/slurm_train.sbatch, not directly"
         )
-    port = free_port()
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={cfg.launch.procs_per_node}",
-        "--master-addr=127.0.0.1",
-        f"--master-port={port}",
-        "-m",
-        "sapo_megatron.cli",
-        *argv,
-    ]
-    return subprocess.call(command)
+    from sapo_megatron.local_launch import launch_local
+
+    command = [sys.executable, "-m", "sapo_megatron.cli", *argv]
+    return launch_local(command, cfg.launch.procs_per_node, port=free_port())
 
 
 def free_port() -> int:
