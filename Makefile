@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/sapo-megatron train --output-dir runs/demo
+	$(BIN)/sapo-megatron train --output-dir runs/demo --resume auto
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

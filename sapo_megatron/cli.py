@@ -10,7 +10,6 @@ only rank 0 prints; the others exit with the same code.
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import shlex
 import socket
@@ -23,7 +22,9 @@ import yaml
 from sapo_megatron import __version__, logs
 from sapo_megatron.config import ConfigError, RunConfig, load_config, validate_layout
 from sapo_megatron.errors import RunInterrupted, UserError
+from sapo_megatron.inputs import check_input_files
 from sapo_megatron.interrupts import EXIT_NOW_CODE
+from sapo_megatron.rewards.registry import check_reward_available
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,13 +187,15 @@ def _add_train_parser(commands) -> None:
 
 
 def _add_serve_parser(commands) -> None:
+    from sapo_megatron.rollout.cpu_server import add_serve_arguments
+
     serve = commands.add_parser(
-        "serve", help="serve an HF model with the CPU rollout engine (SGLang's HTTP API)"
+        "serve",
+        help="serve an HF model with the CPU rollout engine (SGLang's HTTP API and flag names)",
+        description="A stand-in for `python -m sglang.launch_server` on machines without GPUs: the same HTTP API "
+        "subset and the same flag names, so SLURM scripts can swap one for the other.",
     )
-    serve.add_argument("--model", required=True, help="HF model directory")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=30000)
-    serve.add_argument("--threads", type=int, default=None)
+    add_serve_arguments(serve)
     serve.set_defaults(handler=_serve)
 
 
@@ -245,6 +248,8 @@ def _train(args: argparse.Namespace) -> int:
     if args.dry_run:
         return _dry_run(cfg, args.world_size)
     mode = run_mode(args)
+    check_input_files(cfg)  # before any process starts; each rank checks again when the session opens
+    check_reward_available(cfg.algorithm.reward)
     if cfg.launch.world_size > 1 and "WORLD_SIZE" not in os.environ:
         return _launch_ranks(cfg, args.argv)
     _run_training(cfg, mode)
@@ -254,19 +259,7 @@ def _train(args: argparse.Namespace) -> int:
 def _run_training(cfg: RunConfig, mode: str) -> None:
     from sapo_megatron import trainer
 
-    if "mode" in inspect.signature(trainer.run).parameters:
-        trainer.run(cfg, mode=mode)
-        return
-    # Until trainer.run(cfg, *, mode) applies the output-directory policy itself (issue 9's wiring in
-    # trainer.py/session.py), apply it here for a single process.
-    from sapo_megatron.run_dir import cleanup_failed_start, start_run
-
-    if cfg.launch.world_size > 1:
-        trainer.run(cfg, resume=mode == "resume")
-        return
-    start = start_run(cfg.output_dir, mode=mode, is_main=True)
-    with cleanup_failed_start(start):
-        trainer.run(cfg, resume=start.resume)
+    trainer.run(cfg, mode=mode)
 
 
 def _dry_run(cfg: RunConfig, world_size: int | None) -> int:
@@ -274,6 +267,8 @@ def _dry_run(cfg: RunConfig, world_size: int | None) -> int:
 
     world = world_size or cfg.launch.world_size
     validate_layout(cfg, world)
+    check_input_files(cfg)
+    check_reward_available(cfg.algorithm.reward)
     print(f"config OK: {cfg.name} -> {cfg.output_dir}")
     print(format_plan(cfg, world))
     return 0
@@ -300,10 +295,9 @@ def free_port() -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from sapo_megatron.rollout.cpu_server import serve
+    from sapo_megatron.rollout.cpu_server import serve_from_args
 
-    serve(args.model, args.host, args.port, num_threads=args.threads)
-    return 0
+    return serve_from_args(args)
 
 
 if __name__ == "__main__":

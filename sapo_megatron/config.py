@@ -167,6 +167,11 @@ class SFTConfig(Section):
     global_batch: int = Field(default=32, ge=1, description="sequences per optimizer step, all ranks")
     lr: float | None = Field(default=None, gt=0.0, description="overrides optimizer.lr during SFT")
     log_every: int = Field(default=10, ge=1)
+    save_every: int = Field(
+        default=0,
+        ge=0,
+        description="checkpoint every N SFT steps (0: at the end of SFT, or when interrupted)",
+    )
 
 
 class RolloutConfig(Section):

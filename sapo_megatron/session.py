@@ -7,8 +7,9 @@ The rollout engine lives on the main rank only; other ranks receive samples by b
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -21,11 +22,14 @@ from sapo_megatron.data.synthetic import make_addition_rows
 from sapo_megatron.data.tokenizer import load_tokenizer
 from sapo_megatron.errors import UserError
 from sapo_megatron.inputs import check_input_files
+from sapo_megatron.interrupts import InterruptGuard, print_line
 from sapo_megatron.megatron.parallel import RankInfo, init_parallel
 from sapo_megatron.megatron.train_step import TrainEngine
 from sapo_megatron.rewards.registry import SafeReward, check_reward_available, get_reward
 from sapo_megatron.rollout.base import RolloutEngine
 from sapo_megatron.rollout.topology import Topology, resolve_topology
+from sapo_megatron.run_dir import RunStart, cleanup_failed_start, start_run
+from sapo_megatron.step_health import BadStepGuard
 from sapo_megatron.tracking import Tracker
 from sapo_megatron.weight_sync import DiskSync, TensorSync, WeightSync, export_hf
 from sapo_megatron.weight_sync.distributed import DistributedSync
@@ -39,7 +43,7 @@ class Session:
 
     cfg: RunConfig
     info: RankInfo
-    run_dir: Path
+    start: RunStart
     tokenizer: object
     train_rows: list[PromptRow]
     heldout_rows: list[PromptRow]
@@ -48,7 +52,14 @@ class Session:
     sync: WeightSync
     reward: SafeReward
     tracker: Tracker
+    guard: InterruptGuard
+    bad_steps: BadStepGuard
+    checkpointer: Any = None  # set by the trainer (it needs the loop's start time)
     _server: object | None = None
+
+    @property
+    def run_dir(self) -> Path:
+        return self.start.run_dir
 
     def close(self) -> None:
         self.tracker.close()
@@ -59,7 +70,11 @@ class Session:
             self._server.stop()
 
 
-def build_session(cfg: RunConfig) -> Session:
+@contextlib.contextmanager
+def open_session(cfg: RunConfig, *, mode: str) -> Iterator[Session]:
+    """Check the inputs, form the process groups, apply the output-directory policy (``mode``), build the
+    session, and close it at the end. A fresh start that fails before its first step leaves nothing behind; a
+    first SIGINT/SIGTERM/SIGUSR1 makes the loop stop after its current step (``session.guard``)."""
     check_input_files(cfg)
     check_reward_available(cfg.algorithm.reward)
     info = init_parallel(
@@ -69,9 +84,22 @@ def build_session(cfg: RunConfig) -> Session:
         cpu_threads=cfg.launch.cpu_threads,
         timeout_minutes=cfg.launch.timeout_minutes,
     )
-    run_dir = Path(cfg.output_dir).absolute()
+    start = start_run(cfg.output_dir, mode=mode, is_main=info.is_main)
+    with (
+        cleanup_failed_start(start, enabled=info.is_main),
+        InterruptGuard(announce=print_line if info.is_main else None) as guard,
+    ):
+        session = build_session(cfg, info, start, guard)
+        try:
+            yield session
+        finally:
+            session.close()
+
+
+def build_session(cfg: RunConfig, info: RankInfo, start: RunStart, guard: InterruptGuard) -> Session:
+    """The pieces of a run, in order (the run directory exists: :func:`start_run` made it)."""
+    run_dir = start.run_dir
     if info.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
         cfg.save_resolved(run_dir / "config.yaml")
     tokenizer = build_tokenizer(cfg)
     train_rows, heldout_rows = build_prompts(cfg)
@@ -81,11 +109,11 @@ def build_session(cfg: RunConfig) -> Session:
     rollout, server, topology = build_rollout(cfg, info, engine, tokenizer, run_dir)
     sync = build_weight_sync(cfg, info, rollout, topology, tokenizer, run_dir)
     reward = SafeReward(get_reward(cfg.algorithm.reward), cfg.algorithm.reward)
-    tracker = Tracker(run_dir, enabled=info.is_main)
+    tracker = Tracker(run_dir, enabled=info.is_main, resume_at=start.resume_at)
     return Session(
         cfg,
         info,
-        run_dir,
+        start,
         tokenizer,
         train_rows,
         heldout_rows,
@@ -94,7 +122,9 @@ def build_session(cfg: RunConfig) -> Session:
         sync,
         reward,
         tracker,
-        server,
+        guard,
+        BadStepGuard(cfg.trainer.max_bad_steps),
+        _server=server,
     )
 
 

@@ -1,44 +1,42 @@
 """The RL loop: prompts → rollouts → rewards → advantages → old-log-prob pass → k mini-batch updates with the
 configured policy loss → weight sync → logging → checkpoint. Preceded by an optional supervised warm start and
 followed by an HF export and ``summary.json``.
+
+After every step of either phase, :func:`end_of_step` logs it, checkpoints when due, and stops the run cleanly
+(checkpoint first) when a signal asked for it.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sapo_megatron.batching import TrainSequence, build_micro_batches
+from sapo_megatron.checkpointing import Checkpointer, LoopState
 from sapo_megatron.data.prompts import PromptIterator, PromptRow
+from sapo_megatron.errors import RunInterrupted
 from sapo_megatron.megatron.loss_hook import LogprobOutput, PolicyLossHook, add_global_normalisers
 from sapo_megatron.megatron.sft import sft_loss
-from sapo_megatron.megatron.train_step import ReferenceModel
+from sapo_megatron.megatron.train_step import ReferenceModel, StepResult
 from sapo_megatron.rollout.collect import CollectSettings, RolloutBatch, collect
 from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
-from sapo_megatron.session import Session, build_session, on_main_rank
+from sapo_megatron.session import Session, on_main_rank, open_session
 from sapo_megatron.tracking import write_json_atomic
 from sapo_megatron.weight_sync import export_hf
 
 
-@dataclass
-class LoopState:
-    """Everything besides model/optimizer/RNG that a checkpoint must restore to continue exactly."""
-
-    step: int = 0
-    sft_step: int = 0
-    prompts: dict[str, Any] = field(default_factory=dict)
-    sft_prompts: dict[str, Any] = field(default_factory=dict)
-    accuracy_before: float | None = None
-    wall_seconds: float = 0.0
-
-
-def run(cfg, *, resume: bool = False) -> dict[str, Any]:
-    """Run (or resume) a whole job; returns the summary written to ``<output_dir>/summary.json``."""
+def run(cfg, *, mode: str = "new") -> dict[str, Any]:
+    """Run a whole job into ``cfg.output_dir``; ``mode`` is the output-directory policy (new / resume / auto /
+    overwrite, see :mod:`sapo_megatron.run_dir`). Returns the summary written to ``summary.json``."""
     started = time.perf_counter()
-    session = build_session(cfg)
-    try:
-        state = _restore(session) if resume else LoopState()
+    with open_session(cfg, mode=mode) as session:
+        session.checkpointer = Checkpointer(session, started)
+        state = (
+            session.checkpointer.restore(session.start.checkpoint.path)
+            if session.start.resume
+            else LoopState()
+        )
+        session.bad_steps.load_state_dict(state.bad_steps or session.bad_steps.state_dict())
         prompts = PromptIterator(session.train_rows, batch_size=cfg.trainer.prompts_per_step, seed=cfg.seed)
         if state.prompts:
             prompts.load_state_dict(state.prompts)
@@ -47,13 +45,10 @@ def run(cfg, *, resume: bool = False) -> dict[str, Any]:
         if state.accuracy_before is None:  # a resumed run keeps the value measured before its first RL step
             state.accuracy_before = evaluate(session)
             session.tracker.message(f"held-out accuracy before RL: {_fmt(state.accuracy_before)}")
-        run_rl(session, state, prompts, started)
+        run_rl(session, state, prompts)
         accuracy_after = evaluate(session)
         state.wall_seconds += time.perf_counter() - started
-        summary = _finish(session, state, accuracy_after)
-    finally:
-        session.close()
-    return summary
+        return _finish(session, state, accuracy_after)
 
 
 def run_sft(session: Session, state: LoopState) -> None:
@@ -73,9 +68,10 @@ def run_sft(session: Session, state: LoopState) -> None:
         result = session.engine.train_step(micro, sft_loss)
         state.sft_step += 1
         state.sft_prompts = rows.state_dict()
-        if state.sft_step % cfg.sft.log_every == 0 or state.sft_step == cfg.sft.steps:
-            metrics = {**result.metrics, "grad_norm": result.grad_norm, "lr": result.lr}
-            session.tracker.log(state.sft_step, metrics, phase="sft")
+        metrics = {**result.metrics, "grad_norm": result.grad_norm, "lr": result.lr}
+        metrics.update(_check_update(session, result, "sft", state.sft_step))
+        logged = state.sft_step % cfg.sft.log_every == 0 or state.sft_step == cfg.sft.steps
+        end_of_step(session, state, "sft", metrics if logged else None)
     session.tracker.close_phase()
     session.engine.reset_schedule(
         lr=cfg.optimizer.lr, total_steps=cfg.trainer.steps * cfg.trainer.mini_batches
@@ -95,7 +91,7 @@ def encode_prompt(session: Session, row: PromptRow) -> list[int]:
     return session.tokenizer.encode(text, add_bos=session.tokenizer.bos_id is not None)
 
 
-def run_rl(session: Session, state: LoopState, prompts: PromptIterator, started: float) -> None:
+def run_rl(session: Session, state: LoopState, prompts: PromptIterator) -> None:
     cfg = session.cfg
     hook = PolicyLossHook(cfg.algorithm.loss, cfg.algorithm.correction, temperature=cfg.rollout.temperature)
     reference = _reference_policy(session, state)
@@ -106,10 +102,38 @@ def run_rl(session: Session, state: LoopState, prompts: PromptIterator, started:
         state.prompts = prompts.state_dict()
         if cfg.trainer.eval_every and state.step % cfg.trainer.eval_every == 0:
             metrics["accuracy"] = evaluate(session)
-        session.tracker.log(state.step, metrics, phase="rl")
-        if cfg.trainer.save_every and state.step % cfg.trainer.save_every == 0:
-            _save(session, state, started)
+        end_of_step(session, state, "rl", metrics)
     session.tracker.close_phase()
+
+
+def end_of_step(session: Session, state: LoopState, phase: str, metrics: dict[str, float] | None) -> None:
+    """Every rank, after every optimizer step of ``phase``: log (``None``: not this step), checkpoint when due
+    (``sft.save_every`` / ``trainer.save_every``, and at the end of SFT) or when a signal asked the run to stop,
+    then stop. The stop decision is collective, so every rank stops after the same step."""
+    cfg = session.cfg
+    step, total, every = (
+        (state.sft_step, cfg.sft.steps, cfg.sft.save_every)
+        if phase == "sft"
+        else (state.step, cfg.trainer.steps, cfg.trainer.save_every)
+    )
+    state.bad_steps = session.bad_steps.state_dict()
+    if metrics is not None:
+        session.tracker.log(step, metrics, phase=phase)
+    stopping = session.guard.should_stop()
+    due = (bool(every) and step % every == 0) or (phase == "sft" and step == total)
+    if due or stopping:
+        session.checkpointer.save(state, phase=phase)
+    if stopping:
+        raise RunInterrupted(
+            f"interrupted at {phase.upper()} step {step} of {total} ({session.guard.reason}); checkpoint written"
+        )
+
+
+def _check_update(session: Session, result: StepResult, phase: str, step: int) -> dict[str, float]:
+    """Count an update skipped for a non-finite loss or gradient (stop after too many in a row)."""
+    return session.bad_steps.check(
+        updated=result.update_successful, loss=result.loss, grad_norm=result.grad_norm, phase=phase, step=step
+    )
 
 
 def _reference_policy(session: Session, state: LoopState) -> ReferenceModel | None:
@@ -151,6 +175,8 @@ def rl_step(
         result = engine.train_step(update, hook)
         for name, value in result.metrics.items():
             metrics[name] = metrics.get(name, 0.0) + value / len(micro)
+        for name, value in _check_update(session, result, "rl", step + 1).items():
+            metrics[name] = metrics.get(name, 0.0) + value if name == "train/update_skipped" else value
         metrics["grad_norm"] = result.grad_norm
         metrics["lr"] = result.lr
     train_s = time.perf_counter() - start
@@ -265,37 +291,11 @@ def _heldout_accuracy(session: Session) -> float | None:
     return sum(rewards) / len(rewards)
 
 
-def _save(session: Session, state: LoopState, started: float) -> None:
-    from sapo_megatron.megatron.dist_ckpt import save_train_state
-
-    extra = asdict(state)
-    extra["wall_seconds"] = state.wall_seconds + time.perf_counter() - started
-    save_train_state(
-        session.engine,
-        session.run_dir / "checkpoints" / f"step_{state.step:06d}",
-        extra,
-        keep=session.cfg.trainer.keep_checkpoints,
-    )
-
-
-def _restore(session: Session) -> LoopState:
-    from sapo_megatron.megatron.dist_ckpt import load_latest_train_state
-
-    extra = load_latest_train_state(session.engine, session.run_dir / "checkpoints")
-    state = LoopState(**extra)
-    session.engine.reset_schedule(
-        lr=session.cfg.optimizer.lr,
-        total_steps=session.cfg.trainer.steps * session.cfg.trainer.mini_batches,
-        done=state.step * session.cfg.trainer.mini_batches,
-    )
-    session.tracker.message(f"resumed at RL step {state.step} (SFT step {state.sft_step})")
-    return state
-
-
 def _finish(session: Session, state: LoopState, accuracy_after: float | None) -> dict[str, Any]:
     cfg = session.cfg
-    if cfg.trainer.save_every and (state.step == 0 or state.step % cfg.trainer.save_every):
-        _save(session, state, time.perf_counter())  # the last step's state, unless it was just saved
+    session.checkpointer.save(
+        state, phase="rl" if state.step else "sft"
+    )  # the final state, unless just saved
     summary = {
         "accuracy_before": state.accuracy_before,
         "accuracy_after": accuracy_after,

@@ -108,8 +108,10 @@ def test_options_of_every_command_show_their_default():
                 and cli._shows_default(action)
                 and action.dest not in ("help", "version")
             ):
-                assert "default" in blocks[action.option_strings[-1]], (parser.prog, action.option_strings)
-                checked.add(f"{parser.prog} {action.option_strings[-1]}")
+                # the help lists the first long option
+                shown = next(o for o in action.option_strings if o.startswith("--"))
+                assert "default" in blocks[shown], (parser.prog, action.option_strings)
+                checked.add(f"{parser.prog} {shown}")
     assert {"sapo-megatron serve --port", "sapo-megatron convert verify --batch"} <= checked, checked
 
 
@@ -297,14 +299,22 @@ def test_resume_of_an_empty_directory_is_refused(tmp_path):
     assert not (tmp_path / "run" / "train.log").exists()
 
 
-def test_a_failed_start_leaves_only_its_log(tmp_path):
+def test_a_missing_input_is_refused_before_anything_is_written(tmp_path):
     run_dir = tmp_path / "run"
     proc = sapo(
         "train", "--output-dir", str(run_dir), *TINY, "--set", f"data.train={tmp_path / 'missing.jsonl'}"
     )
-    assert proc.returncode != 0
+    assert proc.returncode == 2 and "data.train" in proc.stderr and "missing.jsonl" in proc.stderr
+    assert not run_dir.exists()
+
+
+def test_a_failed_start_leaves_only_its_log(tmp_path):
+    run_dir, bad = tmp_path / "run", tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1=", "ground_truth": "2"}\n{"prompt": "2+2=",\n')
+    proc = sapo("train", "--output-dir", str(run_dir), *TINY, "--set", f"data.train={bad}")
+    assert proc.returncode == 1 and "bad.jsonl:2" in proc.stderr
     assert sorted(p.name for p in run_dir.iterdir()) == ["train.log"]
-    assert "missing.jsonl" in (run_dir / "train.log").read_text()
+    assert "bad.jsonl:2" in (run_dir / "train.log").read_text()
     assert prepare_run_dir(run_dir, mode="new").note is None  # the next run starts, with nothing to clean
 
 

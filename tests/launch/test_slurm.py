@@ -236,7 +236,7 @@ def test_requeued_train_job_resumes_from_its_checkpoint(tmp_path, rollout, demo_
 
     log = job.output_text()  # --open-mode=append: both runs in one file
     assert "train job " + job.job_id + " (restart 1)" in log
-    assert "resumed at RL step" in log
+    assert "resuming from step_" in log
     assert [record["step"] for record in rl_metrics(output_dir)] == [1, 2, 3, 4, 5, 6]
     assert json.loads((output_dir / "summary.json").read_text())["steps"] == 6
 

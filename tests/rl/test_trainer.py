@@ -106,7 +106,8 @@ def test_every_logged_quantity_is_there(learning_run):
     assert row["mismatch/abs_delta_mean"] < 1e-4  # trainer and engine agree at the same weights
     sft = metrics(learning_run, "sft")
     assert sft[0]["lr"] == pytest.approx(1e-3) and row["lr"] == pytest.approx(3e-4)  # each phase's own rate
-    assert list((learning_run / "tensorboard").glob("events.out.tfevents.*"))
+    for phase in ("sft", "rl"):
+        assert list((learning_run / "tensorboard" / phase).glob("events.out.tfevents.*"))
 
 
 # Measured on this fixed seed (CPU, torch 2.13): held-out accuracy 1.0 after SFT and 1.0 after RL; the bound

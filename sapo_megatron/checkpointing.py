@@ -1,0 +1,67 @@
+"""What the training loop saves and restores: its position (:class:`LoopState`) next to the engine's model,
+optimizer, LR schedule and RNG states, in ``<run>/checkpoints/{sft,step}_NNNNNN`` (atomic; ``latest`` points at the
+newest complete one)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sapo_megatron.session import Session
+
+
+@dataclass
+class LoopState:
+    """Everything besides model/optimizer/RNG that a checkpoint must restore to continue exactly."""
+
+    step: int = 0
+    sft_step: int = 0
+    prompts: dict[str, Any] = field(default_factory=dict)
+    sft_prompts: dict[str, Any] = field(default_factory=dict)
+    accuracy_before: float | None = None
+    wall_seconds: float = 0.0
+    bad_steps: dict[str, int] = field(default_factory=dict)
+
+
+class Checkpointer:
+    """Saves the loop (every rank calls it: the engine's state is sharded) and restores it on resume."""
+
+    def __init__(self, session: Session, started: float) -> None:
+        self.session = session
+        self.started = started
+        self._saved_at: tuple[int, int] | None = None
+
+    def save(self, state: LoopState, *, phase: str) -> Path | None:
+        """A checkpoint of this moment, named after the phase's step; nothing if this moment is saved already."""
+        from sapo_megatron.megatron.dist_ckpt import save_train_state
+
+        moment = (state.sft_step, state.step)
+        if moment == self._saved_at:
+            return None
+        extra = asdict(state)
+        extra["wall_seconds"] = state.wall_seconds + time.perf_counter() - self.started
+        name = f"sft_{state.sft_step:06d}" if phase == "sft" else f"step_{state.step:06d}"
+        path = save_train_state(
+            self.session.engine,
+            self.session.run_dir / "checkpoints" / name,
+            extra,
+            keep=self.session.cfg.trainer.keep_checkpoints,
+        )
+        self._saved_at = moment
+        return path
+
+    def restore(self, path: Path) -> LoopState:
+        """Load the checkpoint at ``path`` into the engine; returns the loop state saved with it."""
+        from sapo_megatron.megatron.dist_ckpt import load_train_state
+
+        state = LoopState(**load_train_state(self.session.engine, path))
+        cfg = self.session.cfg
+        self.session.engine.reset_schedule(
+            lr=cfg.optimizer.lr,
+            total_steps=cfg.trainer.steps * cfg.trainer.mini_batches,
+            done=state.step * cfg.trainer.mini_batches,
+        )
+        self._saved_at = (state.sft_step, state.step)
+        return state
