@@ -13,43 +13,27 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @contextlib.contextmanager
-def server_process(model_dir: Path, port: int):
-    log = model_dir.parent / "server.log"
-    command = [sys.executable, "-m", "sapo_megatron.rollout.cpu_server", "--model-path", str(model_dir)]
-    command += ["--port", str(port), "--threads", "1", "--dist-timeout", "600"]
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
-        )
-    url = f"http://127.0.0.1:{port}"
+def cpu_server(model_dir: Path):
+    from sapo_megatron.rollout.server_process import ServerProcess
+
+    server = ServerProcess(
+        "--model-path", str(model_dir), "--port", "0", "--threads", "1", "--dist-timeout", "600"
+    )
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited:\n{log.read_text()[-2000:]}")
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            time.sleep(0.5)
-        yield url
+        yield server.url
     finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+        server.stop(timeout_s=60)
 
 
 def timed_pushes(sync, module, repeats: int) -> tuple[float, float]:
@@ -74,7 +58,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    from sapo_megatron.cli import free_port
     from sapo_megatron.config import config_from_dict
     from sapo_megatron.megatron.parallel import init_parallel
     from sapo_megatron.megatron.train_step import TrainEngine
@@ -100,7 +83,7 @@ def main() -> None:
         init_parallel(cfg.parallel, seed=0)
         module = TrainEngine(cfg).module
         model_mb = sum(p.numel() * p.element_size() for p in module.parameters()) / 1e6
-        with server_process(hf_dir, free_port()) as url, SGLangClient([url], timeout_s=600) as client:
+        with cpu_server(hf_dir) as url, SGLangClient([url], timeout_s=600) as client:
             disk = DiskSync(client, cfg.model.arch, staging_dir=Path(tmp) / "weights")
             disk_s, disk_bytes = timed_pushes(disk, module, args.repeats)
             dist_sync = DistributedSync(

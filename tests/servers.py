@@ -19,6 +19,7 @@ import transformers
 from sapo_megatron.cli import free_port
 from sapo_megatron.data.tokenizer import CharTokenizer
 from sapo_megatron.defaults import DEMO_MODEL
+from tests.rollout.server_process import ServerProcess
 
 
 def save_demo_model(path: Path, seed: int = 0) -> Path:
@@ -62,14 +63,17 @@ def process(command: Sequence[str], log: Path, url: str) -> Iterator[str]:
             proc.wait(timeout=20)
 
 
-def cpu_server(model_dir: Path, log: Path, *, api_key: str | None = None, port: int | None = None):
-    """``python -m sapo_megatron.rollout.cpu_server`` on a free port; yields its URL."""
-    port = port or free_port()
-    command = [sys.executable, "-m", "sapo_megatron.rollout.cpu_server", "--model", str(model_dir)]
-    command += ["--host", "127.0.0.1", "--port", str(port), "--threads", "1"]
-    if api_key:
-        command += ["--api-key", api_key]
-    return process(command, log, f"http://127.0.0.1:{port}")
+@contextlib.contextmanager
+def cpu_server(model_dir: Path, log: Path, *, api_key: str | None = None) -> Iterator[str]:
+    """``python -m sapo_megatron.rollout.cpu_server`` on a free port (it prints its URL); yields the URL. Its
+    stderr lands in ``log`` when it stops."""
+    flags = ["--model-path", str(model_dir), "--host", "127.0.0.1", "--port", "0", "--threads", "1"]
+    server = ServerProcess(*flags, *(["--api-key", api_key] if api_key else []))
+    try:
+        yield server.url
+    finally:
+        server.stop()
+        log.write_text(server.stderr)
 
 
 def router(workers: Sequence[str], log: Path, *, api_key: str | None = None):

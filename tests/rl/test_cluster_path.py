@@ -6,7 +6,6 @@ at the end every worker serves exactly the exported model."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import httpx
@@ -14,7 +13,7 @@ import numpy as np
 import pytest
 
 from sapo_megatron.rollout.cpu_engine import CPUEngine
-from tests.rl.test_trainer import data_files, train, write_config  # noqa: F401 - fixture reused
+from tests.rl.test_trainer import SHORT_TP2, data_files, metrics, train, write_config  # noqa: F401 - fixture reused
 from tests.servers import cpu_server, router, save_demo_model
 
 PROBE = [1, 14, 15, 12, 16, 17, 13]  # a tokenized prompt + answer of the character tokenizer
@@ -62,21 +61,12 @@ def test_two_rank_trainer_behind_the_real_router(tmp_path, data_files, servers, 
     config = write_config(
         tmp_path / "run.yaml",
         data_files,
-        **{
-            "parallel": {"tp": 2, "sequence_parallel": True},
-            "launch.procs_per_node": 2,
-            "trainer.steps": 3,
-            "sft.steps": 5,
-            **{f"rollout.{key}": value for key, value in rollout.items()},
-        },
+        **SHORT_TP2,
+        **{f"rollout.{key}": value for key, value in rollout.items()},
     )
     train(config)
     run = tmp_path / "run"
-    rl = [
-        row
-        for row in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())
-        if row["phase"] == "rl"
-    ]
+    rl = metrics(run, "rl")
     assert len(rl) == 3
     assert all(row["mismatch/abs_delta_mean"] < 1e-4 for row in rl), [
         r["mismatch/abs_delta_mean"] for r in rl

@@ -174,17 +174,17 @@ def test_http_rollouts_disk_weight_sync_and_kl_reference(tmp_path, data_files):
     assert (tmp_path / "run" / "reference_policy").is_dir()
 
 
+# a short run on two ranks (tensor parallel with sequence parallelism)
+SHORT_TP2 = {
+    "parallel": {"tp": 2, "sequence_parallel": True},
+    "launch.procs_per_node": 2,
+    "trainer.steps": 3,
+    "sft.steps": 5,
+}
+
+
 def test_two_process_tensor_parallel_run(tmp_path, data_files):
-    config = write_config(
-        tmp_path / "run.yaml",
-        data_files,
-        **{
-            "parallel": {"tp": 2, "sequence_parallel": True},
-            "launch.procs_per_node": 2,
-            "trainer.steps": 3,
-            "sft.steps": 5,
-        },
-    )
+    config = write_config(tmp_path / "run.yaml", data_files, **SHORT_TP2)
     train(config)
     rl = metrics(tmp_path / "run", "rl")
     assert len(rl) == 3 and all(r["mismatch/abs_delta_mean"] < 1e-4 for r in rl)
