@@ -267,10 +267,15 @@ def _dry_run(cfg: RunConfig, world_size: int | None) -> int:
 
     world = world_size or cfg.launch.world_size
     validate_layout(cfg, world)
-    check_input_files(cfg)
     check_reward_available(cfg.algorithm.reward)
-    print(f"config OK: {cfg.name} -> {cfg.output_dir}")
+    print(f"layout OK: {cfg.name} -> {cfg.output_dir}")
     print(format_plan(cfg, world))
+    try:
+        check_input_files(cfg)
+    except ConfigError as err:
+        err.hint = "the layout above is valid; these paths must exist on the machine where the job runs"
+        raise
+    print("inputs OK: every input file exists")
     return 0
 
 

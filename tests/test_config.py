@@ -178,7 +178,7 @@ def test_setting_a_loss_name_switches_the_loss_and_keeps_shared_settings(tmp_pat
 
 def test_cli_switches_the_loss_of_the_demo(capsys):
     assert main(["train", "--dry-run", "--set", "algorithm.loss.name=grpo"]) == 0
-    assert "config OK" in capsys.readouterr().out
+    assert "layout OK" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(HAVE_TE, reason="checks the message shown where Transformer Engine is missing")
@@ -276,11 +276,19 @@ def test_shipped_configs_validate(path):
     validate_layout(cfg, cfg.launch.world_size)
 
 
-def test_dry_run_prints_layout_for_qwen3_30b(capsys):
-    assert main(["train", str(REPO / "configs/qwen3_30b_a3b_sapo_h100.yaml"), "--dry-run"]) == 0
-    out = capsys.readouterr().out
-    assert "total parameters: 30.532 B" in out
-    assert "world size 32 = tp 4 × pp 1 × cp 1 × dp 8" in out
+def test_dry_run_prints_layout_for_qwen3_30b_then_names_the_missing_inputs(capsys):
+    # the data, tokenizer and checkpoint live on the cluster: the layout is checked here, the files are not
+    assert main(["train", str(REPO / "configs/qwen3_30b_a3b_sapo_h100.yaml"), "--dry-run"]) == 2
+    captured = capsys.readouterr()
+    assert "total parameters: 30.532 B" in captured.out
+    assert "world size 32 = tp 4 × pp 1 × cp 1 × dp 8" in captured.out
+    assert "data.train" in captured.err and "/data/dapo-math-17k.jsonl" in captured.err
+    assert "hint: the layout above is valid" in captured.err
+
+
+def test_dry_run_with_every_input_present_is_ok(capsys):
+    assert main(["train", "--dry-run"]) == 0  # the embedded demo: synthetic data, char tokenizer
+    assert "inputs OK" in capsys.readouterr().out
 
 
 def test_cli_reports_config_errors(capsys):

@@ -92,7 +92,7 @@ def test_generation_through_the_router_and_weight_updates_on_every_worker(cluste
         # the router answers 404 to this: each worker loads it
         client.update_weights_from_disk(str(moe_dir_b))
     after = [model_info(u) for u in workers]
-    assert [info["weight_version"] for info in after] == [v + 1 for v in before]
+    assert [int(info["weight_version"]) for info in after] == [int(v) + 1 for v in before]
     assert all(info["model_path"] == str(moe_dir_b) for info in after)
 
 
