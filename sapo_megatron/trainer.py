@@ -36,7 +36,8 @@ def run(cfg, *, mode: str = "new") -> dict[str, Any]:
             if session.start.resume
             else LoopState()
         )
-        session.bad_steps.load_state_dict(state.bad_steps or session.bad_steps.state_dict())
+        if state.bad_steps:
+            session.bad_steps.load_state_dict(state.bad_steps)
         prompts = PromptIterator(session.train_rows, batch_size=cfg.trainer.prompts_per_step, seed=cfg.seed)
         if state.prompts:
             prompts.load_state_dict(state.prompts)
