@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sapo_megatron.run_dir import Checkpoint
 from sapo_megatron.session import Session
 
 
@@ -42,6 +43,7 @@ class Checkpointer:
             return None
         extra = asdict(state)
         extra["wall_seconds"] = state.wall_seconds + time.perf_counter() - self.started
+        extra["lr_bounds"] = list(self.session.engine.lr_bounds())  # the schedule's, for loading it back
         name = f"sft_{state.sft_step:06d}" if phase == "sft" else f"step_{state.step:06d}"
         path = save_train_state(
             self.session.engine,
@@ -52,11 +54,16 @@ class Checkpointer:
         self._saved_at = moment
         return path
 
-    def restore(self, path: Path) -> LoopState:
-        """Load the checkpoint at ``path`` into the engine; returns the loop state saved with it."""
+    def restore(self, checkpoint: Checkpoint) -> LoopState:
+        """Load ``checkpoint`` into the engine; returns the loop state saved with it."""
         from sapo_megatron.megatron.dist_ckpt import load_train_state
 
-        state = LoopState(**load_train_state(self.session.engine, path))
+        bounds = checkpoint.extra.get("lr_bounds")
+        if bounds:  # the parameter groups as saved (an SFT-phase save holds the SFT learning rate)
+            self.session.engine.set_lr_bounds(*bounds)
+        extra = load_train_state(self.session.engine, checkpoint.path)
+        extra.pop("lr_bounds", None)
+        state = LoopState(**extra)
         cfg = self.session.cfg
         self.session.engine.reset_schedule(
             lr=cfg.optimizer.lr,

@@ -32,9 +32,7 @@ def run(cfg, *, mode: str = "new") -> dict[str, Any]:
     with open_session(cfg, mode=mode) as session:
         session.checkpointer = Checkpointer(session, started)
         state = (
-            session.checkpointer.restore(session.start.checkpoint.path)
-            if session.start.resume
-            else LoopState()
+            session.checkpointer.restore(session.start.checkpoint) if session.start.resume else LoopState()
         )
         if state.bad_steps:
             session.bad_steps.load_state_dict(state.bad_steps)

@@ -82,11 +82,21 @@ class TrainEngine:
         """A fresh LR schedule (same style as configured) peaking at ``lr`` over ``total_steps`` optimizer steps,
         fast-forwarded by ``done`` steps (phases such as the SFT warm start use their own rate; resume)."""
         opt = self.cfg.optimizer.model_copy(update={"lr": lr, "min_lr": min(self.cfg.optimizer.min_lr, lr)})
-        for group in self.optimizer.param_groups:  # Megatron's scheduler reads these before its own max/min
-            group["max_lr"], group["min_lr"] = opt.lr, opt.min_lr
+        self.set_lr_bounds(opt.lr, opt.min_lr)
         self.scheduler = _build_scheduler(self.optimizer, opt, total_steps)
         if done:
             self.scheduler.step(increment=done)
+
+    def lr_bounds(self) -> tuple[float, float]:
+        """``(max_lr, min_lr)`` of the current schedule, as the optimizer's parameter groups hold them."""
+        group = self.optimizer.param_groups[0]
+        return float(group["max_lr"]), float(group["min_lr"])
+
+    def set_lr_bounds(self, max_lr: float, min_lr: float) -> None:
+        """Set every parameter group's ``max_lr`` / ``min_lr`` (Megatron's scheduler reads them; megatron-core
+        0.19 also matches a checkpoint's parameter groups by them, so a load needs those of the save)."""
+        for group in self.optimizer.param_groups:
+            group["max_lr"], group["min_lr"] = max_lr, min_lr
 
     @property
     def module(self) -> torch.nn.Module:

@@ -96,3 +96,11 @@ def nonfinite_then_finite(payload: dict[str, Any]) -> dict[str, Any]:
         "second": (second.update_successful, second.grad_norm),
         "scheduler_steps": (scheduler_steps, engine.scheduler.num_steps),
     }
+
+
+def process_group_timeouts(payload: dict[str, Any]) -> list[float]:
+    """The timeouts (s) of the default group and Megatron's data-parallel group after ``init_parallel``."""
+    cfg = layout_config(payload)
+    init_parallel(cfg.parallel, seed=0, cfg=cfg, timeout_minutes=payload["timeout_minutes"])
+    groups = (dist.distributed_c10d._get_default_group(), data_parallel_group())
+    return [g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups]
