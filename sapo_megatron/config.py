@@ -202,6 +202,11 @@ class RolloutConfig(Section):
         default=False,
         description="request each sample's routed experts (MoE routing metrics and replay need them)",
     )
+    precision: Literal["fp32", "bf16", "fp8"] = Field(
+        default="fp32",
+        description="the rollout engine's numerics: bf16 weights and activations, or fp8 = 128x128-block e4m3 "
+        "weights as SGLang's --quantization fp8 serves them (the CPU engine; SGLang servers get the flag)",
+    )
     colocated: bool = Field(
         default=False,
         description="the SGLang servers share the trainer's GPUs (needed for weight_sync: tensor with sglang)",
@@ -288,6 +293,11 @@ class AlgorithmConfig(Section):
         default=None,
         ge=1,
         description="DAPO soft overlong penalty window (uses rollout.max_new_tokens as L_max)",
+    )
+    routing_replay: Literal["none", "r2", "r3"] = Field(
+        default="none",
+        description="MoE routing replay: r2 replays the trainer's own routes of the old-log-prob pass, r3 the "
+        "rollout engine's routes (needs rollout.routed_experts)",
     )
     max_reward_error_frac: float = Field(
         default=0.1,
