@@ -13,6 +13,9 @@ It reproduces what the trainer relies on from SGLang, so that swapping engines c
   first token's entry None.
 - **Stopping** (SGLang ``Req.check_finished``): ``max_new_tokens`` is checked first ("length"), then the stop token
   ids and the model's EOS ids ("stop"; the stop token is part of the output).
+- **Precision** (:mod:`sapo_megatron.rollout.precision`): ``fp32`` (default; equals the trainer), ``bf16``
+  (``--dtype bfloat16``) or ``fp8`` (SGLang's block-wise W8A8 fp8 on the decoder's linear layers), applied at
+  load and re-applied to every weight update; logits are upcast to fp32 before any softmax.
 - **Routed experts**: each MoE layer's router top-k indices (in ``torch.topk`` order, descending router
   probability) for every token fed to the model: int32 ``[len(prompt) + len(output) - 1, num_hidden_layers, top_k]``
   like SGLang's ``--enable-return-routed-experts``. Layers without a router (dense layers of mixed models) hold -1.
@@ -37,6 +40,7 @@ import numpy as np
 import torch
 
 from sapo_megatron.rollout.base import RolloutEngine, normalize_response_starts
+from sapo_megatron.rollout.precision import EngineNumerics
 from sapo_megatron.rollout.types import FinishReason, GenerationRequest, Sample, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -128,6 +132,9 @@ class CPUEngine(RolloutEngine):
     ``num_threads`` sets torch's intra-op threads for the engine's forwards (and restores them after): tiny models
     run as fast on one thread, and one thread does not collapse when other processes load the cores, which
     OpenMP's spinning threads do. None keeps torch's setting.
+
+    ``precision`` (``fp32``, ``bf16``, ``fp8``): the engine's numerics (see :mod:`~sapo_megatron.rollout.precision`).
+    The engine takes ownership of ``model``: it casts (and for fp8 quantises) its parameters in place.
     """
 
     def __init__(
@@ -139,8 +146,11 @@ class CPUEngine(RolloutEngine):
         max_batch_size: int = 64,
         return_original_logprob: bool = False,
         num_threads: int | None = None,
+        precision: str = "fp32",
     ) -> None:
+        self.numerics = EngineNumerics(precision)
         self.model = model.eval().requires_grad_(False)
+        self.numerics.install(self.model)
         self.num_threads = num_threads
         self.model_path = model_path
         self.max_batch_size = max_batch_size
@@ -164,10 +174,14 @@ class CPUEngine(RolloutEngine):
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, **kwargs) -> CPUEngine:
-        """Load an HF checkpoint directory (config.json + safetensors) in float32."""
+        """Load an HF checkpoint directory (config.json + safetensors) in float32, then apply ``precision``."""
         return cls(_load_model(model_dir), model_path=str(model_dir), **kwargs)
 
     # ------------------------------------------------------------------ facts
+    @property
+    def precision(self) -> str:
+        return self.numerics.precision
+
     @property
     def is_moe(self) -> bool:
         return self._routers is not None
@@ -234,15 +248,17 @@ class CPUEngine(RolloutEngine):
         return [[float(lp) for lp in res.input_logprobs[start:]] for res, start in zip(results, starts)]
 
     def update_weights_from_disk(self, path: str) -> None:
-        """Reload weights from an HF directory with the same architecture and shapes (strict)."""
+        """Reload weights from an HF directory with the same architecture and shapes (strict), in the engine's
+        precision (fp8 weights are quantised again from the checkpoint's values)."""
         new_model = _load_model(path)
-        with self._lock:
+        with self._lock, torch.no_grad():
             try:
                 self.model.load_state_dict(new_model.state_dict(), strict=True)
             except RuntimeError as exc:
                 raise ValueError(
                     f"update_weights_from_disk({path}): checkpoint does not fit the served model: {exc}"
                 ) from exc
+            self.numerics.requantize_(self.model)
             self.model_path = str(path)
             self.weight_version += 1
 
@@ -250,14 +266,15 @@ class CPUEngine(RolloutEngine):
         """Copy HF-named tensors into the live model; all names and shapes are checked before anything is copied.
 
         Accepts the model's own parameter names and the per-expert checkpoint names of fused MoE experts
-        (``...mlp.experts.{e}.{gate,up,down}_proj.weight``, as on disk and as SGLang loads them). Values are cast to
-        the model's dtype.
+        (``...mlp.experts.{e}.{gate,up,down}_proj.weight``, as on disk and as SGLang loads them). Values take the
+        engine's precision: cast to the parameter's dtype, and fp8 weights quantised again.
         """
         named = list(named_tensors)
-        targets = self.weight_targets([(name, tuple(tensor.shape)) for name, tensor in named])
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        resolved = [self._resolve(name, tuple(tensor.shape), params) for name, tensor in named]
         with self._lock, torch.no_grad():
-            for target, (_, tensor) in zip(targets, named):
-                target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+            for (param_name, target), (_, tensor) in zip(resolved, named):
+                self.numerics.load_(param_name, target, tensor)
             self.weight_version += 1
 
     def weight_targets(self, names_and_shapes: Sequence[tuple[str, Sequence[int]]]) -> list[torch.Tensor]:
@@ -266,15 +283,16 @@ class CPUEngine(RolloutEngine):
         Raises ValueError naming the first unknown name or mismatched shape; changes nothing.
         """
         params = dict(self.model.named_parameters(remove_duplicate=False))
-        targets = []
-        for name, shape in names_and_shapes:
-            target = self._target_for(name, params)
-            if tuple(target.shape) != tuple(shape):
-                raise ValueError(
-                    f"weight {name} has shape {list(shape)}, the model expects {list(target.shape)}"
-                )
-            targets.append(target)
-        return targets
+        return [self._resolve(name, shape, params)[1] for name, shape in names_and_shapes]
+
+    def _resolve(
+        self, name: str, shape: Sequence[int], params: dict[str, torch.nn.Parameter]
+    ) -> tuple[str, torch.Tensor]:
+        """The model parameter an HF-named weight belongs to, and the live view it overwrites (shape-checked)."""
+        param_name, target = self._target_for(name, params)
+        if tuple(target.shape) != tuple(shape):
+            raise ValueError(f"weight {name} has shape {list(shape)}, the model expects {list(target.shape)}")
+        return param_name, target
 
     def flush_cache(self) -> None:
         """Nothing to do: every call starts from an empty KV cache (no prefix cache)."""
@@ -472,9 +490,9 @@ class CPUEngine(RolloutEngine):
         token_logprobs = reported.gather(1, tokens[:, None]).squeeze(1)
         return tokens, token_logprobs
 
-    def _target_for(self, name: str, params: dict[str, torch.nn.Parameter]) -> torch.Tensor:
+    def _target_for(self, name: str, params: dict[str, torch.nn.Parameter]) -> tuple[str, torch.Tensor]:
         if name in params:
-            return params[name].data
+            return name, params[name].data
         match = _EXPERT_WEIGHT.match(name)
         if match:
             prefix, expert, proj = match["prefix"], int(match["expert"]), match["proj"]
@@ -484,9 +502,10 @@ class CPUEngine(RolloutEngine):
                 if expert >= fused.shape[0]:
                     raise ValueError(f"weight {name}: expert {expert} >= {fused.shape[0]}")
                 if proj == "down_proj":
-                    return fused.data[expert]
+                    return fused_name, fused.data[expert]
                 half = fused.shape[1] // 2  # gate_up_proj is [E, 2F, H]: gate rows first, then up rows
-                return fused.data[expert, :half] if proj == "gate_proj" else fused.data[expert, half:]
+                rows = slice(None, half) if proj == "gate_proj" else slice(half, None)
+                return fused_name, fused.data[expert, rows]
         raise ValueError(f"unknown weight name {name!r}")
 
 
