@@ -16,7 +16,7 @@ Endpoints (what each checks):
   ``preferred_sampling_params``, ``weight_version``, plus the model's shape facts.
 - ``GET /get_server_info``: the ``server_args`` fields a client reads (``tp_size`` 1, ``dp_size``, ``pp_size``,
   ``ep_size``, ``enable_return_routed_experts``, ``weight_version``, ``max_running_requests``,
-  ``context_length``, ...), never the API key. ``GET /get_weight_version``.
+  ``context_length``, ``dtype``, ``quantization``, ...), never the API key. ``GET /get_weight_version``.
 - ``GET|POST /flush_cache``: nothing to flush (no prefix cache); 200 with SGLang's text.
 - Weight sync (:mod:`cpu_server_weights`): ``POST /update_weights_from_disk``, ``/update_weights_from_tensor``,
   ``/init_weights_update_group``, ``/update_weights_from_distributed``, ``/destroy_weights_update_group``.
@@ -25,7 +25,8 @@ Endpoints (what each checks):
 With ``api_key`` (``--api-key``) every path but ``/health*`` needs ``Authorization: Bearer <key>`` (401
 ``{"error": "Unauthorized"}`` otherwise). Start in-process with ``CPUServer(engine).start()`` (port 0 picks a free
 port) or from the shell with SGLang's flags: ``python -m sapo_megatron.rollout.cpu_server --model-path DIR --port P``
-(see :func:`add_serve_arguments`).
+(see :func:`add_serve_arguments`). SGLang's ``--dtype`` and ``--quantization fp8`` set the engine's precision
+(:func:`precision_from_flags`).
 """
 
 from __future__ import annotations
@@ -346,6 +347,7 @@ class CPUServer:
             "pp_size": 1,
             "ep_size": 1,
             "enable_return_routed_experts": self.engine.is_moe,
+            **self.engine.numerics.describe(),  # dtype, quantization (resolved, e.g. "bfloat16" and "fp8")
             "skip_tokenizer_init": self.tokenizer is None,
             "max_running_requests": self.engine.max_batch_size,
             "context_length": self.engine.max_context,
@@ -466,10 +468,12 @@ def serve(
     block: bool = True,
     api_key: str | None = None,
     dist_timeout_s: float = DEFAULT_TIMEOUT_S,
+    precision: str = "fp32",
 ) -> CPUServer:
-    """Load ``model_dir`` and serve it. ``block=False`` returns the started server (stop it with ``.stop()``)."""
+    """Load ``model_dir`` and serve it in ``precision`` (fp32, bf16, fp8). ``block=False`` returns the started
+    server (stop it with ``.stop()``)."""
     try:
-        engine = CPUEngine.from_pretrained(model_dir, seed=seed, num_threads=num_threads)
+        engine = CPUEngine.from_pretrained(model_dir, seed=seed, num_threads=num_threads, precision=precision)
     except FileNotFoundError as exc:
         raise ServeError(f"--model-path {model_dir}: {exc}") from exc
     try:
@@ -483,7 +487,7 @@ def serve(
         )
     except OSError as exc:
         raise ServeError(f"cannot listen on {host}:{port}: {exc}") from exc
-    logger.info("serving %s at %s", model_dir, server.url)
+    logger.info("serving %s at %s in %s", model_dir, server.url, precision)
     if not block:
         return server.start()
     try:
@@ -532,6 +536,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=DTYPE_CHOICES,
+        help="weights and activations: bfloat16 or float32 (float); auto is float32 without --quantization and "
+        "bfloat16 with it (SGLang's auto would serve a float32 checkpoint in float16); half/float16 are refused "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--quantization",
+        default=None,
+        help="fp8: SGLang's block-wise W8A8 fp8 (128x128 weight blocks) on the decoder's linear layers, with "
+        "bfloat16 activations; the only method here (default: %(default)s, none)",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -553,8 +571,35 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+# SGLang's --dtype choices (server_args.py): "float" means float32 and "half" float16.
+DTYPE_CHOICES = ("auto", "half", "float16", "bfloat16", "float", "float32")
+
+
+def precision_from_flags(dtype: str = "auto", quantization: str | None = None) -> str:
+    """The engine precision (fp32, bf16, fp8) that SGLang's ``--dtype`` and ``--quantization`` ask for.
+
+    ``auto`` keeps float32 without quantisation and means bfloat16 under fp8, which SGLang runs with bfloat16 or
+    float16 activations only (``Fp8Config.get_supported_act_dtypes``); float16 is not implemented here.
+    """
+    if dtype not in DTYPE_CHOICES:
+        raise ServeError(f"--dtype {dtype}: choose one of {', '.join(DTYPE_CHOICES)}")
+    if dtype in ("half", "float16"):
+        raise ServeError(f"--dtype {dtype}: the CPU server runs float32 or bfloat16, not float16")
+    if quantization is None:
+        return "bf16" if dtype == "bfloat16" else "fp32"
+    if quantization != "fp8":
+        raise ServeError(f"--quantization {quantization}: the CPU server implements only fp8")
+    if dtype in ("float", "float32"):
+        raise ServeError(
+            f"--dtype {dtype} with --quantization fp8: fp8 runs bfloat16 activations, as in SGLang; "
+            "use --dtype bfloat16 or auto"
+        )
+    return "fp8"
+
+
 def serve_from_args(args: argparse.Namespace) -> int:
     """Serve until SIGTERM or SIGINT; prints ``serving <model dir> at <url>`` once listening. Returns 0."""
+    precision = precision_from_flags(args.dtype, args.quantization)
     if args.tp_size != 1:
         raise ServeError(
             f"--tp-size {args.tp_size}: the CPU server runs a single rank, only --tp-size 1 works"
@@ -572,6 +617,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
             block=False,
             api_key=args.api_key,
             dist_timeout_s=args.dist_timeout,
+            precision=precision,
         )
         print(f"serving {args.model_path} at {server.url}", flush=True)
         try:
