@@ -165,7 +165,9 @@ def build_rollout(cfg: RunConfig, info: RankInfo, engine: TrainEngine, tokenizer
         return None, None, broadcast_object(None) if cfg.rollout.cpu_http else None
     from sapo_megatron.rollout.cpu_engine import CPUEngine
 
-    cpu = CPUEngine.from_pretrained(initial, seed=cfg.seed, num_threads=cfg.rollout.threads)
+    cpu = CPUEngine.from_pretrained(
+        initial, seed=cfg.seed, num_threads=cfg.rollout.threads, precision=cfg.rollout.precision
+    )
     if not cfg.rollout.cpu_http:
         return cpu, None, None
     from sapo_megatron.rollout.cpu_server import CPUServer
