@@ -204,8 +204,11 @@ class RolloutConfig(Section):
     )
     precision: Literal["fp32", "bf16", "fp8"] = Field(
         default="fp32",
-        description="the rollout engine's numerics: bf16 weights and activations, or fp8 = 128x128-block e4m3 "
-        "weights as SGLang's --quantization fp8 serves them (the CPU engine; SGLang servers get the flag)",
+        description="the rollout engine's numerics. CPU engine: fp32 (equals the trainer), bf16 (weights and "
+        "activations), or fp8 (SGLang's block-wise W8A8 fp8: 128x128 e4m3 weight blocks and per-token-group "
+        "activations on the decoder's linear layers, bf16 elsewhere). SGLang servers run what they were launched "
+        "with (launch/slurm_rollout.sbatch: SAPO_QUANTIZATION=fp8); set this to match them, the trainer cannot "
+        "change a remote server's precision",
     )
     colocated: bool = Field(
         default=False,

@@ -4,6 +4,7 @@ creates on the demo architecture, re-quantisation on weight updates, and the ser
 from __future__ import annotations
 
 import copy
+import re
 
 import httpx
 import numpy as np
@@ -12,6 +13,7 @@ import safetensors.torch
 import torch
 import transformers
 
+from sapo_megatron.config import ConfigError, config_from_dict
 from sapo_megatron.defaults import DEMO_MODEL
 from sapo_megatron.rollout.cpu_engine import CPUEngine, RowSpec
 from sapo_megatron.rollout.cpu_server import ServeError, precision_from_flags, serve
@@ -23,6 +25,7 @@ from sapo_megatron.rollout.precision import (
     quantize_blocks,
 )
 from sapo_megatron.rollout.types import SamplingParams
+from sapo_megatron.tiny import tiny_hf_config
 from tests.rollout.conftest import engine_from, load, make_moe_model, reference_logprobs
 
 E4M3_REL_ERROR = 2.0**-4  # round-to-nearest with 3 mantissa bits: half an ulp, relative to the value
@@ -279,3 +282,13 @@ def test_served_fp8_equals_in_process_fp8_before_and_after_a_weight_update(moe_d
             assert expected.output_logprobs != in_process(engine_from(model_dir), prompt).output_logprobs
     finally:
         server.stop()
+
+
+def test_config_names_the_precision_choices():
+    raw = {"model": {"hf_config": tiny_hf_config("moe")}, "rollout": {"precision": "fp16"}}
+    with pytest.raises(
+        ConfigError, match=re.escape("rollout.precision: Input should be 'fp32', 'bf16' or 'fp8'")
+    ):
+        config_from_dict(raw)
+    raw["rollout"]["precision"] = "fp8"
+    assert config_from_dict(raw).rollout.precision == "fp8"
