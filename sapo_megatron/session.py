@@ -185,6 +185,7 @@ def _resolve_servers(cfg: RunConfig, tokenizer) -> Topology:
         endpoints_file=r.endpoints_file,
         api_key=rollout_api_key(cfg),
         need_routes=r.routed_experts,
+        precision=r.precision,
         probe_prompt=[tokenizer.bos_id if tokenizer.bos_id is not None else 0],
         timeout_s=r.startup_timeout_s,
         log=lambda line: print(line, flush=True),

@@ -61,6 +61,7 @@ def resolve_topology(
     endpoints_file: str | None = None,
     api_key: str | None = None,
     need_routes: bool = False,
+    precision: str | None = None,
     probe_prompt: Sequence[int] = (0,),
     timeout_s: float = 900.0,
     log: Log = print,
@@ -76,7 +77,16 @@ def resolve_topology(
             wait_healthy(http, [router], deadline, log, what="sglang-router")
         workers = [u.rstrip("/") for u in urls] or list_router_workers(http, router)
         wait_healthy(http, workers, deadline, log, what="rollout worker")
-        tp_sizes = tuple(worker_tp_size(http, url) for url in workers)
+        infos = [_get_json(http, url, "/get_server_info") for url in workers]
+        tp_sizes = tuple(worker_tp_size(info, url) for info, url in zip(infos, workers))
+        if precision is not None:
+            for info, url in zip(infos, workers):
+                served = served_precision(info)
+                if served is not None and served != precision:
+                    log(
+                        f"warning: {url} serves {served} (dtype/quantization in /get_server_info) but "
+                        f"rollout.precision is {precision}; the trainer cannot change a server's precision"
+                    )
         via_router = router is not None
         if need_routes:
             if not probe_routes(http, workers[0], probe_prompt):
@@ -171,13 +181,21 @@ def _is_healthy(http: httpx.Client, url: str) -> bool:
         return False
 
 
-def worker_tp_size(http: httpx.Client, url: str) -> int:
-    """A worker's tensor-parallel size from ``GET /get_server_info`` (SGLang's server args; 1 if absent)."""
-    info = _get_json(http, url, "/get_server_info")
+def worker_tp_size(info: Any, url: str) -> int:
+    """A worker's tensor-parallel size from its ``GET /get_server_info`` (SGLang's server args; 1 if absent)."""
     size = info.get("tp_size", 1) if isinstance(info, dict) else 1
     if not isinstance(size, int) or size < 1:
         raise RolloutError(f"tp_size {size!r} is not a positive integer", server=url, field="tp_size")
     return size
+
+
+def served_precision(info: Any) -> str | None:
+    """``fp8`` / ``bf16`` / ``fp32`` from SGLang's server args (``quantization``, ``dtype``); None if unknown."""
+    if not isinstance(info, dict):
+        return None
+    if info.get("quantization") == "fp8":
+        return "fp8"
+    return {"bfloat16": "bf16", "float32": "fp32", "float": "fp32"}.get(str(info.get("dtype")))
 
 
 def probe_routes(http: httpx.Client, url: str, prompt: Sequence[int]) -> bool:

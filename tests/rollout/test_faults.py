@@ -118,7 +118,7 @@ class FakeSGLang(BaseHTTPRequestHandler):
     def do_GET(self):
         self.server.auth.append((self.path, self.headers.get("Authorization")))
         if self.path == "/get_server_info":
-            return self._json(200, {"tp_size": 4, "dp_size": 1})
+            return self._json(200, {"tp_size": 4, "dp_size": 1, **self.server.server_info})
         self._send(200, b"")
 
     def do_POST(self):
@@ -180,7 +180,7 @@ class FakeSGLang(BaseHTTPRequestHandler):
 def fake():
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), FakeSGLang)
     httpd.daemon_threads = True
-    httpd.mode, httpd.bodies, httpd.auth = "ok", [], []
+    httpd.mode, httpd.bodies, httpd.auth, httpd.server_info = "ok", [], [], {}
     thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     httpd.url = f"http://127.0.0.1:{httpd.server_address[1]}"
@@ -350,3 +350,13 @@ def _arch(hf_config):
     from sapo_megatron.arch import QwenArch
 
     return QwenArch.from_hf_dict(hf_config)
+
+
+def test_a_server_whose_precision_differs_from_the_config_is_named(fake):
+    fake.server_info = {"quantization": "fp8", "dtype": "bfloat16"}
+    said: list[str] = []
+    resolve_topology(urls=[fake.url], precision="fp32", timeout_s=10, log=said.append)
+    assert len(said) == 1 and f"{fake.url} serves fp8" in said[0] and "rollout.precision is fp32" in said[0]
+    said.clear()
+    resolve_topology(urls=[fake.url], precision="fp8", timeout_s=10, log=said.append)
+    assert said == []
