@@ -22,7 +22,7 @@ from sapo_megatron.compare.arms import (
     plan_arms,
 )
 from sapo_megatron.compare.report import COLLAPSE_RULE, ArmResult, load_arm_result, report_json, write_report
-from sapo_megatron.compare.runner import CompareInterrupted, CompareOutcome, run_compare
+from sapo_megatron.compare.runner import CompareInterrupted, CompareOutcome, WarmStartError, run_compare
 
 __all__ = [
     "COLLAPSE_RULE",
@@ -36,6 +36,7 @@ __all__ = [
     "CompareOutcome",
     "ComparePlan",
     "PlannedRun",
+    "WarmStartError",
     "build_plan",
     "load_arm_result",
     "parse_names",

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args
 
-from sapo_megatron.config import AlgorithmConfig, ConfigError, RunConfig, load_config
+from sapo_megatron.config import AlgorithmConfig, RunConfig, load_config
+from sapo_megatron.errors import UserError
 
 LOSSES: dict[str, dict[str, Any]] = {
     # SAPO paper (arXiv:2511.20347): τ_pos 1.0, τ_neg 1.05, sequence-mean of token means.
@@ -59,8 +60,10 @@ DEMO_MISMATCH = {"rollout.precision": "fp8"}
 """The demo's default source of training–inference mismatch (a ``--set`` may change it)."""
 
 
-class CompareError(ConfigError):
-    """Bad input to ``sapo-megatron compare`` (names, step counts, the output directory, a failed warm start)."""
+class CompareError(UserError):
+    """Bad input to ``sapo-megatron compare`` (names, step counts, ``--set`` keys, the output directory)."""
+
+    exit_code = 2
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,10 @@ TrainCommand = Callable[[Path], list[str]]
 """Run config path → the command that runs it (tests substitute a stand-in for the trainer)."""
 
 
+class WarmStartError(UserError):
+    """The shared warm start failed: no arm can start."""
+
+
 class CompareInterrupted(UserError):
     """A signal stopped the compare; the arm that was running wrote a checkpoint."""
 
@@ -97,8 +101,9 @@ def run_compare(
 ) -> CompareOutcome:
     """Run what is not finished yet, one run at a time, and write the report; see the module docstring.
 
-    Prints one progress line per run to ``out`` (default stdout). Raises :class:`CompareError` when the input
-    is bad or the warm start fails, :class:`CompareInterrupted` on a signal; an arm that fails is recorded in
+    Prints one progress line per run to ``out`` (default stdout). Raises :class:`CompareError` (or
+    ``ConfigError``) when the input is bad, :class:`WarmStartError` when the warm start fails and
+    :class:`CompareInterrupted` on a signal; an arm that fails is recorded in
     the outcome (and the report) and the next arm runs."""
     out = out or sys.stdout
     command = command or (lambda path: train_command(path, debug=debug))
@@ -161,7 +166,7 @@ def _warm_start(
     _stop_if_asked(guard, run.name, rc)
     if rc != 0:
         _say(out, "failed")
-        raise CompareError(
+        raise WarmStartError(
             f"the warm start failed (exit {rc}): {error}",
             hint=f"see {run.run_dir / 'train.log'}; run the same command again once fixed",
         )

@@ -17,7 +17,7 @@ import pytest
 
 from sapo_megatron.compare import CompareError, CompareInterrupted, build_plan, run_compare
 from sapo_megatron.compare.report import require_matplotlib
-from sapo_megatron.compare.runner import error_line
+from sapo_megatron.compare.runner import WarmStartError, error_line
 
 FAKE = Path(__file__).with_name("fake_train.py")
 SMALL = {"sft.steps": 20, "sft.global_batch": 16, "trainer.prompts_per_step": 4, "rollout.n_samples": 4}
@@ -122,7 +122,7 @@ def test_a_failed_arm_is_reported_and_the_next_one_still_runs(root, monkeypatch)
 
 def test_a_failed_warm_start_stops_the_compare(root, monkeypatch):
     monkeypatch.setenv("FAKE_TRAIN", json.dumps({"warm_start": "fail"}))
-    with pytest.raises(CompareError, match=r"^the warm start failed \(exit 1\): 3 optimizer steps") as err:
+    with pytest.raises(WarmStartError, match=r"^the warm start failed \(exit 1\): 3 optimizer steps") as err:
         compare(root)
     assert str(root / "warm_start" / "train.log") in err.value.hint
     assert started(root) == ["warm_start"]
