@@ -31,7 +31,7 @@ from typing import Any
 from sapo_megatron.compare.arms import Arm, CompareError
 
 FINAL_FRACTION = 0.1
-"""``final`` reward/entropy average the last 10 % of an arm's steps (the first 10 % are its start)."""
+"""``final`` reward/entropy average the last 10 % of an arm's steps."""
 DROP_FRACTION = 0.5
 """Collapse: reward or held-out accuracy ends below half of where it started..."""
 MIN_START_LEVEL = 0.1
@@ -42,8 +42,9 @@ GRAD_EXPLOSION = 20.0
 COLLAPSE_RULE = (
     "An arm **collapsed** when at least one of these holds: "
     "(1) a step logged a non-finite loss or gradient norm, or the run stopped on non-finite updates; "
-    f"(2) its reward fell below {DROP_FRACTION:.0%} of its start (mean `reward/mean` over the last "
-    f"{FINAL_FRACTION:.0%} of steps vs the first {FINAL_FRACTION:.0%}), having started at {MIN_START_LEVEL} or more; "
+    f"(2) its final reward (mean `reward/mean` over the last {FINAL_FRACTION:.0%} of steps) fell below "
+    f"{DROP_FRACTION:.0%} of its reward at the first RL step (the starting policy's own samples), which was "
+    f"{MIN_START_LEVEL} or more; "
     f"(3) its held-out accuracy after RL fell below {DROP_FRACTION:.0%} of its accuracy before RL, having "
     f"started at {MIN_START_LEVEL} or more; "
     f"(4) its gradient norm exploded: some step's `grad_norm` reached {GRAD_EXPLOSION:g}× the median of its "
@@ -61,6 +62,9 @@ METRICS = {
     "loss": "loss/total",
 }
 """Short name → metric name in ``metrics.jsonl``."""
+
+NO_MISMATCH_K3 = 1e-6
+"""Below this mean k3 (fp32 engine and trainer agree to ~1e-7 in log-prob) the reading says there is no mismatch."""
 
 NONFINITE_MARK = "non-finite"
 """A failure message holding this (the trainer's NonFiniteTrainingError says it) counts as collapse (1)."""
@@ -154,8 +158,10 @@ def collapse_reasons(result: ArmResult) -> list[str]:
         reasons.append(f"non-finite loss or gradient norm at step {bad_steps[0]}")
     elif result.failure and NONFINITE_MARK in result.failure:
         reasons.append("stopped on non-finite updates")
+    # The first step's reward is the starting policy's (its rollout precedes any update); a window over the
+    # first steps would already average in a collapse that happens within a few steps.
+    start = next((value for value in result.series["reward"] if value is not None), None)
     window = _window(len(result.steps))
-    start = _mean(result.series["reward"][:window]) if window else None
     end = _mean(result.series["reward"][-window:]) if window else None
     if _dropped(start, end):
         reasons.append(f"reward {start:.3g} → {end:.3g}")
@@ -351,10 +357,11 @@ def _mismatch_line(results: Sequence[ArmResult]) -> str:
     k3 = [r.final["mismatch_k3"] for r in results if r.final["mismatch_k3"] is not None]
     if not k3:
         return "No arm logged `mismatch/k3` (the engine returned no log-probs)."
-    if max(k3) < 1e-6:
+    if max(k3) < NO_MISMATCH_K3:
         return (
-            f"Mismatch k3 is at most {max(k3):.2g}: the engine and the trainer agree, so there is little for "
-            "routing replay or a correction to fix (a mismatch source such as rollout.precision: fp8 makes one)."
+            f"Mismatch k3 is below {NO_MISMATCH_K3:g} in every arm: the engine and the trainer agree, so there is "
+            "little for routing replay or a correction to fix (a mismatch source such as rollout.precision: fp8 "
+            "makes one)."
         )
     return f"Mismatch k3 ranges from {min(k3):.3g} to {max(k3):.3g} across arms."
 

@@ -3,6 +3,7 @@ report.json's exact shape, nulls and missing metrics, PNGs, and report.md's tabl
 
 from __future__ import annotations
 
+import colorsys
 import json
 from pathlib import Path
 
@@ -22,6 +23,20 @@ FINAL_KEYS = [
 ]
 ARM_KEYS = ["loss", "replay", "correction", "seed", "run_dir", "steps", "final"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+SAPO_BLUE, GRPO_ORANGE = (0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)
+
+
+def has_colour(path: Path, rgb: tuple[int, int, int], min_pixels: int = 50) -> bool:
+    """Whether at least ``min_pixels`` pixels of the PNG have the hue of ``rgb`` (anti-aliasing blends a thin
+    line with the white background, which keeps its hue) and some saturation (grey text and grid have none)."""
+    from PIL import Image
+
+    target_hue = colorsys.rgb_to_hsv(*(c / 255 for c in rgb))[0]
+    near = 0
+    for count, colour in Image.open(path).convert("RGB").getcolors(maxcolors=1 << 20):
+        hue, saturation, _ = colorsys.rgb_to_hsv(*(c / 255 for c in colour))
+        near += count if saturation > 0.25 and abs(hue - target_hue) < 0.03 else 0
+    return near >= min_pixels
 
 
 def write_run(
@@ -105,6 +120,7 @@ def test_a_resumed_run_counts_the_last_row_of_each_step(tmp_path):
         ({}, {"accuracy_before": 0.5, "accuracy_after": 0.6}, None, None),
         ({"reward/mean": flat(0.6, 10) + flat(0.2, 10)}, None, None, "reward 0.6 → 0.2"),
         ({"reward/mean": flat(0.6, 10) + flat(0.3, 10)}, None, None, None),  # exactly half: not below
+        ({"reward/mean": [0.3, 0.05, *flat(0.0, 18)]}, None, None, "reward 0.3 → 0"),  # within two steps
         ({"reward/mean": flat(0.08, 10) + flat(0.0, 10)}, None, None, None),  # started below 0.1
         ({}, {"accuracy_before": 0.8, "accuracy_after": 0.3}, None, "held-out accuracy 0.8 → 0.3"),
         ({}, {"accuracy_before": 0.8, "accuracy_after": 0.4}, None, None),
@@ -204,7 +220,11 @@ def test_plots_are_small_non_empty_pngs_even_for_metrics_nobody_logged(tmp_path)
     ]
     for path in files.plots:
         data = path.read_bytes()
-        assert data.startswith(PNG_SIGNATURE) and 5_000 < len(data) < 150_000, (path.name, len(data))
+        assert data.startswith(PNG_SIGNATURE) and 1_000 < len(data) < 150_000, (path.name, len(data))
+        # an arm's colour (matplotlib's C0, C1) is in the picture exactly when its curve was drawn: nobody
+        # logged routing agreement, and GRPO has no held-out accuracy (no summary.json, no eval steps)
+        drawn = {"routing_agreement": (False, False), "accuracy": (True, False)}.get(path.stem, (True, True))
+        assert (has_colour(path, SAPO_BLUE), has_colour(path, GRPO_ORANGE)) == drawn, path.name
     assert not list((tmp_path / "plots").glob(".*"))  # no temporary file left
 
 
@@ -230,6 +250,6 @@ def test_report_markdown_has_the_table_the_reading_and_the_rule(tmp_path):
 def test_no_mismatch_and_failures_are_said(tmp_path):
     write_run(tmp_path, SAPO, {**healthy(), "mismatch/k3": flat(0.0)}, summary={"accuracy_after": 0.2})
     md = write_report(tmp_path, [SAPO, GRPO], failures={GRPO.name: "exit status 1"}).markdown.read_text()
-    assert "- Mismatch k3 is at most 0: the engine and the trainer agree" in md
+    assert "- Mismatch k3 is below 1e-06 in every arm: the engine and the trainer agree" in md
     assert "- Not finished: `grpo-r2-tis-s1` (failed: exit status 1)." in md
     assert "| `grpo-r2-tis-s1` | failed | 0 | – | – → – |" in md
