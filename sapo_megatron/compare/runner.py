@@ -189,8 +189,9 @@ def _arm(
     _stop_if_asked(guard, run.name, rc)
     seconds = time.monotonic() - started
     if rc != 0:
+        error = error or f"exit status {rc}"
         _say(out, f"failed (exit {rc}) after {seconds:.0f} s: {error}; log: {run.run_dir / 'train.log'}")
-        return error or f"exit status {rc}"
+        return error
     _say(out, f"done in {seconds:.0f} s: {_verdict(run)}")
     return None
 
@@ -211,17 +212,26 @@ def _execute(run: PlannedRun, guard: InterruptGuard, command: TrainCommand) -> t
     with tempfile.TemporaryFile("w+") as stderr:
         # stdout (progress bars) is dropped: train.log in the run directory keeps the run's log.
         proc = subprocess.Popen(command(config_path), stdout=subprocess.DEVNULL, stderr=stderr)
-        forwarded = False
-        while True:
-            try:
-                rc = proc.wait(timeout=POLL_S)
-                break
-            except subprocess.TimeoutExpired:
-                pass
-            if guard.requested and not forwarded and guard.signal_name:
-                proc.send_signal(signal.Signals[guard.signal_name])
-                forwarded = True
+        try:
+            rc = _wait(proc, guard)
+        finally:
+            if proc.poll() is None:  # only when the compare itself fails: leave no arm running on its own
+                proc.kill()
+                proc.wait()
         return rc, error_line(_tail(stderr))
+
+
+def _wait(proc: subprocess.Popen, guard: InterruptGuard) -> int:
+    """Wait for ``proc``, passing the first signal the compare receives on to it (once)."""
+    forwarded = False
+    while True:
+        try:
+            return proc.wait(timeout=POLL_S)
+        except subprocess.TimeoutExpired:
+            pass
+        if guard.requested and not forwarded and guard.signal_name:
+            proc.send_signal(signal.Signals[guard.signal_name])
+            forwarded = True
 
 
 def error_line(stderr: str) -> str:
@@ -390,8 +400,9 @@ def _warm_start_line(plan: ComparePlan, code) -> str:
         import json
 
         value = json.loads(summary.read_text()).get("accuracy_after")
-        accuracy = f", held-out accuracy {value:.3f}" if isinstance(value, (int, float)) else ""
+        if isinstance(value, (int, float)):  # on the held-out set of its own seed, not the arms'
+            accuracy = f", held-out accuracy {value:.3f} with seed {plan.warm_start.cfg.seed}"
     return (
         f"Warm start: {code(WARM_START_DIR + '/')} ({plan.warm_start.cfg.sft.steps} SFT steps{accuracy}), "
-        "the initial weights of every arm."
+        "the initial weights of every arm (arm seeds are the seed indices)."
     )

@@ -2,7 +2,7 @@
 (``config.yaml``, ``metrics.jsonl``, ``summary.json``, the warm start's ``hf/config.json``) in milliseconds.
 
 ``FAKE_TRAIN`` (JSON: run name → behaviour) picks what a run does: ``finish`` (default), ``fail`` (prints the
-trainer's non-finite error and exits 1) or ``wait_for_signal`` (waits for SIGINT, then exits 130 as an
+trainer's non-finite error and exits 1), ``sigkill`` (dies without a word) or ``wait_for_signal`` (waits for SIGINT, then exits 130 as an
 interrupted run does). ``FAKE_TRAIN_LOG`` names a file each start appends its run name to.
 """
 
@@ -36,6 +36,8 @@ def main(config_path: str) -> int:
         return 1
     if behaviour == "wait_for_signal":
         return wait_for_signal(run_dir)
+    if behaviour == "sigkill":
+        os.kill(os.getpid(), signal.SIGKILL)
     steps = cfg["trainer"]["steps"]
     rows = [
         {"phase": "rl", "step": s, "reward/mean": 0.5, "entropy": 1.0, "grad_norm": 1.0}

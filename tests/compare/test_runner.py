@@ -120,6 +120,17 @@ def test_a_failed_arm_is_reported_and_the_next_one_still_runs(root, monkeypatch)
     assert outcome.ran == [ARMS[0]] and outcome.failures == {}
 
 
+def test_an_arm_killed_without_a_word_is_a_failure_with_its_exit_status(root, monkeypatch):
+    monkeypatch.setenv("FAKE_TRAIN", json.dumps({ARMS[1]: "sigkill"}))
+    outcome, lines = compare(root)
+    assert outcome.failures == {ARMS[1]: "exit status -9"}
+    assert lines[6].startswith(
+        "[2/2] grpo-none-none-s0 ... failed (exit -9) after 0 s: exit status -9; log: "
+    )
+    report = json.loads((root / "report.json").read_text())
+    assert report["arms"][1]["final"]["collapsed"] is False  # a kill is no evidence of a collapse
+
+
 def test_a_failed_warm_start_stops_the_compare(root, monkeypatch):
     monkeypatch.setenv("FAKE_TRAIN", json.dumps({"warm_start": "fail"}))
     with pytest.raises(WarmStartError, match=r"^the warm start failed \(exit 1\): 3 optimizer steps") as err:
