@@ -179,21 +179,8 @@ def build_plan(
     _check_base(base, replays)
     warm_start = None
     if base.sft.steps > 0:
-        warm_dir = root / WARM_START_DIR
-        warm_start = PlannedRun(
-            WARM_START_DIR,
-            load_config(
-                config,
-                {
-                    **shared,
-                    "name": WARM_START_DIR,
-                    "output_dir": str(warm_dir),
-                    "trainer.steps": 0,
-                    "trainer.export_hf": True,
-                },
-            ),
-        )
-        shared.update({"model.init": "hf", "model.init_path": str(warm_dir / "hf"), "sft.steps": 0})
+        warm_start = _warm_start(config, shared, root / WARM_START_DIR)
+        shared.update({"model.init": "hf", "model.init_path": str(warm_start.run_dir / "hf"), "sft.steps": 0})
     if base.model.arch.is_moe:
         shared["rollout.routed_experts"] = True
     planned = tuple(
@@ -208,6 +195,18 @@ def build_plan(
     )
     source = config or "the embedded tiny MoE demo (sapo_megatron/defaults.py)"
     return ComparePlan(root, base, warm_start, planned, steps, source, dict(overrides))
+
+
+def _warm_start(config: str | None, shared: Mapping[str, Any], run_dir: Path) -> PlannedRun:
+    """The base config's SFT alone (no RL step), exporting the HF weights every arm starts from."""
+    overrides = {
+        **shared,
+        "name": WARM_START_DIR,
+        "output_dir": str(run_dir),
+        "trainer.steps": 0,
+        "trainer.export_hf": True,
+    }
+    return PlannedRun(WARM_START_DIR, load_config(config, overrides))
 
 
 def check_overrides(overrides: Mapping[str, Any]) -> None:

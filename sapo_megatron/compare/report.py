@@ -79,7 +79,8 @@ class ArmResult:
     steps: list[int]
     """Logged RL steps, ascending (the last row of each step counts: a resumed run logs a step again)."""
     series: dict[str, list[float | None]]
-    """Short name of :data:`METRICS` → value per entry of ``steps`` (``None``: not logged, or not finite)."""
+    """Short name of :data:`METRICS` → value per entry of ``steps`` (``None``: not logged, or not finite), plus
+    ``nonfinite``: 1.0 at steps whose loss or gradient norm was logged as null (not finite), else 0.0."""
     summary: dict[str, Any] | None
     """``summary.json``, or ``None`` (unfinished or failed)."""
     failure: str | None = None
@@ -128,7 +129,7 @@ def read_rl_series(path: Path) -> tuple[list[int], dict[str, list[float | None]]
     steps = sorted(rows)
     series = {short: [_number(rows[step].get(name)) for step in steps] for short, name in METRICS.items()}
     # A logged key whose value is null was not finite; tell it apart from a key never logged.
-    series["_nonfinite"] = [
+    series["nonfinite"] = [
         float(any(name in rows[step] and rows[step][name] is None for name in ("loss/total", "grad_norm")))
         for step in steps
     ]
@@ -153,7 +154,7 @@ def final_values(result: ArmResult) -> dict[str, Any]:
 def collapse_reasons(result: ArmResult) -> list[str]:
     """Which parts of :data:`COLLAPSE_RULE` the arm meets, each with its numbers; empty: not collapsed."""
     reasons = []
-    bad_steps = [step for step, bad in zip(result.steps, result.series["_nonfinite"]) if bad]
+    bad_steps = [step for step, bad in zip(result.steps, result.series["nonfinite"]) if bad]
     if bad_steps:
         reasons.append(f"non-finite loss or gradient norm at step {bad_steps[0]}")
     elif result.failure and NONFINITE_MARK in result.failure:
