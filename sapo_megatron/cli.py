@@ -1,4 +1,5 @@
-"""``sapo-megatron`` command line: train (the RL loop; with no config, the embedded tiny demo), convert, serve.
+"""``sapo-megatron`` command line: train (the RL loop; with no config, the embedded tiny demo), compare (losses ×
+routing replay × corrections, with a report), convert, serve.
 
 Errors a user can act on (:class:`~sapo_megatron.errors.UserError`: config, data, checkpoint, run directory, ...)
 print ``sapo-megatron: <message>`` and a ``hint:`` line, without a traceback unless ``--debug`` (``train.log``
@@ -115,6 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"sapo-megatron {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_train_parser(commands)
+    _add_compare_parser(commands)
     _add_serve_parser(commands)
     _add_convert_parser(commands)
     _apply_formatter(parser)
@@ -184,6 +186,58 @@ def _add_train_parser(commands) -> None:
     )
     train.add_argument("--debug", action="store_true", help="show the traceback of errors")
     train.set_defaults(handler=_train)
+
+
+def _add_compare_parser(commands) -> None:
+    from sapo_megatron.compare import CORRECTIONS, REPLAYS
+
+    compare = commands.add_parser(
+        "compare",
+        help="run the same RL job under several losses / routing replays / corrections and write a report",
+        description="Run one arm per (loss, replay, correction, seed), each a normal run directory under "
+        "--output-dir started from one shared SFT warm start, then write report.md, report.json and plots/. "
+        "Without CONFIG: the embedded tiny MoE demo with an fp8 rollout (a training-inference mismatch "
+        "source). Running the same command again skips finished arms and resumes the others.",
+    )
+    compare.add_argument(
+        "config", nargs="?", help="YAML run config every arm shares (default: the embedded demo)"
+    )
+    compare.add_argument(
+        "--losses",
+        default="sapo,gspo,grpo",
+        help="comma-separated policy losses, each with its paper settings: sapo (tau 1.0/1.05), gspo "
+        "(eps 3e-4/4e-4), grpo (DAPO eps 0.2/0.28, token-mean)",
+    )
+    compare.add_argument(
+        "--replay",
+        default=",".join(REPLAYS),
+        help="comma-separated MoE routing replay modes: none (live routing), r2 (the trainer's own routes of the "
+        "old-log-prob pass), r3 (the rollout engine's routes); r2 and r3 need a MoE model",
+    )
+    compare.add_argument(
+        "--corrections",
+        default="none",
+        help=f"comma-separated mismatch corrections from {', '.join(CORRECTIONS)} (tis: cap 2.0)",
+    )
+    compare.add_argument("--seeds", type=int, default=1, help="seeds per configuration: 0 .. N-1")
+    compare.add_argument("--steps", type=int, required=True, help="RL steps of every arm")
+    compare.add_argument(
+        "--output-dir", required=True, help="where the warm start, the arms and the report go"
+    )
+    compare.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="delete what an earlier compare wrote into the output directory and start over",
+    )
+    compare.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field of every run (YAML value); repeatable (default: none)",
+    )
+    compare.add_argument("--debug", action="store_true", help="show the traceback of errors (also the arms')")
+    compare.set_defaults(handler=_compare)
 
 
 def _add_serve_parser(commands) -> None:
@@ -297,6 +351,23 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from sapo_megatron.compare import CORRECTIONS, LOSSES, REPLAYS, build_plan, parse_names, run_compare
+
+    plan = build_plan(
+        args.config,
+        _parse_overrides(args.set),
+        losses=parse_names(args.losses, list(LOSSES), "--losses"),
+        replays=parse_names(args.replay, list(REPLAYS), "--replay"),
+        corrections=parse_names(args.corrections, list(CORRECTIONS), "--corrections"),
+        seeds=args.seeds,
+        steps=args.steps,
+        output_dir=args.output_dir,
+    )
+    outcome = run_compare(plan, overwrite=args.overwrite, debug=args.debug)
+    return 1 if outcome.failures else 0
 
 
 def _serve(args: argparse.Namespace) -> int:

@@ -1,0 +1,252 @@
+"""Planning a comparison: which arms run, and the exact run config of each (no training happens here).
+
+An arm is one (policy loss, routing replay, mismatch correction, seed) combination. Every arm's config is the
+same base config (the user's CONFIG, or the embedded tiny MoE demo with an fp8 rollout) plus the arm's own
+overrides, so arms differ only in what the arm names:
+
+- the loss with its paper settings (:data:`LOSSES`; shared loss keys such as ``kl_coef`` keep the base value),
+- ``algorithm.correction`` (:data:`CORRECTIONS`), ``algorithm.routing_replay``,
+- ``seed`` = the seed index (data order, sampling and held-out set follow it, identically in every arm),
+- for a MoE model, ``rollout.routed_experts: true`` in every arm (R3 needs the engine's routes; the other arms
+  request them too so that each one logs the live routing agreement).
+
+When the base config has an SFT phase it runs once, as a warm start (``trainer.steps: 0`` into
+``<output_dir>/warm_start``, exporting HF weights); every arm then starts from those weights with
+``model.init: hf`` and ``sft.steps: 0``.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, get_args
+
+from sapo_megatron.config import AlgorithmConfig, RunConfig, load_config
+from sapo_megatron.errors import UserError
+
+LOSSES: dict[str, dict[str, Any]] = {
+    # SAPO paper (arXiv:2511.20347): τ_pos 1.0, τ_neg 1.05, sequence-mean of token means.
+    "sapo": {"name": "sapo", "tau_pos": 1.0, "tau_neg": 1.05, "level": "token", "agg": "seq-mean-token-mean"},
+    # GSPO paper (arXiv:2507.18071): sequence-level ratio, ε 3e-4 / 4e-4; needs sequence-level advantages,
+    # which the group advantages are.
+    "gspo": {"name": "gspo", "eps_low": 3e-4, "eps_high": 4e-4, "agg": "seq-mean-token-mean"},
+    # DAPO (arXiv:2503.14476) clip-higher ε 0.2 / 0.28 with token-mean aggregation. Dynamic sampling is left to
+    # the base config: it would change which prompts each arm trains on.
+    "grpo": {"name": "grpo", "eps_low": 0.2, "eps_high": 0.28, "dual_clip": None, "agg": "token-mean"},
+}
+"""Loss name on the command line → ``algorithm.loss`` settings of its arms."""
+
+CORRECTIONS: dict[str, dict[str, Any]] = {
+    "none": {"name": "none"},
+    "tis": {"name": "tis", "cap": 2.0},
+    "icepop": {"name": "icepop", "low": 0.5, "high": 2.0},
+}
+"""Correction name on the command line → ``algorithm.correction`` of its arms."""
+
+REPLAYS: tuple[str, ...] = get_args(AlgorithmConfig.model_fields["routing_replay"].annotation)
+"""``algorithm.routing_replay`` values (``none``, ``r2``, ``r3``)."""
+
+SHARED_LOSS_KEYS = ("kl_coef", "entropy_coef", "max_len")
+"""``algorithm.loss`` keys a ``--set`` may give every arm (the others belong to each arm's loss)."""
+
+WARM_START_DIR = "warm_start"
+ARM_CONFIG_FILE = "compare.yaml"
+"""The config compare wrote for a run (its own resolved copy is ``config.yaml``)."""
+ARM_NAME = re.compile(r"^(?P<loss>[a-z_]+)-(?P<replay>[a-z0-9]+)-(?P<correction>[a-z]+)-s(?P<seed>\d+)$")
+DEMO_MISMATCH = {"rollout.precision": "fp8"}
+"""The demo's default source of training–inference mismatch (a ``--set`` may change it)."""
+
+
+class CompareError(UserError):
+    """Bad input to ``sapo-megatron compare`` (names, step counts, ``--set`` keys, the output directory)."""
+
+    exit_code = 2
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One run of a comparison."""
+
+    loss: str
+    replay: str
+    correction: str
+    seed: int
+
+    @property
+    def name(self) -> str:
+        """``sapo-r2-none-s0``: the arm's run directory under the compare's output directory."""
+        return f"{self.loss}-{self.replay}-{self.correction}-s{self.seed}"
+
+    def overrides(self) -> dict[str, Any]:
+        """Dotted config overrides of this arm, in the order they must be applied (the loss's ``name`` first:
+        switching the variant drops the other variant's keys and keeps the shared ones)."""
+        loss = LOSSES[self.loss]
+        out: dict[str, Any] = {"algorithm.loss.name": loss["name"]}
+        out.update({f"algorithm.loss.{key}": value for key, value in loss.items() if key != "name"})
+        out["algorithm.correction"] = dict(CORRECTIONS[self.correction])
+        out["algorithm.routing_replay"] = self.replay
+        out["seed"] = self.seed
+        return out
+
+
+@dataclass(frozen=True)
+class PlannedRun:
+    """A run compare starts: its name, its validated config (``cfg.output_dir`` is the run directory) and the
+    arm it is (``None`` for the warm start)."""
+
+    name: str
+    cfg: RunConfig
+    arm: Arm | None = None
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.cfg.output_dir)
+
+
+@dataclass(frozen=True)
+class ComparePlan:
+    """Everything a comparison runs, validated before the first run starts."""
+
+    output_dir: Path
+    base: RunConfig
+    """The shared config (the user's CONFIG or the demo, with ``--set``), before any arm's overrides."""
+    warm_start: PlannedRun | None
+    """The shared SFT run; ``None`` when the base config has no SFT phase."""
+    arms: tuple[PlannedRun, ...]
+    steps: int
+    source: str
+    """Where the base config comes from, in words (a path, or the embedded demo)."""
+    overrides: dict[str, Any]
+    """The ``--set`` overrides every run got."""
+
+
+def parse_names(text: str, known: Sequence[str], option: str) -> list[str]:
+    """``"sapo,grpo"`` → ``["sapo", "grpo"]``; raises :class:`CompareError` naming ``option`` on an empty list,
+    an unknown name (with the closest known one) or a repeated one."""
+    names = [part.strip() for part in text.split(",")]
+    if not text.strip() or any(not name for name in names):
+        raise CompareError(f"{option} {text!r}: expected comma-separated names from {', '.join(known)}")
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            suggestion = f" (did you mean {close[0]!r}?)" if close else ""
+            raise CompareError(f"{option}: unknown name {name!r}{suggestion}; choose from {', '.join(known)}")
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise CompareError(f"{option}: {', '.join(repeated)} given more than once")
+    return names
+
+
+def plan_arms(
+    losses: Sequence[str], replays: Sequence[str], corrections: Sequence[str], seeds: int
+) -> list[Arm]:
+    """Every combination, seed-major (all configurations of seed 0 first, so an early stop leaves whole seeds),
+    then in the order given on the command line."""
+    if seeds < 1:
+        raise CompareError(f"--seeds {seeds}: need at least one seed")
+    return [
+        Arm(loss, replay, correction, seed)
+        for seed in range(seeds)
+        for loss in losses
+        for replay in replays
+        for correction in corrections
+    ]
+
+
+def build_plan(
+    config: str | None,
+    overrides: Mapping[str, Any],
+    *,
+    losses: Sequence[str],
+    replays: Sequence[str],
+    corrections: Sequence[str],
+    seeds: int,
+    steps: int,
+    output_dir: str | Path,
+) -> ComparePlan:
+    """Validate the request and every arm's config; raises :class:`CompareError` (or ``ConfigError``) on bad
+    input. ``config`` None: the embedded demo with :data:`DEMO_MISMATCH`. ``overrides``: the ``--set`` pairs."""
+    if steps < 1:
+        raise CompareError(f"--steps {steps}: each arm needs at least one RL step")
+    check_overrides(overrides)
+    arms = plan_arms(losses, replays, corrections, seeds)
+    root = Path(output_dir).resolve()
+    shared = {**(DEMO_MISMATCH if config is None else {}), **overrides, "trainer.steps": steps}
+    base = load_config(config, shared)
+    _check_base(base, replays)
+    warm_start = None
+    if base.sft.steps > 0:
+        warm_start = _warm_start(config, shared, root / WARM_START_DIR)
+        shared.update({"model.init": "hf", "model.init_path": str(warm_start.run_dir / "hf"), "sft.steps": 0})
+    if base.model.arch.is_moe:
+        shared["rollout.routed_experts"] = True
+    planned = tuple(
+        PlannedRun(
+            arm.name,
+            load_config(
+                config, {**shared, **arm.overrides(), "name": arm.name, "output_dir": str(root / arm.name)}
+            ),
+            arm,
+        )
+        for arm in arms
+    )
+    source = config or "the embedded tiny MoE demo (sapo_megatron/defaults.py)"
+    return ComparePlan(root, base, warm_start, planned, steps, source, dict(overrides))
+
+
+def _warm_start(config: str | None, shared: Mapping[str, Any], run_dir: Path) -> PlannedRun:
+    """The base config's SFT alone (no RL step), exporting the HF weights every arm starts from."""
+    overrides = {
+        **shared,
+        "name": WARM_START_DIR,
+        "output_dir": str(run_dir),
+        "trainer.steps": 0,
+        "trainer.export_hf": True,
+    }
+    return PlannedRun(WARM_START_DIR, load_config(config, overrides))
+
+
+def check_overrides(overrides: Mapping[str, Any]) -> None:
+    """Refuse ``--set`` keys that each arm sets itself (they would be silently replaced)."""
+    for key in overrides:
+        owner = _arm_owned(key)
+        if owner:
+            raise CompareError(f"--set {key}: {owner}", hint="drop this --set; the arms set it")
+
+
+def _arm_owned(key: str) -> str | None:
+    if key in ("seed", "output_dir"):
+        return "every arm gets its own (seed index i uses seed i; runs go under --output-dir)"
+    if key == "trainer.steps":
+        return "use --steps"
+    if key == "algorithm.routing_replay":
+        return "use --replay"
+    if key == "algorithm.correction" or key.startswith("algorithm.correction."):
+        return "use --corrections"
+    if key == "algorithm.loss" or (
+        key.startswith("algorithm.loss.") and key.split(".")[2] not in SHARED_LOSS_KEYS
+    ):
+        return (
+            "each arm's loss comes with its paper settings (--losses); only "
+            + ", ".join(f"algorithm.loss.{k}" for k in SHARED_LOSS_KEYS)
+            + " may be set for every arm"
+        )
+    return None
+
+
+def _check_base(base: RunConfig, replays: Sequence[str]) -> None:
+    if base.launch.nodes > 1:
+        raise CompareError(
+            f"launch.nodes={base.launch.nodes}: compare runs its arms one after another on this machine",
+            hint="run each arm as a SLURM job instead (launch/slurm_train.sbatch), or use launch.nodes: 1",
+        )
+    replayed = [replay for replay in replays if replay != "none"]
+    if replayed and not base.model.arch.is_moe:
+        raise CompareError(
+            f"--replay {','.join(replayed)}: routing replay needs a MoE model, and model type "
+            f"{base.model.arch.model_type} has no experts",
+            hint="use --replay none",
+        )

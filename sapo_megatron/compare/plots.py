@@ -1,0 +1,139 @@
+"""PNG plots of the comparison: one file per quantity, RL step on x, the arms overlaid.
+
+Drawn with matplotlib's object API on the Agg canvas (no pyplot, no display, no global figure state). An arm's
+colour is its (loss, correction) pair, its line style its routing replay (none solid, r2 dashed, r3 dotted), so
+the replay effect of one loss reads as three styles of one colour; the seeds of one configuration share both.
+Non-finite or missing values are gaps. A quantity no arm logged still gets its file, saying so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from sapo_megatron.compare.report import ArmResult
+
+PLOTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+    ("reward", "reward (mean over the step's samples)", ("reward",)),
+    ("accuracy", "held-out accuracy (greedy)", ("accuracy",)),
+    ("entropy", "entropy (nats per token)", ("entropy",)),
+    ("mismatch_k3", "mismatch k3 (trainer vs engine)", ("mismatch_k3",)),
+    (
+        "routing_agreement",
+        "routing agreement with the engine",
+        ("routing_agreement", "routing_agreement_live"),
+    ),
+    ("grad_norm", "gradient norm (before clipping)", ("grad_norm",)),
+)
+"""(file stem, title, series of :class:`ArmResult` drawn; two series are two panels)."""
+
+PANEL_TITLES = {
+    "routing_agreement": "used in training",
+    "routing_agreement_live": "live (trainer's own routing)",
+}
+LINE_STYLES = {"none": "-", "r2": "--", "r3": ":"}
+LOG_SCALE = ("mismatch_k3", "grad_norm")
+"""Quantities drawn on a log axis when every value is positive (they span orders of magnitude)."""
+FIGURE_SIZE = (8.0, 3.6)
+DPI = 100  # with a 128-colour palette: 10-80 KB per file
+
+
+def write_plots(results: Sequence[ArmResult], plots_dir: str | Path) -> list[Path]:
+    """Write ``<stem>.png`` of :data:`PLOTS` into ``plots_dir``; returns the paths in that order."""
+    plots_dir = Path(plots_dir)
+    plots_dir.mkdir(parents=True, exist_ok=True)
+    colours = _colours(results)
+    paths = []
+    for stem, title, series in PLOTS:
+        path = plots_dir / f"{stem}.png"
+        _draw(results, series, title, colours, path)
+        paths.append(path)
+    return paths
+
+
+def _draw(results: Sequence[ArmResult], series: Sequence[str], title: str, colours, path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    figure = Figure(figsize=(FIGURE_SIZE[0] + 3.0 * (len(series) - 1), FIGURE_SIZE[1]), layout="constrained")
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(1, len(series), squeeze=False)[0]
+    legend = {}  # label → handle, over every panel (one panel may lack an arm)
+    for ax, name in zip(axes, series):
+        if _panel(ax, results, name, colours):
+            legend.update(zip(*reversed(ax.get_legend_handles_labels())))
+        else:
+            ax.text(0.5, 0.5, "not logged by these runs", ha="center", va="center", transform=ax.transAxes)
+        ax.set_xlabel("RL step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        if len(series) > 1:
+            ax.set_title(PANEL_TITLES.get(name, name), fontsize=9)
+    figure.suptitle(title, fontsize=10)
+    if legend:
+        figure.legend(
+            list(legend.values()), list(legend), loc="outside right center", fontsize=7, frameon=False
+        )
+    _save_small_png(figure, path)
+
+
+def _save_small_png(figure, path: Path) -> None:
+    """Save as a 128-colour palette PNG: anti-aliased noisy curves make a full-colour file several times larger
+    for no visible gain. Written to a temporary sibling first, then renamed into place."""
+    from PIL import Image  # a dependency of matplotlib
+
+    figure.set_dpi(DPI)
+    canvas = figure.canvas
+    canvas.draw()
+    image = Image.frombuffer("RGBA", canvas.get_width_height(), canvas.buffer_rgba(), "raw", "RGBA", 0, 1)
+    tmp = path.with_name(f".{path.name}.tmp")
+    image.convert("RGB").quantize(colors=128, method=Image.Quantize.FASTOCTREE).save(
+        tmp, format="PNG", optimize=True
+    )
+    tmp.replace(path)
+
+
+def _panel(ax, results: Sequence[ArmResult], name: str, colours) -> bool:
+    """Draw one series of every arm into ``ax``; returns whether any value was drawn."""
+    drawn: list[float] = []
+    for result in results:
+        steps, values = _points(result, name)
+        if not any(v is not None for v in values):
+            continue
+        ys = [float("nan") if v is None else v for v in values]
+        ax.plot(
+            steps,
+            ys,
+            LINE_STYLES.get(result.arm.replay, "-."),
+            color=colours[(result.arm.loss, result.arm.correction)],
+            marker="o" if name == "accuracy" or len(steps) < 12 else None,
+            markersize=3,
+            linewidth=1.2,
+            label=result.arm.name,
+        )
+        drawn += [v for v in values if v is not None]
+    if drawn and name in LOG_SCALE and min(drawn) > 0:
+        ax.set_yscale("log")
+    return bool(drawn)
+
+
+def _points(result: ArmResult, name: str) -> tuple[list[int], list[float | None]]:
+    """Held-out accuracy is measured at step 0, at evaluation steps and after the last step; the rest per step."""
+    if name != "accuracy":
+        return list(result.steps), list(result.series[name])
+    points = {
+        step: value for step, value in zip(result.steps, result.series["accuracy"]) if value is not None
+    }
+    summary = result.summary or {}
+    if summary.get("accuracy_before") is not None:
+        points[0] = summary["accuracy_before"]
+    if summary.get("accuracy_after") is not None:
+        points[result.completed_steps] = summary["accuracy_after"]
+    steps = sorted(points)
+    return steps, [points[step] for step in steps]
+
+
+def _colours(results: Sequence[ArmResult]) -> dict[tuple[str, str], str]:
+    keys = list(dict.fromkeys((r.arm.loss, r.arm.correction) for r in results))
+    return {key: f"C{i % 10}" for i, key in enumerate(keys)}

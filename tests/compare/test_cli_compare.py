@@ -1,0 +1,59 @@
+"""``sapo-megatron compare`` on the command line: help with defaults, and bad input refused in one line (exit 2)
+before anything is written."""
+
+from __future__ import annotations
+
+import pytest
+
+from sapo_megatron.cli import build_parser, main
+from tests.test_cli import option_blocks, subparser
+
+
+def test_compare_options_have_help_with_their_defaults():
+    compare = subparser("compare")
+    blocks = option_blocks(compare.format_help())
+    assert "(default: sapo,gspo,grpo)" in blocks["--losses"]
+    assert "(default: none,r2,r3)" in blocks["--replay"]
+    assert "(default: none)" in blocks["--corrections"]
+    assert "(default: 1)" in blocks["--seeds"]
+    for option in ("--steps", "--output-dir", "--overwrite", "--set", "--debug"):
+        assert subparser("compare").format_help().count(option) >= 2, option  # usage and its help
+    args = build_parser().parse_args(["compare", "--steps", "3", "--output-dir", "d"])
+    assert (args.config, args.losses, args.replay, args.seeds, args.set) == (
+        None,
+        "sapo,gspo,grpo",
+        "none,r2,r3",
+        1,
+        [],
+    )
+
+
+def test_steps_and_output_dir_are_required(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["compare", "--output-dir", "d"])
+    assert exit_info.value.code == 2
+    assert "the following arguments are required: --steps" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--losses", "sapo,ppo"], "--losses: unknown name 'ppo'; choose from sapo, gspo, grpo"),
+        (
+            ["--replay", "none,r33"],
+            "--replay: unknown name 'r33' (did you mean 'r3'?); choose from none, r2, r3",
+        ),
+        (["--corrections", "tis,tis"], "--corrections: tis given more than once"),
+        (["--steps", "0"], "--steps 0: each arm needs at least one RL step"),
+        (["--seeds", "0"], "--seeds 0: need at least one seed"),
+        (["--set", "seed=3"], "--set seed: every arm gets its own"),
+    ],
+)
+def test_bad_input_is_one_line_and_nothing_is_written(tmp_path, capsys, extra, message):
+    out = tmp_path / "cmp"
+    argv = ["compare", "--steps", "3", "--output-dir", str(out), "--set", "sft.steps=20", *extra]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"sapo-megatron: {message}"), err
+    assert "Traceback" not in err
+    assert not out.exists()

@@ -1,0 +1,255 @@
+"""The report from hand-made run directories: final values by hand, the collapse rule on made-up curves,
+report.json's exact shape, nulls and missing metrics, PNGs, and report.md's table and reading."""
+
+from __future__ import annotations
+
+import colorsys
+import json
+from pathlib import Path
+
+import pytest
+
+from sapo_megatron.compare import COLLAPSE_RULE, Arm, load_arm_result, write_report
+
+FINAL_KEYS = [
+    "reward",
+    "accuracy",
+    "entropy",
+    "mismatch_k3",
+    "routing_agreement",
+    "routing_agreement_live",
+    "grad_norm_max",
+    "collapsed",
+]
+ARM_KEYS = ["loss", "replay", "correction", "seed", "run_dir", "steps", "final"]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+SAPO_BLUE, GRPO_ORANGE = (0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)
+
+
+def has_colour(path: Path, rgb: tuple[int, int, int], min_pixels: int = 50) -> bool:
+    """Whether at least ``min_pixels`` pixels of the PNG have the hue of ``rgb`` (anti-aliasing blends a thin
+    line with the white background, which keeps its hue) and some saturation (grey text and grid have none)."""
+    from PIL import Image
+
+    target_hue = colorsys.rgb_to_hsv(*(c / 255 for c in rgb))[0]
+    near = 0
+    for count, colour in Image.open(path).convert("RGB").getcolors(maxcolors=1 << 20):
+        hue, saturation, _ = colorsys.rgb_to_hsv(*(c / 255 for c in colour))
+        near += count if saturation > 0.25 and abs(hue - target_hue) < 0.03 else 0
+    return near >= min_pixels
+
+
+def write_run(
+    root: Path,
+    arm: Arm,
+    curves: dict[str, list],
+    *,
+    summary: dict | None = None,
+    extra_lines: tuple[str, ...] = (),
+) -> Path:
+    """A run directory with one RL row per step holding ``curves`` (metric → value per step; None → null)."""
+    run_dir = root / arm.name
+    run_dir.mkdir(parents=True)
+    steps = len(next(iter(curves.values())))
+    lines = [json.dumps({"phase": "sft", "step": 10, "sft/nll": 0.5, "grad_norm": 999.0})]
+    for i in range(steps):
+        lines.append(json.dumps({"phase": "rl", "step": i + 1, **{k: v[i] for k, v in curves.items()}}))
+    lines += extra_lines
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    if summary is not None:
+        (run_dir / "summary.json").write_text(json.dumps({"steps": steps, **summary}))
+    return run_dir
+
+
+def flat(value: float, steps: int = 20) -> list[float]:
+    return [value] * steps
+
+
+def healthy(steps: int = 20) -> dict[str, list]:
+    return {
+        "reward/mean": [0.5 + 0.01 * i for i in range(steps)],
+        "entropy": flat(0.8, steps),
+        "mismatch/k3": flat(1e-4, steps),
+        "grad_norm": flat(1.0, steps),
+        "loss/total": flat(0.1, steps),
+    }
+
+
+SAPO = Arm("sapo", "none", "none", 0)
+GRPO = Arm("grpo", "r2", "tis", 1)
+
+
+def test_final_values_match_the_definitions(tmp_path):
+    steps = 20
+    curves = {
+        "reward/mean": [(i + 1) / steps for i in range(steps)],  # last 10 % = steps 19, 20
+        "entropy": [2.0 - 0.05 * i for i in range(steps)],
+        "mismatch/k3": [1e-4 * (i + 1) for i in range(steps)],
+        "routing/agreement_used": flat(1.0),
+        "routing/agreement": [0.9 if i % 2 else 0.8 for i in range(steps)],
+        "grad_norm": [1.0 + 0.1 * i for i in range(steps)],
+        "loss/total": flat(0.0),
+    }
+    run_dir = write_run(tmp_path, SAPO, curves, summary={"accuracy_before": 0.4, "accuracy_after": 0.55})
+    result = load_arm_result(SAPO, run_dir)
+    final = result.final
+    assert final["reward"] == pytest.approx((0.95 + 1.0) / 2)
+    assert final["entropy"] == pytest.approx((2.0 - 0.9 + 2.0 - 0.95) / 2)
+    assert final["mismatch_k3"] == pytest.approx(1e-4 * 10.5)
+    assert final["routing_agreement"] == 1.0
+    assert final["routing_agreement_live"] == pytest.approx(0.85)
+    assert final["grad_norm_max"] == pytest.approx(2.9)
+    assert final["accuracy"] == 0.55
+    assert final["collapsed"] is False and result.reasons == []
+    assert result.status == "finished" and result.completed_steps == 20
+
+
+def test_a_resumed_run_counts_the_last_row_of_each_step(tmp_path):
+    curves = {"reward/mean": [0.1, 0.2, 0.3], "grad_norm": [1.0, 1.0, 1.0]}
+    again = json.dumps({"phase": "rl", "step": 3, "reward/mean": 0.9, "grad_norm": 1.0})
+    run_dir = write_run(tmp_path, SAPO, curves, extra_lines=(again, '{"phase": "rl", "st'))  # + a torn line
+    result = load_arm_result(SAPO, run_dir)
+    assert result.steps == [1, 2, 3]
+    assert result.final["reward"] == 0.9
+    assert result.status == "unfinished" and result.completed_steps == 3
+
+
+@pytest.mark.parametrize(
+    ("change", "summary", "failure", "reason"),
+    [
+        ({}, {"accuracy_before": 0.5, "accuracy_after": 0.6}, None, None),
+        ({"reward/mean": flat(0.6, 10) + flat(0.2, 10)}, None, None, "reward 0.6 → 0.2"),
+        ({"reward/mean": flat(0.6, 10) + flat(0.3, 10)}, None, None, None),  # exactly half: not below
+        ({"reward/mean": [0.3, 0.05, *flat(0.0, 18)]}, None, None, "reward 0.3 → 0"),  # within two steps
+        ({"reward/mean": flat(0.08, 10) + flat(0.0, 10)}, None, None, None),  # started below 0.1
+        ({}, {"accuracy_before": 0.8, "accuracy_after": 0.3}, None, "held-out accuracy 0.8 → 0.3"),
+        ({}, {"accuracy_before": 0.8, "accuracy_after": 0.4}, None, None),
+        ({}, {"accuracy_before": 0.05, "accuracy_after": 0.0}, None, None),
+        ({"grad_norm": [*flat(1.0, 19), 25.0]}, None, None, "gradient norm 25 ≥ 20× median 1"),
+        ({"grad_norm": [*flat(1.0, 19), 15.0]}, None, None, None),
+        (
+            {"grad_norm": flat(0.0, 10) + flat(0.5, 9) + [5.0]},
+            None,
+            None,
+            None,
+        ),  # zeros: no gradient, not small
+        (
+            {"grad_norm": [*flat(1.0, 12), None, *flat(1.0, 7)]},
+            None,
+            None,
+            "non-finite loss or gradient norm at step 13",
+        ),
+        (
+            {"loss/total": [*flat(0.1, 4), None, *flat(0.1, 15)]},
+            None,
+            None,
+            "non-finite loss or gradient norm at step 5",
+        ),
+        (
+            {},
+            None,
+            "3 optimizer steps in a row had a non-finite loss or gradient norm",
+            "stopped on non-finite updates",
+        ),
+        ({}, None, "the reward server did not answer", None),
+    ],
+)
+def test_the_collapse_rule_on_made_up_curves(tmp_path, change, summary, failure, reason):
+    run_dir = write_run(tmp_path, SAPO, {**healthy(), **change}, summary=summary)
+    result = load_arm_result(SAPO, run_dir, failure)
+    assert result.reasons == ([reason] if reason else [])
+    assert result.final["collapsed"] is bool(reason)
+
+
+def test_several_reasons_are_all_named(tmp_path):
+    change = {"reward/mean": flat(0.6, 10) + flat(0.1, 10), "grad_norm": [*flat(1.0, 19), 100.0]}
+    run_dir = write_run(
+        tmp_path, SAPO, {**healthy(), **change}, summary={"accuracy_before": 0.7, "accuracy_after": 0.1}
+    )
+    reasons = load_arm_result(SAPO, run_dir).reasons
+    assert reasons == ["reward 0.6 → 0.1", "held-out accuracy 0.7 → 0.1", "gradient norm 100 ≥ 20× median 1"]
+
+
+def test_missing_metrics_and_missing_runs_give_nulls(tmp_path):
+    write_run(tmp_path, SAPO, {"reward/mean": [0.2, None, 0.4], "grad_norm": [None, None, None]})
+    result = load_arm_result(SAPO, tmp_path / SAPO.name)
+    assert result.final == {
+        "reward": 0.4,
+        "accuracy": None,
+        "entropy": None,
+        "mismatch_k3": None,
+        "routing_agreement": None,
+        "routing_agreement_live": None,
+        "grad_norm_max": None,
+        "collapsed": True,  # a null grad_norm was logged: it was not finite
+    }
+    never_ran = load_arm_result(GRPO, tmp_path / "nowhere")
+    assert never_ran.steps == [] and never_ran.completed_steps == 0 and never_ran.status == "unfinished"
+    assert set(never_ran.final.values()) == {None, False}
+
+
+def test_report_json_has_exactly_the_documented_shape(tmp_path):
+    write_run(tmp_path, SAPO, healthy(), summary={"accuracy_before": 0.5, "accuracy_after": 0.6})
+    write_run(tmp_path, GRPO, {**healthy(10), "reward/mean": flat(0.6, 5) + flat(0.1, 5)})
+    files = write_report(tmp_path, [SAPO, GRPO], failures={GRPO.name: "killed by a test"})
+    data = json.loads(files.json.read_text())
+    assert list(data) == ["arms"] and len(data["arms"]) == 2
+    for entry in data["arms"]:
+        assert list(entry) == ARM_KEYS and list(entry["final"]) == FINAL_KEYS
+    sapo, grpo = data["arms"]
+    assert (sapo["loss"], sapo["replay"], sapo["correction"], sapo["seed"]) == ("sapo", "none", "none", 0)
+    assert (grpo["loss"], grpo["replay"], grpo["correction"], grpo["seed"]) == ("grpo", "r2", "tis", 1)
+    assert sapo["run_dir"] == str(tmp_path / SAPO.name) and (sapo["steps"], grpo["steps"]) == (20, 10)
+    assert sapo["final"]["accuracy"] == 0.6 and sapo["final"]["collapsed"] is False
+    assert grpo["final"]["accuracy"] is None and grpo["final"]["routing_agreement"] is None
+    assert grpo["final"]["collapsed"] is True and grpo["final"]["reward"] == pytest.approx(0.1)
+
+
+def test_plots_are_small_non_empty_pngs_even_for_metrics_nobody_logged(tmp_path):
+    write_run(tmp_path, SAPO, healthy(), summary={"accuracy_before": 0.5, "accuracy_after": 0.6})
+    write_run(tmp_path, GRPO, {**healthy(), "grad_norm": [*flat(1.0, 5), None, *flat(2.0, 14)]})
+    files = write_report(tmp_path, [SAPO, GRPO])
+    names = [path.name for path in files.plots]
+    assert names == [
+        "reward.png",
+        "accuracy.png",
+        "entropy.png",
+        "mismatch_k3.png",
+        "routing_agreement.png",  # no arm logged routing agreement: the file says so
+        "grad_norm.png",
+    ]
+    for path in files.plots:
+        data = path.read_bytes()
+        assert data.startswith(PNG_SIGNATURE) and 1_000 < len(data) < 150_000, (path.name, len(data))
+        # an arm's colour (matplotlib's C0, C1) is in the picture exactly when its curve was drawn: nobody
+        # logged routing agreement, and GRPO has no held-out accuracy (no summary.json, no eval steps)
+        drawn = {"routing_agreement": (False, False), "accuracy": (True, False)}.get(path.stem, (True, True))
+        assert (has_colour(path, SAPO_BLUE), has_colour(path, GRPO_ORANGE)) == drawn, path.name
+    assert not list((tmp_path / "plots").glob(".*"))  # no temporary file left
+
+
+def test_report_markdown_has_the_table_the_reading_and_the_rule(tmp_path):
+    write_run(tmp_path, SAPO, healthy(), summary={"accuracy_before": 0.5, "accuracy_after": 0.6})
+    write_run(tmp_path, GRPO, {**healthy(), "reward/mean": flat(0.6, 10) + flat(0.1, 10)}, summary={})
+    md = write_report(tmp_path, [SAPO, GRPO], header=["2 arms, a test."]).markdown.read_text()
+    assert md.startswith("# sapo-megatron compare\n\n2 arms, a test.\n")
+    assert (
+        "| `sapo-none-none-s0` | finished | 20 | 0.685 | 0.5 → 0.6 | 0.8 | 1.00e-04 | – / – | 1 | no |" in md
+    )
+    assert "| `grpo-r2-tis-s1` | finished | 20 | 0.1 | – → – |" in md
+    assert "**yes**: reward 0.6 → 0.1" in md
+    assert "- Collapsed: `grpo-r2-tis-s1` (reward 0.6 → 0.1)." in md
+    assert "- sapo: collapsed in 0 of 1 arms (none 0/1)." in md
+    assert "- grpo: collapsed in 1 of 1 arms (r2 1/1)." in md
+    assert "- Highest held-out accuracy after RL: 0.6 (`sapo-none-none-s0`)." in md
+    assert "- Arms with routing replay that logged no `routing/agreement_used`" in md
+    assert COLLAPSE_RULE in md
+    assert "![routing_agreement](plots/routing_agreement.png)" in md
+
+
+def test_no_mismatch_and_failures_are_said(tmp_path):
+    write_run(tmp_path, SAPO, {**healthy(), "mismatch/k3": flat(0.0)}, summary={"accuracy_after": 0.2})
+    md = write_report(tmp_path, [SAPO, GRPO], failures={GRPO.name: "exit status 1"}).markdown.read_text()
+    assert "- Mismatch k3 is below 1e-06 in every arm: the engine and the trainer agree" in md
+    assert "- Not finished: `grpo-r2-tis-s1` (failed: exit status 1)." in md
+    assert "| `grpo-r2-tis-s1` | failed | 0 | – | – → – |" in md

@@ -1,0 +1,213 @@
+"""The runner with a stand-in trainer (tests/compare/fake_train.py): the order of runs and the progress lines,
+skipping finished runs, re-running unfinished ones, failures, --overwrite, signals, and an output directory
+or request that is refused before anything runs."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from sapo_megatron.compare import CompareError, CompareInterrupted, build_plan, run_compare
+from sapo_megatron.compare.report import require_matplotlib
+from sapo_megatron.compare.runner import WarmStartError, error_line
+
+FAKE = Path(__file__).with_name("fake_train.py")
+SMALL = {"sft.steps": 20, "sft.global_batch": 16, "trainer.prompts_per_step": 4, "rollout.n_samples": 4}
+ARMS = ["sapo-none-none-s0", "grpo-none-none-s0"]
+
+
+def fake(config_path: Path) -> list[str]:
+    return [sys.executable, str(FAKE), str(config_path)]
+
+
+def make_plan(root: Path, steps: int = 3, losses=("sapo", "grpo")):
+    return build_plan(
+        None,
+        SMALL,
+        losses=losses,
+        replays=["none"],
+        corrections=["none"],
+        seeds=1,
+        steps=steps,
+        output_dir=root,
+    )
+
+
+def compare(root: Path, steps: int = 3, **kwargs):
+    out = io.StringIO()
+    outcome = run_compare(make_plan(root, steps), out=out, command=fake, **kwargs)
+    return outcome, out.getvalue().splitlines()
+
+
+@pytest.fixture
+def root(tmp_path, monkeypatch) -> Path:
+    monkeypatch.setenv("FAKE_TRAIN_LOG", str(tmp_path / "started.txt"))
+    monkeypatch.delenv("FAKE_TRAIN", raising=False)
+    return tmp_path / "cmp"
+
+
+def started(root: Path) -> list[str]:
+    log = root.parent / "started.txt"
+    return log.read_text().split() if log.exists() else []
+
+
+def test_runs_the_warm_start_then_each_arm_then_skips_them_all(root):
+    outcome, lines = compare(root)
+    assert outcome.ran == ["warm_start", *ARMS] and outcome.failures == {}
+    assert (
+        lines[0]
+        == f"2 arms: losses sapo, grpo × replay none × corrections none × seeds 0, 3 RL steps each, into {root}."
+    )
+    assert lines[4] == "warm start (20 SFT steps) ... done in 0 s"
+    assert lines[5] == "[1/2] sapo-none-none-s0 ... done in 0 s: reward 0.5, collapsed no"
+    assert lines[6] == "[2/2] grpo-none-none-s0 ... done in 0 s: reward 0.5, collapsed no"
+    assert lines[7] == f"report: {root / 'report.md'} (data: report.json, plots: {root / 'plots'})"
+    arm_config = (root / ARMS[0] / "compare.yaml").read_text()
+    assert f"output_dir: {root / ARMS[0]}" in arm_config  # the command it ran is reproducible by hand
+    report_before = (root / "report.json").stat().st_mtime_ns
+
+    outcome, lines = compare(root)
+    assert outcome.ran == [] and started(root) == ["warm_start", *ARMS]
+    assert lines[4:7] == [
+        "warm start (20 SFT steps) ... finished earlier",
+        "[1/2] sapo-none-none-s0 ... finished earlier: reward 0.5, collapsed no",
+        "[2/2] grpo-none-none-s0 ... finished earlier: reward 0.5, collapsed no",
+    ]
+    assert (root / "report.json").stat().st_mtime_ns > report_before  # the report is written again
+    assert [arm["loss"] for arm in json.loads((root / "report.json").read_text())["arms"]] == ["sapo", "grpo"]
+
+
+def test_only_unfinished_runs_run_again(root):
+    compare(root)
+    (root / ARMS[1] / "summary.json").unlink()  # as if the compare was killed during the second arm
+    outcome, lines = compare(root)
+    assert outcome.ran == [ARMS[1]]
+    assert lines[5].endswith("finished earlier: reward 0.5, collapsed no")
+    assert lines[6] == "[2/2] grpo-none-none-s0 ... done in 0 s: reward 0.5, collapsed no"
+
+
+def test_more_arms_later_run_only_the_new_ones(root):
+    run_compare(make_plan(root, losses=("sapo",)), out=io.StringIO(), command=fake)
+    outcome, _ = compare(root)
+    assert outcome.ran == [ARMS[1]]
+
+
+def test_a_failed_arm_is_reported_and_the_next_one_still_runs(root, monkeypatch):
+    monkeypatch.setenv("FAKE_TRAIN", json.dumps({ARMS[0]: "fail"}))
+    outcome, lines = compare(root)
+    message = "3 optimizer steps in a row had a non-finite loss or gradient norm (hint: lower optimizer.lr)"
+    assert outcome.failures == {ARMS[0]: message}
+    assert outcome.ran == ["warm_start", *ARMS]
+    assert (
+        lines[5]
+        == f"[1/2] sapo-none-none-s0 ... failed (exit 1) after 0 s: {message}; log: {root / ARMS[0] / 'train.log'}"
+    )
+    assert lines[-1] == "1 of 2 arms failed: sapo-none-none-s0"
+    report = json.loads((root / "report.json").read_text())
+    assert report["arms"][0]["final"]["collapsed"] is True  # it stopped on non-finite updates
+    assert "`sapo-none-none-s0` | failed |" in (root / "report.md").read_text()
+
+    monkeypatch.setenv("FAKE_TRAIN", "{}")
+    outcome, _ = compare(root)  # a failed arm is tried again
+    assert outcome.ran == [ARMS[0]] and outcome.failures == {}
+
+
+def test_an_arm_killed_without_a_word_is_a_failure_with_its_exit_status(root, monkeypatch):
+    monkeypatch.setenv("FAKE_TRAIN", json.dumps({ARMS[1]: "sigkill"}))
+    outcome, lines = compare(root)
+    assert outcome.failures == {ARMS[1]: "exit status -9"}
+    assert lines[6].startswith(
+        "[2/2] grpo-none-none-s0 ... failed (exit -9) after 0 s: exit status -9; log: "
+    )
+    report = json.loads((root / "report.json").read_text())
+    assert report["arms"][1]["final"]["collapsed"] is False  # a kill is no evidence of a collapse
+
+
+def test_a_failed_warm_start_stops_the_compare(root, monkeypatch):
+    monkeypatch.setenv("FAKE_TRAIN", json.dumps({"warm_start": "fail"}))
+    with pytest.raises(WarmStartError, match=r"^the warm start failed \(exit 1\): 3 optimizer steps") as err:
+        compare(root)
+    assert str(root / "warm_start" / "train.log") in err.value.hint
+    assert started(root) == ["warm_start"]
+
+
+def test_overwrite_starts_everything_over_even_with_another_config(root):
+    compare(root)
+    with pytest.raises(CompareError, match=r"holds a run of another configuration \(trainer.steps: 3 → 4\)"):
+        compare(root, steps=4)
+    outcome, lines = compare(root, steps=4, overwrite=True)
+    assert outcome.ran == ["warm_start", *ARMS]
+    assert lines[0].startswith(
+        f"removed the previous comparison in {root} (grpo-none-none-s0, plots, report.json"
+    )
+    assert json.loads((root / "report.json").read_text())["arms"][0]["steps"] == 4
+
+
+def test_an_output_directory_with_other_things_is_refused_before_anything_runs(root):
+    root.mkdir()
+    (root / "notes.txt").write_text("mine")
+    (root / "config.yaml").write_text("a run of train")
+    with pytest.raises(
+        CompareError, match=r"holds config.yaml, notes.txt, which a compare does not write"
+    ) as err:
+        compare(root)
+    assert "choose an empty or new --output-dir" in err.value.hint
+    with pytest.raises(CompareError):
+        compare(root, overwrite=True)  # --overwrite never deletes what a compare did not write
+    assert started(root) == [] and (root / "notes.txt").read_text() == "mine"
+
+
+def test_an_output_directory_that_is_a_file_is_refused(root):
+    root.parent.mkdir(exist_ok=True)
+    root.write_text("x")
+    with pytest.raises(CompareError, match=r"is a file"):
+        compare(root)
+
+
+def test_missing_matplotlib_is_refused_before_anything_runs_with_the_install_command(root, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if it were not installed
+    with pytest.raises(CompareError, match=r"matplotlib, which is not installed") as err:
+        compare(root)
+    assert err.value.hint == "pip install 'sapo-megatron[report]' (or: pip install 'matplotlib>=3.8')"
+    assert started(root) == []
+    monkeypatch.undo()
+    require_matplotlib()
+
+
+def test_a_signal_reaches_the_running_arm_and_stops_the_compare(root, monkeypatch):
+    monkeypatch.setenv("FAKE_TRAIN", json.dumps({ARMS[0]: "wait_for_signal"}))
+
+    def interrupt_once_started() -> None:
+        deadline = time.monotonic() + 30
+        while not (root / ARMS[0] / "started").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGINT)  # to the compare only: it must pass it on
+
+    threading.Thread(target=interrupt_once_started, daemon=True).start()
+    with pytest.raises(CompareInterrupted, match=r"interrupted at sapo-none-none-s0 \(SIGINT\)") as err:
+        compare(root)
+    assert err.value.exit_code == 130 and "run the same command again" in err.value.hint
+    assert (root / ARMS[0] / "signals").read_text() == "1"
+    assert started(root) == ["warm_start", ARMS[0]]  # the next arm did not start
+    assert not (root / "report.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("stderr", "line"),
+    [
+        ("warning\nsapo-megatron: bad thing\nhint: do this\n", "bad thing (hint: do this)"),
+        ("sapo-megatron: first\nsapo-megatron: second\n", "second"),
+        ("Traceback (most recent call last):\n  ...\nValueError: boom\n", "ValueError: boom"),
+        ("", ""),
+    ],
+)
+def test_the_error_line_of_a_failed_run(stderr, line):
+    assert error_line(stderr) == line
