@@ -297,9 +297,12 @@ def local_routers(chunks: Sequence[torch.nn.Module]) -> list[LocalRouter]:
 
 def check_supported(config: TransformerConfig) -> None:
     """Refuse models and layouts where Megatron's replay is absent, silently skipped, or misaligned."""
-    problems = []
     if not config.num_moe_experts:
-        problems.append("the model has no MoE layers (nothing to replay)")
+        raise RoutingReplayError(
+            "routing replay needs an MoE model; this one has no MoE layers (nothing to replay)",
+            hint="set algorithm.routing_replay: none",
+        )
+    problems = []
     if not config.moe_enable_routing_replay:
         problems.append("the model was built without moe_enable_routing_replay")
     if getattr(config, "moe_router_fusion", False):

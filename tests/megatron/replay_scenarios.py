@@ -7,6 +7,7 @@ in any recomputation during the backward.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import numpy as np
@@ -16,10 +17,11 @@ from megatron.core import parallel_state
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay
 
-from sapo_megatron.batching import RouteLayout, TrainSequence, build_micro_batches
+from sapo_megatron.batching import RouteLayout, RoutingReplayError, TrainSequence, build_micro_batches
 from sapo_megatron.megatron.loss_hook import LogprobOutput
 from sapo_megatron.megatron.parallel import data_parallel_group, init_parallel, rank_info
 from sapo_megatron.megatron.routing import agreement_counts, agreement_from_counts
+from sapo_megatron.megatron.routing_replay import check_supported
 from sapo_megatron.megatron.sft import sft_loss
 from sapo_megatron.megatron.train_step import MicroBatch, TrainEngine
 from tests.megatron.scenarios import layout_config
@@ -225,3 +227,159 @@ def replay_layouts(payload: dict[str, Any]) -> dict[str, Any]:
     result["route_seconds"] = engine.take_route_seconds()
     spy.remove()
     return result
+
+
+class RouterTap:
+    """A router's input ``x`` [s, b, H], output probabilities [s*b, E] and their gradient from the backward."""
+
+    def __init__(self, router: TopKRouter) -> None:
+        self.inputs: list[torch.Tensor] = []
+        self.probs: list[torch.Tensor] = []
+        self.grads: list[torch.Tensor] = []
+        self.handle = router.register_forward_hook(self._hook)
+
+    def _hook(self, _module, inputs, output) -> None:
+        probs = output[0]
+        self.inputs.append(inputs[0].detach().clone())
+        self.probs.append(probs.detach().clone())
+        if probs.requires_grad:
+            probs.register_hook(lambda grad: self.grads.append(grad.detach().clone()))
+
+
+def replayed_router_grad(
+    x: torch.Tensor, weight: torch.Tensor, experts: torch.Tensor, grad_probs: torch.Tensor, pre_softmax: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """By hand: the gate probabilities [T, E] and dL/dW [E, H] of a softmax router whose top-k is replaced by
+    ``experts`` [T, k], given dL/dprobs [T, E]. After-top-k softmax: p = softmax(z[S]); pre-softmax: p = softmax(z)[S].
+    The softmax Jacobian gives dz = p ⊙ (G − ⟨p, G⟩) over the experts the softmax ran on."""
+    x = x.reshape(-1, x.shape[-1]).double()
+    logits = x @ weight.double().T  # [T, E]
+    grad_probs = grad_probs.double()
+    probs = torch.zeros_like(logits)
+    dlogits = torch.zeros_like(logits)
+    if pre_softmax:
+        scores = torch.softmax(logits, dim=-1)  # over all experts
+        probs.scatter_(1, experts, scores.gather(1, experts))
+        upstream = torch.zeros_like(logits).scatter(1, experts, grad_probs.gather(1, experts))
+        dlogits = scores * (upstream - (scores * upstream).sum(-1, keepdim=True))
+    else:
+        gate = torch.softmax(logits.gather(1, experts), dim=-1)  # over the replayed experts only
+        probs.scatter_(1, experts, gate)
+        upstream = grad_probs.gather(1, experts)
+        dlogits.scatter_(1, experts, gate * (upstream - (gate * upstream).sum(-1, keepdim=True)))
+    return probs, dlogits.T @ x
+
+
+def router_gradient(payload: dict[str, Any]) -> dict[str, Any]:
+    """One training step replaying random engine routes; the router's gradient vs the formula, per layer."""
+    cfg = layout_config(payload)
+    init_parallel(cfg.parallel, seed=0, cfg=cfg)
+    engine = TrainEngine(cfg, routing_replay=True, total_steps=1)
+    layout = RouteLayout.from_arch(cfg.model.arch)
+    micro = add_normaliser(
+        build_micro_batches(
+            tiny_sequences(layout, 4, seed=9),
+            dp_rank=0,
+            dp_size=1,
+            micro_batches=1,
+            pad_id=0,
+            route_layout=layout,
+        )
+    )
+    routers = {
+        layer.layer_number - 1: layer.mlp.router
+        for layer in engine.module.decoder.layers
+        if isinstance(getattr(layer.mlp, "router", None), TopKRouter)
+    }
+    taps = {layer: RouterTap(router) for layer, router in routers.items()}
+    weights = {layer: router.weight.detach().clone() for layer, router in routers.items()}
+    engine.train_step(micro, sft_loss, replay_key="engine_routes")
+    pre_softmax = not cfg.model.arch.norm_topk_prob
+    out = {}
+    for layer, tap in taps.items():
+        (x,), (probs,), (grad,) = tap.inputs, tap.probs, tap.grads
+        routes = micro[0]["engine_routes"][:, :, layer].long()  # [b, s, k] -> tokens sequence-major
+        experts = routes.transpose(0, 1).reshape(-1, layout.top_k)
+        want_probs, want_grad = replayed_router_grad(x, weights[layer], experts, grad, pre_softmax)
+        live = x.reshape(-1, x.shape[-1]).double() @ weights[layer].double().T
+        live_experts = live.topk(layout.top_k, dim=-1).indices
+        _, live_grad = replayed_router_grad(x, weights[layer], live_experts, grad, pre_softmax)
+        got = routers[layer].weight.main_grad.double()
+        out[layer] = {
+            "probs_err": float((probs.double() - want_probs).abs().max()),
+            "grad_err": float((got - want_grad).abs().max()),
+            "grad_scale": float(want_grad.abs().max()),
+            "live_formula_err": float((got - live_grad).abs().max()),
+            "live_overlap": float(
+                (live_experts.sort(-1).values == experts.sort(-1).values).all(-1).double().mean()
+            ),
+        }
+    return out
+
+
+def _error(fn) -> str:
+    """The message of the ``RoutingReplayError`` that ``fn()`` raises ("" if it raises none)."""
+    try:
+        fn()
+    except RoutingReplayError as err:
+        return str(err)
+    return ""
+
+
+def refusals(payload: dict[str, Any]) -> dict[str, Any]:
+    """What routing replay refuses, before anything trains, and that a failed step leaves no replay state."""
+    cfg = layout_config(payload)
+    init_parallel(cfg.parallel, seed=0, cfg=cfg)
+    layout = RouteLayout.from_arch(cfg.model.arch)
+    micro = add_normaliser(
+        build_micro_batches(
+            tiny_sequences(layout, 2, seed=1),
+            dp_rank=0,
+            dp_size=1,
+            micro_batches=1,
+            pad_id=0,
+            route_layout=layout,
+        )
+    )
+    plain = TrainEngine(cfg)
+    out = {
+        "dense": _error(
+            lambda: TrainEngine(
+                layout_config({**payload, "hf_dir": payload["dense_dir"]}), routing_replay=True
+            )
+        ),
+        "record_without_replay": _error(
+            lambda: plain.forward_only(micro, LogprobOutput(), record_routes=True)
+        ),
+        "replay_without_replay": _error(
+            lambda: plain.train_step(micro, sft_loss, replay_key="engine_routes")
+        ),
+    }
+    engine = TrainEngine(cfg, routing_replay=True)
+    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    short = [{**micro[0], "engine_routes": micro[0]["engine_routes"][:, :-1]}]
+    holes = [{**micro[0], "engine_routes": micro[0]["engine_routes"].clone()}]
+    holes[0]["engine_routes"][0, 3, 1] = -1
+    out["missing_key"] = _error(lambda: engine.train_step(micro, sft_loss, replay_key="recorded_routes"))
+    out["wrong_shape"] = _error(lambda: engine.train_step(short, sft_loss, replay_key="engine_routes"))
+    out["hole"] = _error(lambda: engine.train_step(holes, sft_loss, replay_key="engine_routes"))
+    out["weights_unchanged"] = all(torch.equal(p, before[n]) for n, p in engine.module.named_parameters())
+
+    def failing_loss(logits, batch):
+        raise RuntimeError("loss failed")
+
+    try:
+        engine.train_step(micro, failing_loss, replay_key="engine_routes")
+    except RuntimeError as err:
+        out["failed_step"] = str(err)
+    out["leak_after_failure"] = replay_state_left(engine)
+    for field, value in (
+        ("moe_router_fusion", True),
+        ("virtual_pipeline_model_parallel_size", 2),
+        ("mtp_num_layers", 1),
+        ("context_parallel_size", 2),
+    ):
+        config = copy.copy(engine.config)
+        setattr(config, field, value)
+        out[field] = _error(lambda config=config: check_supported(config))
+    return out
