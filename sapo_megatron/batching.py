@@ -24,6 +24,9 @@ from sapo_megatron.errors import UserError
 
 MicroBatch = dict[str, torch.Tensor]
 
+ENGINE_ROUTES = "engine_routes"
+"""Micro-batch key of the engine's routes, int32 ``[b, s, L, k]``."""
+
 NO_ROUTE = -1
 """Route entry of a layer without a router (dense MLP), or of a layer another pipeline stage owns."""
 
@@ -167,7 +170,7 @@ def to_tensors(
         "advantages": advantages,
     }
     if route_layout is not None:
-        batch["engine_routes"] = routes_tensor([s.routed_experts for s in sequences], length, route_layout)
+        batch[ENGINE_ROUTES] = routes_tensor([s.routed_experts for s in sequences], length, route_layout)
     return batch
 
 

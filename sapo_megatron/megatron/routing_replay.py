@@ -31,10 +31,12 @@ and 0.19.2, whose ``RouterReplay`` differ only by 0.19's CUDA-graph static buffe
   and sinkhorn / quantile-balancing routing (they do not call ``topk_routing_with_score_function``'s top-k).
 
 Schedule: per micro-batch, before its forward, every local router gets that micro-batch's targets and
-REPLAY_FORWARD; right after the forward they switch to REPLAY_BACKWARD, so any later router call – activation
-recomputation in the backward (``moe_layer_recompute``, full recompute) – pops the FIFO. Megatron's schedules run
-backwards in forward order (no virtual pipeline), so the FIFO hands each recomputation its own micro-batch's
-routes. All state (targets, FIFO, recorded indices, actions) is cleared after every pass, on error too.
+REPLAY_FORWARD. When the backward recomputes the routers (``moe_layer_recompute``, full recomputation) they switch
+to REPLAY_BACKWARD right after the forward, so any later router call pops the FIFO: Megatron's schedules run
+backwards in forward order (no virtual pipeline), so each recomputation gets its own micro-batch's routes.
+Without recomputation the targets are dropped after the forward. Recorded routes go to the CPU after each
+micro-batch's forward. All state (targets, FIFO, recorded indices, actions) is cleared after every pass, on
+error too.
 
 Not supported (refused): virtual pipeline stages (interleaved order), multi-token prediction (MTP routers share
 layer numbers), context parallelism (sequences split into chunks), the fused router, sinkhorn/quantile routing.
@@ -55,7 +57,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from sapo_megatron.batching import NO_ROUTE, RoutingReplayError
+from sapo_megatron.batching import ENGINE_ROUTES, NO_ROUTE, RoutingReplayError
 
 __all__ = [
     "ENGINE_ROUTES",
@@ -68,7 +70,6 @@ __all__ = [
     "RoutingReplayError",
 ]
 
-ENGINE_ROUTES = "engine_routes"
 RECORDED_ROUTES = "recorded_routes"
 USED_ROUTES = "used_routes"
 
@@ -94,20 +95,23 @@ class LocalRouter:
 class RoutingReplay:
     """Drives the ``RouterReplay`` of every MoE router in this rank's model chunks (one pipeline stage).
 
-    Usage per schedule: :meth:`begin` (mode, source key), then for each micro-batch in schedule order
-    :meth:`before_forward` / :meth:`after_forward` around the model call, then :meth:`finish` (stores recorded
-    routes) and :meth:`clear` (always, in a ``finally``)."""
+    Usage per schedule (:meth:`schedule` does the first and last step): :meth:`begin` (mode, keys), then for each
+    micro-batch in schedule order :meth:`before_forward` / :meth:`after_forward` around the model call, then
+    :meth:`clear` (always, in a ``finally``)."""
 
     def __init__(self, chunks: Sequence[torch.nn.Module], config: TransformerConfig, num_layers: int) -> None:
         check_supported(config)
         self.routers = local_routers(chunks)
+        self.config = config
         self.num_layers = num_layers
         self.top_k = config.moe_router_topk
         self.split_sequence = bool(config.sequence_parallel) and config.tensor_model_parallel_size > 1
         self.seconds = 0.0
+        self._moe_layers = [layer.mlp for chunk in chunks for layer in chunk.decoder.layers]
         self._mode = RouteMode.LIVE
         self._key: str | None = None
-        self._pending: list[tuple[MicroBatch, list[torch.Tensor]]] = []
+        self._out_key = RECORDED_ROUTES
+        self._recomputes = False
 
     @property
     def layers(self) -> list[int]:
@@ -122,26 +126,35 @@ class RoutingReplay:
         mode: RouteMode,
         *,
         key: str | None = None,
-        out_key: str | None = None,
+        out_key: str = RECORDED_ROUTES,
+        backward: bool = True,
     ) -> Iterator[RoutingReplay]:
-        """One pipeline schedule under ``mode``: REPLAY reads ``batch[key]``; RECORD stores ``batch[out_key]``
-        once the schedule is done. Every router is left clean afterwards, also when the schedule raises."""
-        self.begin(micro_batches, mode, key)
+        """One pipeline schedule under ``mode``: REPLAY reads ``batch[key]``; RECORD writes ``batch[out_key]``
+        after each micro-batch's forward; ``backward``: the schedule also runs backwards (recomputation may
+        call the routers again). Every router is left clean afterwards, also when the schedule raises."""
+        self.begin(micro_batches, mode, key=key, out_key=out_key, backward=backward)
         try:
             yield self
-            if mode is RouteMode.RECORD:
-                self.finish(out_key or RECORDED_ROUTES)
         finally:
             self.clear()
 
-    def begin(self, micro_batches: Sequence[MicroBatch], mode: RouteMode, key: str | None = None) -> None:
-        """Prepare a schedule over ``micro_batches``; REPLAY reads ``batch[key]``, checked here for every
-        micro-batch before anything runs."""
+    def begin(
+        self,
+        micro_batches: Sequence[MicroBatch],
+        mode: RouteMode,
+        *,
+        key: str | None = None,
+        out_key: str = RECORDED_ROUTES,
+        backward: bool = True,
+    ) -> None:
+        """Prepare a schedule over ``micro_batches``; REPLAY sources are checked here, for every micro-batch,
+        before anything runs."""
         self.clear()
         if mode is RouteMode.REPLAY:
             for index, batch in enumerate(micro_batches):
                 self._check_source(batch, key, index)
-        self._mode, self._key = mode, key
+        self._mode, self._key, self._out_key = mode, key, out_key
+        self._recomputes = backward and self._router_recomputed()
 
     def before_forward(self, batch: MicroBatch) -> None:
         start = time.perf_counter()
@@ -155,29 +168,35 @@ class RoutingReplay:
 
     def after_forward(self, batch: MicroBatch) -> None:
         start = time.perf_counter()
-        if self._mode is RouteMode.REPLAY:
+        if self._mode is RouteMode.REPLAY and self._recomputes:
             # any router call from now until the next forward is a recomputation in the backward
             self._set_action(RouterReplayAction.REPLAY_BACKWARD)
+        elif self._mode is RouteMode.REPLAY:
+            # nothing will read the targets again (autograd keeps what the gather's backward needs): drop them
+            # rather than keep every micro-batch's int64 indices on the device until the step ends
+            self._clear_routers()
         elif self._mode is RouteMode.RECORD:
-            self._pending.append((batch, [self._take_recorded(router) for router in self.routers]))
-            self._set_action(None)  # a recomputation must not overwrite anything
-        self.seconds += time.perf_counter() - start
-
-    def finish(self, out_key: str) -> None:
-        """RECORD: store each micro-batch's routes as ``batch[out_key]`` (int32 CPU ``[b, s, L, k]``)."""
-        start = time.perf_counter()
-        for batch, per_layer in self._pending:
-            batch[out_key] = self._assemble(batch["input_ids"].shape, per_layer)
-        self._pending = []
+            # to the CPU now: the device holds one micro-batch's recorded indices at a time
+            recorded = [self._take_recorded(router) for router in self.routers]
+            batch[self._out_key] = self._assemble(batch["input_ids"].shape, recorded)
+            self._set_action(None)  # a recomputation must not record again
         self.seconds += time.perf_counter() - start
 
     def clear(self) -> None:
         """Forget every target, queued target, recorded index and action of this rank's routers."""
+        self._clear_routers()
+        self._mode, self._key = RouteMode.LIVE, None
+
+    def _clear_routers(self) -> None:
         for router in self.routers:
             router.replay.clear_indices()
             router.replay.clear_router_replay_action()
-        self._pending = []
-        self._mode, self._key = RouteMode.LIVE, None
+
+    def _router_recomputed(self) -> bool:
+        """Will the backward run the routers again? Full-layer recomputation, or MoE-layer recomputation
+        (``recompute_modules`` with ``"moe"`` sets ``MoELayer.moe_layer_recompute``)."""
+        full = getattr(self.config, "recompute_granularity", None) == "full"
+        return full or any(getattr(mlp, "moe_layer_recompute", False) for mlp in self._moe_layers)
 
     def holds_state(self) -> bool:
         """Does any router still hold targets, queued targets, recorded indices or an action?"""

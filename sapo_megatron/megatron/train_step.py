@@ -165,13 +165,21 @@ class TrainEngine:
         )
 
     def forward_only(
-        self, micro_batches: Sequence[MicroBatch], output_fn: OutputFn, *, record_routes: bool = False
+        self,
+        micro_batches: Sequence[MicroBatch],
+        output_fn: OutputFn,
+        *,
+        record_routes: bool = False,
+        replay_key: str | None = None,
     ) -> list[torch.Tensor] | None:
         """Run the model without gradients; returns ``output_fn``'s result per micro-batch on the last
         pipeline stage, ``None`` on the other stages. ``record_routes``: every micro-batch (on every stage)
-        gets ``recorded_routes``, int32 ``[b, s, L, k]`` with this stage's MoE layers filled, ``-1`` elsewhere."""
-        mode = RouteMode.RECORD if record_routes else RouteMode.LIVE
-        with self._route_schedule(micro_batches, mode, None, RECORDED_ROUTES) as routes:
+        gets ``recorded_routes``, int32 ``[b, s, L, k]`` with this stage's MoE layers filled, ``-1`` elsewhere.
+        ``replay_key``: the routers use ``batch[replay_key]``'s experts (R3's old-log-prob pass)."""
+        if record_routes and replay_key:
+            raise RoutingReplayError("forward_only: record_routes and replay_key exclude each other")
+        mode = RouteMode.REPLAY if replay_key else RouteMode.RECORD if record_routes else RouteMode.LIVE
+        with self._route_schedule(micro_batches, mode, replay_key, RECORDED_ROUTES, backward=False) as routes:
             return run_forward_only(self.model, micro_batches, output_fn, routes)
 
     def routing_agreement(
@@ -194,7 +202,13 @@ class TrainEngine:
 
     @contextlib.contextmanager
     def _route_schedule(
-        self, micro_batches: Sequence[MicroBatch], mode: RouteMode, key: str | None, out_key: str
+        self,
+        micro_batches: Sequence[MicroBatch],
+        mode: RouteMode,
+        key: str | None,
+        out_key: str,
+        *,
+        backward: bool = True,
     ) -> Iterator[RoutingReplay | None]:
         if mode is RouteMode.LIVE:
             yield None
@@ -203,7 +217,7 @@ class TrainEngine:
             raise RoutingReplayError(
                 "record_routes / replay_key need the engine built with TrainEngine(..., routing_replay=True)"
             )
-        with self.routes.schedule(micro_batches, mode, key=key, out_key=out_key) as routes:
+        with self.routes.schedule(micro_batches, mode, key=key, out_key=out_key, backward=backward) as routes:
             yield routes
 
     def snapshot(self) -> ReferenceModel:

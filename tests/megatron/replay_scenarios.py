@@ -7,6 +7,9 @@ in any recomputation during the backward.
 
 from __future__ import annotations
 
+# megatron-core 0.19 imports triton at import time unless sapo_megatron's stand-ins are registered first
+import sapo_megatron.megatron  # noqa: F401  # isort: skip
+
 import copy
 from typing import Any
 
@@ -205,6 +208,19 @@ def replay_layouts(payload: dict[str, Any]) -> dict[str, Any]:
         batch["live_routes"] = live_batch["recorded_routes"]
     result["live_vs_recorded"] = agreement(micro, "live_routes", "recorded_routes", engine.routes.layers)
     result["live_vs_engine"] = agreement(micro, "live_routes", "engine_routes", engine.routes.layers)
+
+    # R3's old-log-prob pass: forward-only with the engine's routes (its log-probs differ from live routing's)
+    replayed_logp = engine.forward_only(micro, LogprobOutput(), replay_key="engine_routes")
+    replayed_calls = spy.take()
+    live_logp = engine.forward_only(micro, LogprobOutput())
+    spy.take()
+    result["r3_forward_only"] = {
+        **match_calls(replayed_calls, [b["engine_routes"] for b in micro]),
+        "leak": replay_state_left(engine),
+        "logp_change": None
+        if replayed_logp is None
+        else max(float((a - b).abs().max()) for a, b in zip(replayed_logp, live_logp)),
+    }
 
     # R2 replay, then R3 replay: consecutive steps with different routes
     for name, key in (("r2", "recorded_routes"), ("r3", "engine_routes")):

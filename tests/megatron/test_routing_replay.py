@@ -65,6 +65,11 @@ def test_replay_uses_the_given_routes_in_every_layout(checkpoints, world, parall
         # the perturbed model routes differently from the recorded routes and from the engine's
         assert r["live_vs_recorded"] < 0.6
         assert r["live_vs_engine"] < 0.2
+        # R3's old-log-prob pass replays the engine's routes in a forward-only pass
+        forward = r["r3_forward_only"]
+        assert forward["calls_per_micro_batch"] == {layer: [1] * MICRO_BATCHES for layer in layers}
+        assert forward["worst_row_agreement"] == 1.0 and not forward["leak"]
+        assert forward["logp_change"] is None or forward["logp_change"] > 1e-3  # None: not the last stage
         # R2 then R3: each step used its own routes, for every token and layer, forward and recomputation
         for arm in ("r2", "r3"):
             step = r[arm]
@@ -127,3 +132,20 @@ def test_config_refuses_r3_without_engine_routes_and_replay_without_moe():
     ok = config_from_dict({**moe, "algorithm": {"routing_replay": "r3"}, "rollout": {"routed_experts": True}})
     assert ok.algorithm.routing_replay == "r3"
     assert config_from_dict({**moe, "algorithm": {"routing_replay": "r2"}}).algorithm.routing_replay == "r2"
+
+
+def test_routing_agreement_compares_top_k_sets_over_masked_token_layers():
+    import torch
+
+    from sapo_megatron.megatron.routing import routing_agreement_by_layer
+
+    a = torch.tensor([[[[0, 1], [2, 3], [-1, -1]], [[4, 5], [6, 7], [-1, -1]], [[0, 1], [0, 1], [-1, -1]]]])
+    b = a.clone()
+    b[0, 0, 0] = torch.tensor([1, 0])  # same set, other order: agrees
+    b[0, 1, 1] = torch.tensor([6, 5])  # differs
+    b[0, 2] = torch.tensor([[2, 3], [2, 3], [-1, -1]])  # differs, but position 2 is masked out
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    overall, per_layer = routing_agreement_by_layer(a, b, mask)
+    assert overall == pytest.approx(3 / 4)
+    assert per_layer[:2] == [1.0, 0.5]
+    assert per_layer[2] != per_layer[2]  # NaN: the dense layer has no routes
