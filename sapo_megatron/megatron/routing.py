@@ -2,7 +2,9 @@
 them with the routes a rollout engine reported (SGLang ``return_routed_experts``).
 
 Routing agreement – the fraction of token-layers whose top-k *sets* are identical between engine and trainer –
-is the metric the routing-replay literature (R2, R3) uses to quantify training–inference routing drift.
+is the metric the routing-replay literature (R2, R3) uses to quantify training–inference routing drift:
+:func:`routing_agreement` on one sample's numpy routes, :func:`routing_agreement_by_layer` on ``[b, s, L, k]``
+micro-batch tensors with a token mask, :func:`reduce_agreement` summed over ranks (``TrainEngine.routing_agreement``).
 """
 
 from __future__ import annotations

@@ -34,7 +34,9 @@ Schedule: per micro-batch, before its forward, every local router gets that micr
 REPLAY_FORWARD. When the backward recomputes the routers (``moe_layer_recompute``, full recomputation) they switch
 to REPLAY_BACKWARD right after the forward, so any later router call pops the FIFO: Megatron's schedules run
 backwards in forward order (no virtual pipeline), so each recomputation gets its own micro-batch's routes.
-Without recomputation the targets are dropped after the forward. Recorded routes go to the CPU after each
+Without recomputation the targets are dropped after the forward. (Verified on CPU with MoE-layer recomputation;
+full-layer recomputation takes the same path but Megatron's recomputed attention does not run on the CPU
+compatibility layer.) Recorded routes go to the CPU after each
 micro-batch's forward. All state (targets, FIFO, recorded indices, actions) is cleared after every pass, on
 error too.
 
@@ -149,12 +151,14 @@ class RoutingReplay:
     ) -> None:
         """Prepare a schedule over ``micro_batches``; REPLAY sources are checked here, for every micro-batch,
         before anything runs."""
+        start = time.perf_counter()
         self.clear()
         if mode is RouteMode.REPLAY:
             for index, batch in enumerate(micro_batches):
                 self._check_source(batch, key, index)
         self._mode, self._key, self._out_key = mode, key, out_key
         self._recomputes = backward and self._router_recomputed()
+        self.seconds += time.perf_counter() - start
 
     def before_forward(self, batch: MicroBatch) -> None:
         start = time.perf_counter()

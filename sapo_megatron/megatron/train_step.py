@@ -191,6 +191,11 @@ class TrainEngine:
         identical on every rank; the per-layer list has ``num_hidden_layers`` entries, NaN for dense layers."""
         if self.routes is None:
             raise RoutingReplayError("routing agreement needs TrainEngine(..., routing_replay=True)")
+        missing = sorted(
+            {key for batch in micro_batches for key in (key_a, key_b, mask_key) if key not in batch}
+        )
+        if missing:
+            raise RoutingReplayError(f"routing agreement: micro-batches without {', '.join(missing)}")
         return reduce_agreement(micro_batches, key_a, key_b, self.routes.layers, mask_key)
 
     def take_route_seconds(self) -> float:

@@ -379,6 +379,12 @@ def refusals(payload: dict[str, Any]) -> dict[str, Any]:
     out["missing_key"] = _error(lambda: engine.train_step(micro, sft_loss, replay_key="recorded_routes"))
     out["wrong_shape"] = _error(lambda: engine.train_step(short, sft_loss, replay_key="engine_routes"))
     out["hole"] = _error(lambda: engine.train_step(holes, sft_loss, replay_key="engine_routes"))
+    out["agreement_missing_key"] = _error(
+        lambda: engine.routing_agreement(micro, "used_routes", "engine_routes")
+    )
+    out["record_and_replay"] = _error(
+        lambda: engine.forward_only(micro, LogprobOutput(), record_routes=True, replay_key="engine_routes")
+    )
     out["weights_unchanged"] = all(torch.equal(p, before[n]) for n, p in engine.module.named_parameters())
 
     def failing_loss(logits, batch):

@@ -27,6 +27,9 @@ def checkpoints(tmp_path_factory):
     }
 
 
+# Recomputation: MoE-layer recomputation (``recompute_modules: [moe]``). Full-layer recomputation takes the same
+# REPLAY_BACKWARD path, but Megatron's recomputed attention allocates on "cuda" outside the CPU compatibility
+# layer's reach (the backward runs inside its torch-function handler), so it is not run here.
 LAYOUTS = [
     (1, {"micro_batches": MICRO_BATCHES}, False),
     (1, {"micro_batches": MICRO_BATCHES}, True),
@@ -111,6 +114,8 @@ def test_refusals_and_no_state_after_a_failed_step(checkpoints):
     assert "'recorded_routes'" in out["missing_key"] and "micro-batch 0" in out["missing_key"]
     assert "engine_routes has shape" in out["wrong_shape"]
     assert "no route (-1)" in out["hole"]
+    assert "without used_routes" in out["agreement_missing_key"]
+    assert "exclude each other" in out["record_and_replay"]
     assert out["weights_unchanged"]
     assert out["failed_step"] == "loss failed" and not out["leak_after_failure"]
     assert "moe_router_fusion" in out["moe_router_fusion"]
