@@ -405,3 +405,57 @@ def refusals(payload: dict[str, Any]) -> dict[str, Any]:
         setattr(config, field, value)
         out[field] = _error(lambda config=config: check_supported(config))
     return out
+
+
+def engine_routes_end_to_end(payload: dict[str, Any]) -> dict[str, Any]:
+    """Routes from the CPU rollout engine (HF transformers, same weights) through ``build_micro_batches`` onto the
+    trainer's positions: they agree with the trainer's own live routing (and not when shifted by one position);
+    after perturbing the trainer's routers, R3 replay still uses them exactly."""
+    from sapo_megatron.megatron.routing import routing_agreement_by_layer
+    from sapo_megatron.rollout.cpu_engine import CPUEngine
+    from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
+
+    cfg = layout_config(payload)
+    init_parallel(cfg.parallel, seed=0, cfg=cfg, cpu_threads=1)
+    rollout = CPUEngine.from_pretrained(payload["hf_dir"], seed=3, num_threads=1)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=10, seed=11)
+    prompts = [[3, 17, 5, 9], [40, 2, 8], [21, 22, 23, 24, 25], [7, 1]]
+    groups = rollout.generate(
+        [
+            GenerationRequest(prompt_ids=p, n=2, sampling=sampling, return_routed_experts=True, group_id=i)
+            for i, p in enumerate(prompts)
+        ]
+    )
+    sequences = [
+        TrainSequence(
+            s.prompt_ids, s.response_ids, 1.0, s.rollout_logp, s.routed_experts, f"group {g} sample {i}"
+        )
+        for g, group in enumerate(groups)
+        for i, s in enumerate(group)
+    ]
+    layout = RouteLayout.from_arch(cfg.model.arch)
+    micro = add_normaliser(
+        build_micro_batches(sequences, dp_rank=0, dp_size=1, micro_batches=2, pad_id=0, route_layout=layout)
+    )
+    engine = TrainEngine(cfg, routing_replay=True, total_steps=1)
+    engine.forward_only(micro, LogprobOutput(), record_routes=True)
+    aligned, _ = engine.routing_agreement(micro, "engine_routes", "recorded_routes")
+    shifted = [
+        routing_agreement_by_layer(
+            b["engine_routes"][:, 1:], b["recorded_routes"][:, :-1], b["loss_mask"][:, 1:]
+        )[0]
+        for b in micro
+    ]
+    perturb_routers(engine.module, payload["perturb"])
+    engine.forward_only(micro, LogprobOutput(), record_routes=True)
+    perturbed, _ = engine.routing_agreement(micro, "engine_routes", "recorded_routes")
+    spy = RouteSpy(engine.module, micro[0]["input_ids"].shape[0])
+    engine.train_step(micro, sft_loss, replay_key="engine_routes", record_routes=True)
+    return {
+        "aligned": aligned,
+        "shifted_by_one": max(shifted),
+        "perturbed_live": perturbed,
+        "replayed": match_calls(spy.take(), [b["engine_routes"] for b in micro]),
+        "used": engine.routing_agreement(micro, "used_routes", "engine_routes"),
+        "tokens": int(sum(b["loss_mask"].sum() for b in micro)),
+    }

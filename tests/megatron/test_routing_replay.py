@@ -154,3 +154,18 @@ def test_routing_agreement_compares_top_k_sets_over_masked_token_layers():
     assert overall == pytest.approx(3 / 4)
     assert per_layer[:2] == [1.0, 0.5]
     assert per_layer[2] != per_layer[2]  # NaN: the dense layer has no routes
+
+
+def test_cpu_engine_routes_line_up_with_the_trainer_and_replay_exactly(checkpoints):
+    """The rollout engine's real routes (row t = token at position t) land on the trainer's position t: with the
+    same weights they agree with the trainer's live routing (shifted by one they do not); once the trainer's
+    routers drift, live agreement drops and R3 replay still uses the engine's routes everywhere."""
+    payload = {"hf_dir": checkpoints["moe"], "world": 1, "parallel": {}, "perturb": 0.05}
+    (out,) = run_distributed("tests.megatron.replay_scenarios:engine_routes_end_to_end", 1, payload)
+    assert out["tokens"] > 40
+    assert out["aligned"] >= 0.99
+    assert out["shifted_by_one"] < 0.5
+    assert out["perturbed_live"] < 0.8
+    assert out["replayed"]["worst_row_agreement"] == 1.0
+    assert out["replayed"]["calls_per_micro_batch"] == {0: [1, 1], 1: [1, 1]}
+    assert out["used"] == (1.0, [1.0, 1.0])
