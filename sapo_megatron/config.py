@@ -353,6 +353,11 @@ class RunConfig(Section):
         loss = self.algorithm.loss
         if loss.agg == "seq-mean-token-sum-norm" and loss.max_len is None:
             raise ValueError("algorithm.loss.agg=seq-mean-token-sum-norm needs algorithm.loss.max_len")
+        if self.algorithm.routing_replay == "r3" and not self.rollout.routed_experts:
+            raise ValueError(
+                "algorithm.routing_replay=r3 replays the rollout engine's routes, which it only returns when "
+                "asked: set rollout.routed_experts: true (SGLang servers also need --enable-return-routed-experts)"
+            )
         batch = self.rollout.n_samples * self.trainer.prompts_per_step
         if batch % self.trainer.mini_batches:
             raise ValueError(
@@ -417,6 +422,7 @@ def _layout_problems(cfg: RunConfig, world_size: int) -> list[str]:
         *_head_problems(arch, par),
         *_moe_problems(arch, par),
         *_pipeline_problems(arch, par),
+        *_routing_replay_problems(cfg),
     ]
     if world_size % par.model_parallel_size:
         problems.append(
@@ -435,6 +441,17 @@ def _layout_problems(cfg: RunConfig, world_size: int) -> list[str]:
     if par.sequence_parallel and par.tp == 1:
         problems.append("parallel.sequence_parallel needs parallel.tp > 1; set it to false or raise tp")
     return problems
+
+
+def _routing_replay_problems(cfg: RunConfig) -> list[str]:
+    """Routing replay needs MoE routers (the layout limits are checked where the model is built)."""
+    replay = cfg.algorithm.routing_replay
+    if replay != "none" and not any(cfg.model.arch.moe_layer_pattern()):
+        return [
+            f"algorithm.routing_replay={replay} needs an MoE model, and model.hf_config has no MoE layers; "
+            "set algorithm.routing_replay: none"
+        ]
+    return []
 
 
 def _batch_problems(cfg: RunConfig, world_size: int) -> list[str]:

@@ -12,6 +12,7 @@ to undo that averaging exactly.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -29,11 +30,20 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from sapo_megatron.checkpoint.hf_io import HFCheckpointReader
 from sapo_megatron.config import OptimizerConfig, RunConfig
 from sapo_megatron.megatron.model import BuildOptions, build_gpt_model
+from sapo_megatron.megatron.routing import reduce_agreement
+from sapo_megatron.megatron.routing_replay import (
+    RECORDED_ROUTES,
+    USED_ROUTES,
+    RouteMode,
+    RoutingReplay,
+    RoutingReplayError,
+)
 from sapo_megatron.megatron.weights import load_hf_weights
 
 MicroBatch = dict[str, torch.Tensor]
 """One micro-batch: ``input_ids`` [b, s] (right-padded), optional ``position_ids`` [b, s], plus whatever
-tensors the loss function reads (labels, masks, advantages, ...)."""
+tensors the loss function reads (labels, masks, advantages, ...), and MoE routes int32 [b, s, L, k]
+(``engine_routes``, ``recorded_routes``, ``used_routes``: see :mod:`sapo_megatron.megatron.routing_replay`)."""
 
 Metrics = dict[str, torch.Tensor]
 """Metric name → 2-element tensor ``(weighted_sum, weight)``; the engine sums both over micro-batches and
@@ -58,7 +68,11 @@ class StepResult:
 
 
 class TrainEngine:
-    """Model chunks wrapped in Megatron DDP, the Megatron optimizer and its LR schedule, for one rank."""
+    """Model chunks wrapped in Megatron DDP, the Megatron optimizer and its LR schedule, for one rank.
+
+    ``routing_replay=True`` builds the MoE routers with Megatron's ``RouterReplay`` (refused with a
+    :class:`RoutingReplayError` for models / layouts it cannot serve) and enables ``record_routes`` and
+    ``replay_key``; without them the routers behave exactly as without replay."""
 
     def __init__(
         self, cfg: RunConfig, *, routing_replay: bool = False, total_steps: int | None = None
@@ -66,6 +80,11 @@ class TrainEngine:
         self.cfg = cfg
         opts = BuildOptions(cfg.model, cfg.parallel, cfg.precision, routing_replay=routing_replay)
         module = build_gpt_model(opts)
+        self.routes = (
+            RoutingReplay([module], module.config, cfg.model.arch.num_hidden_layers)
+            if routing_replay
+            else None
+        )
         init_weights(module, cfg)
         self.config = module.config
         self.model = [_wrap_ddp(module, cfg.optimizer)]
@@ -103,13 +122,31 @@ class TrainEngine:
         """The unwrapped GPTModel of this rank."""
         return self.model[0].module
 
-    def train_step(self, micro_batches: Sequence[MicroBatch], loss_fn: LossFn) -> StepResult:
-        """Forward + backward over this rank's micro-batches, then one optimizer and LR-schedule step."""
+    def train_step(
+        self,
+        micro_batches: Sequence[MicroBatch],
+        loss_fn: LossFn,
+        *,
+        replay_key: str | None = None,
+        record_routes: bool = False,
+    ) -> StepResult:
+        """Forward + backward over this rank's micro-batches, then one optimizer and LR-schedule step.
+
+        ``replay_key`` (e.g. ``"recorded_routes"`` for R2, ``"engine_routes"`` for R3): every MoE router of this
+        stage uses ``batch[replay_key]``'s experts in the forward and in any recomputation; gate weights stay the
+        softmax of the live router logits over those experts. ``record_routes``: each micro-batch gets
+        ``used_routes``, the experts the training forward used (the replay source, or the live top-k)."""
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         scale = len(micro_batches) * parallel_state.get_data_parallel_world_size()
-        losses, metrics = self._run_schedule(micro_batches, partial(_scaled_loss, loss_fn, scale), False)
+        loss_fn = partial(_scaled_loss, loss_fn, scale)
+        mode = RouteMode.REPLAY if replay_key else RouteMode.RECORD if record_routes else RouteMode.LIVE
+        with self._route_schedule(micro_batches, mode, replay_key, USED_ROUTES) as routes:
+            losses, metrics = _run_schedule(self.model, micro_batches, loss_fn, False, routes)
+        if replay_key and record_routes:
+            for batch in micro_batches:
+                batch[USED_ROUTES] = batch[replay_key]
         if _all_finite(self.model, losses):
             update_successful, grad_norm, _ = self.optimizer.step()
         else:  # a non-finite loss or gradient anywhere: skip the update on every rank (weights stay as they were)
@@ -128,11 +165,65 @@ class TrainEngine:
         )
 
     def forward_only(
-        self, micro_batches: Sequence[MicroBatch], output_fn: OutputFn
+        self,
+        micro_batches: Sequence[MicroBatch],
+        output_fn: OutputFn,
+        *,
+        record_routes: bool = False,
+        replay_key: str | None = None,
     ) -> list[torch.Tensor] | None:
         """Run the model without gradients; returns ``output_fn``'s result per micro-batch on the last
-        pipeline stage, ``None`` on the other stages."""
-        return run_forward_only(self.model, micro_batches, output_fn)
+        pipeline stage, ``None`` on the other stages. ``record_routes``: every micro-batch (on every stage)
+        gets ``recorded_routes``, int32 ``[b, s, L, k]`` with this stage's MoE layers filled, ``-1`` elsewhere.
+        ``replay_key``: the routers use ``batch[replay_key]``'s experts (R3's old-log-prob pass)."""
+        if record_routes and replay_key:
+            raise RoutingReplayError("forward_only: record_routes and replay_key exclude each other")
+        mode = RouteMode.REPLAY if replay_key else RouteMode.RECORD if record_routes else RouteMode.LIVE
+        with self._route_schedule(micro_batches, mode, replay_key, RECORDED_ROUTES, backward=False) as routes:
+            return run_forward_only(self.model, micro_batches, output_fn, routes)
+
+    def routing_agreement(
+        self, micro_batches: Sequence[MicroBatch], key_a: str, key_b: str, mask_key: str = "loss_mask"
+    ) -> tuple[float, list[float]]:
+        """Fraction of token-layers whose top-k expert sets agree between ``batch[key_a]`` and ``batch[key_b]``
+        over the positions where ``batch[mask_key] > 0`` (default: those predicting response tokens) and the MoE
+        layers, summed over micro-batches, data-parallel ranks and pipeline stages: ``(overall, per layer)``,
+        identical on every rank; the per-layer list has ``num_hidden_layers`` entries, NaN for dense layers."""
+        if self.routes is None:
+            raise RoutingReplayError("routing agreement needs TrainEngine(..., routing_replay=True)")
+        missing = sorted(
+            {key for batch in micro_batches for key in (key_a, key_b, mask_key) if key not in batch}
+        )
+        if missing:
+            raise RoutingReplayError(f"routing agreement: micro-batches without {', '.join(missing)}")
+        return reduce_agreement(micro_batches, key_a, key_b, self.routes.layers, mask_key)
+
+    def take_route_seconds(self) -> float:
+        """Seconds spent laying out, setting, recording and gathering routes since the last call."""
+        if self.routes is None:
+            return 0.0
+        seconds, self.routes.seconds = self.routes.seconds, 0.0
+        return seconds
+
+    @contextlib.contextmanager
+    def _route_schedule(
+        self,
+        micro_batches: Sequence[MicroBatch],
+        mode: RouteMode,
+        key: str | None,
+        out_key: str,
+        *,
+        backward: bool = True,
+    ) -> Iterator[RoutingReplay | None]:
+        if mode is RouteMode.LIVE:
+            yield None
+            return
+        if self.routes is None:
+            raise RoutingReplayError(
+                "record_routes / replay_key need the engine built with TrainEngine(..., routing_replay=True)"
+            )
+        with self.routes.schedule(micro_batches, mode, key=key, out_key=out_key, backward=backward) as routes:
+            yield routes
 
     def snapshot(self) -> ReferenceModel:
         """A frozen copy of the current weights (same layout), e.g. the reference policy of a KL penalty."""
@@ -140,9 +231,6 @@ class TrainEngine:
             module = build_gpt_model(BuildOptions(self.cfg.model, self.cfg.parallel, self.cfg.precision))
         module.load_state_dict(self.module.state_dict())
         return ReferenceModel(module)
-
-    def _run_schedule(self, micro_batches: Sequence[MicroBatch], loss_fn, forward_only: bool):
-        return _run_schedule(self.model, micro_batches, loss_fn, forward_only)
 
 
 class ReferenceModel:
@@ -159,14 +247,17 @@ class ReferenceModel:
 
 @torch.no_grad()
 def run_forward_only(
-    model: list[torch.nn.Module], micro_batches: Sequence[MicroBatch], output_fn: OutputFn
+    model: list[torch.nn.Module],
+    micro_batches: Sequence[MicroBatch],
+    output_fn: OutputFn,
+    routes: RoutingReplay | None = None,
 ) -> list[torch.Tensor] | None:
     """Forward passes in eval mode; ``output_fn``'s result per micro-batch on the last pipeline stage, else None."""
     modes = [chunk.training for chunk in model]
     for chunk in model:
         chunk.eval()
     try:
-        outputs, _ = _run_schedule(model, micro_batches, partial(_collect_output, output_fn), True)
+        outputs, _ = _run_schedule(model, micro_batches, partial(_collect_output, output_fn), True, routes)
     finally:
         for chunk, mode in zip(model, modes):
             chunk.train(mode)
@@ -174,13 +265,17 @@ def run_forward_only(
 
 
 def _run_schedule(
-    model: list[torch.nn.Module], micro_batches: Sequence[MicroBatch], loss_fn, forward_only: bool
+    model: list[torch.nn.Module],
+    micro_batches: Sequence[MicroBatch],
+    loss_fn,
+    forward_only: bool,
+    routes: RoutingReplay | None = None,
 ):
     if not micro_batches:
         raise ValueError("train_step/forward_only need at least one micro-batch")
     shape = micro_batches[0]["input_ids"].shape
     store = get_forward_backward_func()(
-        forward_step_func=partial(_forward_step, loss_fn),
+        forward_step_func=partial(_forward_step, loss_fn, routes),
         data_iterator=iter(micro_batches),
         model=model,
         num_microbatches=len(micro_batches),
@@ -205,13 +300,19 @@ def init_weights(module: torch.nn.Module, cfg: RunConfig) -> None:
         load_model_weights(module, cfg.model.init_path)
 
 
-def _forward_step(loss_fn, data_iterator: Iterator[MicroBatch], model):
+def _forward_step(loss_fn, routes: RoutingReplay | None, data_iterator: Iterator[MicroBatch], model):
+    """One micro-batch's forward, in schedule order: the routers get this micro-batch's routes just before it
+    (and switch to recomputation replay right after)."""
     batch = next(data_iterator)
     input_ids = batch["input_ids"]
     position_ids = batch.get("position_ids")
     if position_ids is None:
         position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+    if routes is not None:
+        routes.before_forward(batch)
     logits = model(input_ids, position_ids, attention_mask=None)
+    if routes is not None:
+        routes.after_forward(batch)
     return logits, partial(loss_fn, batch)
 
 
