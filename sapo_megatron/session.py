@@ -25,6 +25,7 @@ from sapo_megatron.inputs import check_input_files
 from sapo_megatron.interrupts import InterruptGuard, print_line
 from sapo_megatron.megatron.parallel import RankInfo, init_parallel
 from sapo_megatron.megatron.train_step import TrainEngine
+from sapo_megatron.replay import needs_route_capture
 from sapo_megatron.rewards.registry import SafeReward, check_reward_available, get_reward
 from sapo_megatron.rollout.base import RolloutEngine
 from sapo_megatron.rollout.topology import Topology, resolve_topology
@@ -105,7 +106,11 @@ def build_session(cfg: RunConfig, info: RankInfo, start: RunStart, guard: Interr
     train_rows, heldout_rows = build_prompts(cfg)
     for rows, source in ((train_rows, cfg.data.train), (heldout_rows, cfg.data.heldout)):
         check_encodable(rows, tokenizer, source, template=cfg.data.prompt_template)
-    engine = TrainEngine(cfg, total_steps=max(cfg.trainer.steps * cfg.trainer.mini_batches, 1))
+    engine = TrainEngine(
+        cfg,
+        routing_replay=needs_route_capture(cfg),
+        total_steps=max(cfg.trainer.steps * cfg.trainer.mini_batches, 1),
+    )
     rollout, server, topology = build_rollout(cfg, info, engine, tokenizer, run_dir)
     sync = build_weight_sync(cfg, info, rollout, topology, tokenizer, run_dir)
     reward = SafeReward(get_reward(cfg.algorithm.reward), cfg.algorithm.reward)

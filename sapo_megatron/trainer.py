@@ -11,13 +11,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from sapo_megatron.batching import TrainSequence, build_micro_batches
+from sapo_megatron.batching import RouteLayout, TrainSequence, build_micro_batches
 from sapo_megatron.checkpointing import Checkpointer, LoopState
 from sapo_megatron.data.prompts import PromptIterator, PromptRow
 from sapo_megatron.errors import RunInterrupted
 from sapo_megatron.megatron.loss_hook import LogprobOutput, PolicyLossHook, add_global_normalisers
 from sapo_megatron.megatron.sft import sft_loss
 from sapo_megatron.megatron.train_step import ReferenceModel, StepResult
+from sapo_megatron.replay import RoutingStep, route_layout
 from sapo_megatron.rollout.collect import CollectSettings, RolloutBatch, collect
 from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
 from sapo_megatron.session import Session, on_main_rank, open_session
@@ -166,18 +167,21 @@ def rl_step(
     prompts.load_state_dict(prompt_state)
     start = time.perf_counter()
     updates = _split(sequences, cfg.trainer.mini_batches)
-    micro = [add_global_normalisers(_micro_batches(session, update)) for update in updates]
-    _attach_logp(session.engine, micro, "old_logp", session.cfg.rollout.temperature)
+    layout = route_layout(cfg)
+    micro = [add_global_normalisers(_micro_batches(session, update, layout)) for update in updates]
+    routing = RoutingStep(engine, cfg)  # MoE routing: live, R2 or R3 replay, and its metrics
+    routing.old_logp(micro)
     if reference is not None:
         _attach_logp(reference, micro, "ref_logp", session.cfg.rollout.temperature)
     for update in micro:
-        result = engine.train_step(update, hook)
+        result = routing.train_step(update, hook)
         for name, value in result.metrics.items():
             metrics[name] = metrics.get(name, 0.0) + value / len(micro)
         for name, value in _check_update(session, result, "rl", step + 1).items():
             metrics[name] = metrics.get(name, 0.0) + value if name == "train/update_skipped" else value
         metrics["grad_norm"] = result.grad_norm
         metrics["lr"] = result.lr
+    metrics.update(routing.metrics())
     train_s = time.perf_counter() - start
     metrics.update(session.sync.push(engine.module))
     metrics["time/train_s"] = train_s
@@ -187,9 +191,8 @@ def rl_step(
 
 
 def _attach_logp(model, updates: list[list[dict]], key: str, temperature: float) -> None:
-    """Forward-only passes over the whole rollout batch – with the weights that produced it (``old_logp``, before
-    any update of this step) or the reference policy (``ref_logp``); the log-probs land in each micro-batch on
-    the last pipeline stage."""
+    """Forward-only passes of the reference policy over the whole rollout batch (live routing); ``ref_logp``
+    lands in each micro-batch on the last pipeline stage."""
     output_fn = LogprobOutput(temperature=temperature)
     for update in updates:  # one schedule per update: its micro-batches share one padded shape
         outputs = model.forward_only(update, output_fn)
@@ -210,6 +213,7 @@ def _rollout(session: Session, rows: list[PromptRow], prompts: PromptIterator, s
         dynamic_sampling=cfg.algorithm.dynamic_sampling,
         max_refills=cfg.algorithm.max_refills,
         overlong_cache_len=cfg.algorithm.overlong_cache_len,
+        return_routed_experts=cfg.rollout.routed_experts,
     )
     batch = collect(
         session.rollout,
@@ -240,7 +244,14 @@ def _sampling(session: Session, temperature: float) -> SamplingParams:
 
 def _train_sequences(batch: RolloutBatch) -> list[TrainSequence]:
     return [
-        TrainSequence(s.prompt_ids, s.response_ids, float(batch.advantages[g, i]), s.rollout_logp)
+        TrainSequence(
+            s.prompt_ids,
+            s.response_ids,
+            float(batch.advantages[g, i]),
+            s.rollout_logp,
+            routed_experts=s.routed_experts,
+            sample_id=f"group {s.group_id} sample {s.sample_index}",
+        )
         for g, group in enumerate(batch.groups)
         for i, s in enumerate(group)
     ]
@@ -254,7 +265,8 @@ def _split(sequences: list[TrainSequence], parts: int) -> list[list[TrainSequenc
     return [sequences[i * size : (i + 1) * size] for i in range(parts)]
 
 
-def _micro_batches(session: Session, sequences: list[TrainSequence]):
+def _micro_batches(session: Session, sequences: list[TrainSequence], routes: RouteLayout | None = None):
+    """This rank's micro-batches (with the engine's routes laid onto the positions when ``routes`` is given)."""
     info, par = session.info, session.cfg.parallel
     return build_micro_batches(
         sequences,
@@ -263,6 +275,7 @@ def _micro_batches(session: Session, sequences: list[TrainSequence]):
         micro_batches=par.micro_batches,
         pad_id=session.tokenizer.pad_id,
         length_multiple=par.tp if par.sequence_parallel else 1,
+        route_layout=routes,
     )
 
 
