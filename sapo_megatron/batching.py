@@ -193,7 +193,11 @@ def teacher_tensors(sequences: Sequence[TrainSequence], length: int) -> MicroBat
     teacher_logp = torch.zeros((len(sequences), length), dtype=torch.float32)
     for row, seq in enumerate(sequences):
         if seq.teacher_logp is None or len(seq.teacher_logp) != len(seq.response_ids):
-            got = "no teacher log-probs" if seq.teacher_logp is None else f"{len(seq.teacher_logp)} teacher log-probs"
+            got = (
+                "no teacher log-probs"
+                if seq.teacher_logp is None
+                else f"{len(seq.teacher_logp)} teacher log-probs"
+            )
             raise ValueError(
                 f"{seq.sample_id or f'sequence {row}'}: {got} for {len(seq.response_ids)} response tokens"
             )

@@ -203,21 +203,33 @@ def _add_compare_parser(commands) -> None:
         "config", nargs="?", help="YAML run config every arm shares (default: the embedded demo)"
     )
     compare.add_argument(
+        "--arms",
+        help="comma-separated YAML run configs, one arm each (named after the file), instead of CONFIG × "
+        "--losses × --replay × --corrections; e.g. the distillation arms of configs/distill/",
+    )
+    compare.add_argument(
+        "--teachers",
+        help="with --arms: comma-separated teacher run configs, trained first into OUTPUT_DIR/teachers/<name>; "
+        "each arm's teacher of that name scores with its HF export",
+    )
+    compare.add_argument(
         "--losses",
-        default="sapo,gspo,grpo",
+        default=None,
         help="comma-separated policy losses, each with its paper settings: sapo (tau 1.0/1.05), gspo "
-        "(eps 3e-4/4e-4), grpo (DAPO eps 0.2/0.28, token-mean)",
+        "(eps 3e-4/4e-4), grpo (DAPO eps 0.2/0.28, token-mean) (default: sapo,gspo,grpo)",
     )
     compare.add_argument(
         "--replay",
-        default=",".join(REPLAYS),
+        default=None,
         help="comma-separated MoE routing replay modes: none (live routing), r2 (the trainer's own routes of the "
-        "old-log-prob pass), r3 (the rollout engine's routes); r2 and r3 need a MoE model",
+        "old-log-prob pass), r3 (the rollout engine's routes); r2 and r3 need a MoE model (default: "
+        + ",".join(REPLAYS)
+        + ")",
     )
     compare.add_argument(
         "--corrections",
-        default="none",
-        help=f"comma-separated mismatch corrections from {', '.join(CORRECTIONS)} (tis: cap 2.0)",
+        default=None,
+        help=f"comma-separated mismatch corrections from {', '.join(CORRECTIONS)} (tis: cap 2.0) (default: none)",
     )
     compare.add_argument("--seeds", type=int, default=1, help="seeds per configuration: 0 .. N-1")
     compare.add_argument("--steps", type=int, required=True, help="RL steps of every arm")
@@ -354,18 +366,42 @@ def free_port() -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from sapo_megatron.compare import CORRECTIONS, LOSSES, REPLAYS, build_plan, parse_names, run_compare
-
-    plan = build_plan(
-        args.config,
-        _parse_overrides(args.set),
-        losses=parse_names(args.losses, list(LOSSES), "--losses"),
-        replays=parse_names(args.replay, list(REPLAYS), "--replay"),
-        corrections=parse_names(args.corrections, list(CORRECTIONS), "--corrections"),
-        seeds=args.seeds,
-        steps=args.steps,
-        output_dir=args.output_dir,
+    from sapo_megatron.compare import (
+        CORRECTIONS,
+        LOSSES,
+        REPLAYS,
+        CompareError,
+        build_config_plan,
+        build_plan,
+        parse_names,
+        run_compare,
     )
+
+    if args.arms:
+        given = [name for name in ("config", "losses", "replay", "corrections") if getattr(args, name)]
+        if given:
+            raise CompareError(f"--arms names every arm's whole config; drop {', '.join(given)}")
+        plan = build_config_plan(
+            [p.strip() for p in args.arms.split(",") if p.strip()],
+            _parse_overrides(args.set),
+            teacher_configs=[p.strip() for p in (args.teachers or "").split(",") if p.strip()],
+            seeds=args.seeds,
+            steps=args.steps,
+            output_dir=args.output_dir,
+        )
+    else:
+        if args.teachers:
+            raise CompareError("--teachers goes with --arms (configs whose teachers it trains)")
+        plan = build_plan(
+            args.config,
+            _parse_overrides(args.set),
+            losses=parse_names(args.losses or "sapo,gspo,grpo", list(LOSSES), "--losses"),
+            replays=parse_names(args.replay or ",".join(REPLAYS), list(REPLAYS), "--replay"),
+            corrections=parse_names(args.corrections or "none", list(CORRECTIONS), "--corrections"),
+            seeds=args.seeds,
+            steps=args.steps,
+            output_dir=args.output_dir,
+        )
     outcome = run_compare(plan, overwrite=args.overwrite, debug=args.debug)
     return 1 if outcome.failures else 0
 

@@ -64,7 +64,8 @@ def make_mixed_rows(
         raise ValueError("make_mixed_rows needs at least one task")
     shares = [len(range(i, n, len(tasks))) for i in range(len(tasks))]
     per_task = [
-        make_task_rows(task, share, digits=digits, split=split, seed=seed) for task, share in zip(tasks, shares)
+        make_task_rows(task, share, digits=digits, split=split, seed=seed)
+        for task, share in zip(tasks, shares)
     ]
     return [per_task[i % len(tasks)][i // len(tasks)] for i in range(n)]
 
@@ -77,7 +78,9 @@ def make_multiplication_rows(
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
     lo, hi = _operand_range(digits)
-    pairs = [(a, b) for a in range(lo, hi + 1) for b in range(2, 10) if pair_split(a, b, heldout_fraction) == split]
+    pairs = [
+        (a, b) for a in range(lo, hi + 1) for b in range(2, 10) if pair_split(a, b, heldout_fraction) == split
+    ]
     if len(pairs) < n:
         raise DatasetError(
             f"only {len(pairs)} distinct {split} multiplication problems with digits={digits}, {n} asked for; "

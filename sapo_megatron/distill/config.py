@@ -58,7 +58,9 @@ class TeacherConfig(BaseModel):
         description="the teacher's tokenizer ('char' or a directory), checked equal to the student's at start; "
         "default: the teacher's model_path (cpu) or the tokenizer_path its server reports in /get_model_info",
     )
-    domains: list[str] = Field(default_factory=list, description="prompt domains (PromptRow.domain) it serves")
+    domains: list[str] = Field(
+        default_factory=list, description="prompt domains (PromptRow.domain) it serves"
+    )
     default: bool = Field(default=False, description="serves every prompt whose domain no teacher lists")
     timeout_s: float = Field(default=600.0, gt=0.0, description="per scoring request")
     max_retries: int = Field(default=3, ge=0, description="further attempts of a failed scoring request")
@@ -72,9 +74,13 @@ class TeacherConfig(BaseModel):
         servers = [key for key in ("urls", "router_url", "endpoints_file") if getattr(self, key)]
         if self.engine == "cpu":
             if not self.model_path:
-                raise ValueError(f"{where}: engine cpu needs model_path (the teacher's HF checkpoint directory)")
+                raise ValueError(
+                    f"{where}: engine cpu needs model_path (the teacher's HF checkpoint directory)"
+                )
             if servers:
-                raise ValueError(f"{where}: {servers[0]} is for engine sglang; remove it or set engine: sglang")
+                raise ValueError(
+                    f"{where}: {servers[0]} is for engine sglang; remove it or set engine: sglang"
+                )
         else:
             if not servers:
                 raise ValueError(

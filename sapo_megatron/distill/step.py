@@ -67,7 +67,9 @@ class DistillStep:
             sums += self._fuse_batch(batch, adv, multiplier)
         sums = _all_reduce(sums)
         metrics = {
-            key: float(total / weight) for key, (total, weight) in zip(self._keys, sums.tolist()) if weight > 0
+            key: float(total / weight)
+            for key, (total, weight) in zip(self._keys, sums.tolist())
+            if weight > 0
         }
         metrics["opd/reverse_kl"] = kl
         if self.schedule is not None:
@@ -78,7 +80,9 @@ class DistillStep:
         if TEACHER_LOGP not in batch:
             raise KeyError("distillation needs teacher_logp in every micro-batch (the teachers scored none)")
         mask = batch["loss_mask"].bool()
-        return opd_advantages(batch[TEACHER_LOGP].to(mask.device), batch[self.student_key].to(mask.device), mask)
+        return opd_advantages(
+            batch[TEACHER_LOGP].to(mask.device), batch[self.student_key].to(mask.device), mask
+        )
 
     @staticmethod
     def _reverse_kl_sums(batch: dict, adv_opd: torch.Tensor) -> tuple[float, float]:
@@ -147,4 +151,3 @@ def _all_reduce(values: torch.Tensor) -> torch.Tensor:
     reduced = values.to(device)
     dist.all_reduce(reduced)
     return reduced.cpu()
-
