@@ -70,3 +70,54 @@ def fuse_on_rank(payload: Any = None) -> dict[str, Any]:
             out[layout]["metrics"].append(step.fuse([mine[:1], mine[1:]]))
             out[layout]["advantages"].append([b["advantages"] for b in mine])
     return out
+
+
+def alignment(payload: dict[str, Any]) -> dict[str, float]:
+    """A teacher identical to the student: the CPU engine samples and scores (the teacher path), the Megatron
+    trainer computes old_logp at the same weights, the distillation step fuses. Also the same teacher values
+    laid one position off (a misaligned span) for contrast."""
+    from dataclasses import replace
+
+    from sapo_megatron.batching import TrainSequence, build_micro_batches
+    from sapo_megatron.distill.config import TeacherConfig
+    from sapo_megatron.distill.teachers import Teacher
+    from sapo_megatron.megatron.loss_hook import LogprobOutput
+    from sapo_megatron.megatron.parallel import init_parallel
+    from sapo_megatron.megatron.train_step import TrainEngine
+    from sapo_megatron.rollout.cpu_engine import CPUEngine
+    from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
+
+    hf_dir = payload["hf_dir"]
+    cfg = config_from_dict(
+        {
+            "model": {"hf_config": hf_dir, "init": "hf", "init_path": hf_dir},
+            "teachers": [{"name": "self", "model_path": hf_dir}],
+            "algorithm": {"fusion": {"mode": "opd"}},
+        }
+    )
+    init_parallel(cfg.parallel, seed=0, cfg=cfg, cpu_threads=1)
+    engine = CPUEngine.from_pretrained(hf_dir, seed=5, num_threads=1)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=8, seed=9)
+    prompts = [[1, 17, 5, 9], [1, 40, 8], [1, 21, 22, 23, 24, 25], [1, 7]]
+    requests = [
+        GenerationRequest(prompt_ids=p, n=2, sampling=sampling, group_id=i) for i, p in enumerate(prompts)
+    ]
+    samples = [s for group in engine.generate(requests) for s in group]
+    teacher_logp = Teacher(TeacherConfig(name="self", model_path=hf_dir), engine).score(samples)
+    sequences = [
+        TrainSequence(s.prompt_ids, s.response_ids, 0.0, s.rollout_logp, teacher_logp=t)
+        for s, t in zip(samples, teacher_logp)
+    ]
+    shifted = [replace(seq, teacher_logp=[*seq.teacher_logp[1:], seq.teacher_logp[0]]) for seq in sequences]
+    trainer = TrainEngine(cfg)
+    out = {}
+    for name, seqs in (("aligned", sequences), ("shifted", shifted)):
+        batches = build_micro_batches(seqs, dp_rank=0, dp_size=1, micro_batches=1, pad_id=0)
+        (batches[0]["old_logp"],) = trainer.forward_only(batches, LogprobOutput())
+        metrics = DistillStep(cfg).fuse([batches])
+        mask = batches[0]["loss_mask"].bool()
+        out[f"{name}_max_abs"] = float(batches[0]["advantages"][mask].abs().max())
+        out[f"{name}_min_abs"] = float(batches[0]["advantages"][mask].abs().min())
+        out[f"{name}_kl"] = metrics["opd/reverse_kl"]
+        out["tokens"] = int(mask.sum())
+    return out

@@ -107,7 +107,7 @@ def test_data_and_pipeline_parallel_ranks_fuse_like_one_process(two_ranks, layou
     for index, seed in enumerate((0, 1)):
         batches = make_batches(seed)
         expected = single.fuse([batches[:2], batches[2:]])
-        for rank, result in enumerate(ranks):
+        for result in ranks:
             got = result["metrics"][index]
             assert got.keys() == expected.keys()
             assert got == pytest.approx(expected, rel=1e-9)
@@ -120,3 +120,18 @@ def test_data_and_pipeline_parallel_ranks_fuse_like_one_process(two_ranks, layou
             assert all(
                 torch.equal(a, b["advantages"]) for a, b in zip(ranks[1]["advantages"][index], batches)
             )
+
+
+ALIGNED_TOLERANCE = 1e-4
+"""|A_opd| of a teacher identical to the student: the CPU engine (HF transformers) and the Megatron trainer agree
+to ~1e-6 in fp32 log-prob at the same weights (tests/rl/test_engine_trainer_agreement.py)."""
+
+
+def test_a_teacher_identical_to_the_student_gives_zero_advantage_on_every_response_token(tmp_path):
+    from sapo_megatron.tiny import make_tiny_hf_checkpoint
+
+    hf_dir = make_tiny_hf_checkpoint(tmp_path / "hf", "dense", seed=3)
+    (result,) = run_distributed("tests.distill.step_scenarios:alignment", 1, {"hf_dir": str(hf_dir)})
+    assert result["tokens"] >= 30
+    assert result["aligned_max_abs"] < ALIGNED_TOLERANCE and abs(result["aligned_kl"]) < ALIGNED_TOLERANCE
+    assert result["shifted_max_abs"] > 100 * ALIGNED_TOLERANCE  # one position off: the span shows it
