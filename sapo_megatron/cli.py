@@ -188,8 +188,11 @@ def _add_train_parser(commands) -> None:
     train.set_defaults(handler=_train)
 
 
+COMPARE_DEFAULTS = {"losses": "sapo,gspo,grpo", "replay": "none,r2,r3", "corrections": "none"}
+
+
 def _add_compare_parser(commands) -> None:
-    from sapo_megatron.compare import CORRECTIONS, REPLAYS
+    from sapo_megatron.compare import CORRECTIONS
 
     compare = commands.add_parser(
         "compare",
@@ -214,22 +217,20 @@ def _add_compare_parser(commands) -> None:
     )
     compare.add_argument(
         "--losses",
-        default=None,
+        default=COMPARE_DEFAULTS["losses"],
         help="comma-separated policy losses, each with its paper settings: sapo (tau 1.0/1.05), gspo "
-        "(eps 3e-4/4e-4), grpo (DAPO eps 0.2/0.28, token-mean) (default: sapo,gspo,grpo)",
+        "(eps 3e-4/4e-4), grpo (DAPO eps 0.2/0.28, token-mean)",
     )
     compare.add_argument(
         "--replay",
-        default=None,
+        default=COMPARE_DEFAULTS["replay"],
         help="comma-separated MoE routing replay modes: none (live routing), r2 (the trainer's own routes of the "
-        "old-log-prob pass), r3 (the rollout engine's routes); r2 and r3 need a MoE model (default: "
-        + ",".join(REPLAYS)
-        + ")",
+        "old-log-prob pass), r3 (the rollout engine's routes); r2 and r3 need a MoE model",
     )
     compare.add_argument(
         "--corrections",
-        default=None,
-        help=f"comma-separated mismatch corrections from {', '.join(CORRECTIONS)} (tis: cap 2.0) (default: none)",
+        default=COMPARE_DEFAULTS["corrections"],
+        help=f"comma-separated mismatch corrections from {', '.join(CORRECTIONS)} (tis: cap 2.0)",
     )
     compare.add_argument("--seeds", type=int, default=1, help="seeds per configuration: 0 .. N-1")
     compare.add_argument("--steps", type=int, required=True, help="RL steps of every arm")
@@ -378,7 +379,8 @@ def _compare(args: argparse.Namespace) -> int:
     )
 
     if args.arms:
-        given = [name for name in ("config", "losses", "replay", "corrections") if getattr(args, name)]
+        given = ["CONFIG"] if args.config else []
+        given += [f"--{k}" for k, v in COMPARE_DEFAULTS.items() if getattr(args, k) != v]
         if given:
             raise CompareError(f"--arms names every arm's whole config; drop {', '.join(given)}")
         plan = build_config_plan(
@@ -395,9 +397,9 @@ def _compare(args: argparse.Namespace) -> int:
         plan = build_plan(
             args.config,
             _parse_overrides(args.set),
-            losses=parse_names(args.losses or "sapo,gspo,grpo", list(LOSSES), "--losses"),
-            replays=parse_names(args.replay or ",".join(REPLAYS), list(REPLAYS), "--replay"),
-            corrections=parse_names(args.corrections or "none", list(CORRECTIONS), "--corrections"),
+            losses=parse_names(args.losses, list(LOSSES), "--losses"),
+            replays=parse_names(args.replay, list(REPLAYS), "--replay"),
+            corrections=parse_names(args.corrections, list(CORRECTIONS), "--corrections"),
             seeds=args.seeds,
             steps=args.steps,
             output_dir=args.output_dir,

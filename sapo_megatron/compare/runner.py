@@ -88,8 +88,9 @@ def preflight(plan: ComparePlan, *, overwrite: bool) -> None:
 
     require_matplotlib()
     check_output_dir(plan, overwrite=overwrite)
-    # The warm start's inputs; without one, an arm's (with a warm start, arms read its export, made later).
-    check_input_files(plan.warm_start.cfg if plan.warm_start else plan.arms[0].cfg)
+    # The first run's inputs: later runs read the exports of the teachers and the warm start, made later.
+    first = plan.teachers[0] if plan.teachers else plan.warm_start or plan.arms[0]
+    check_input_files(first.cfg)
     check_reward_available(plan.base.algorithm.reward)
 
 
