@@ -22,4 +22,3 @@ def make_teacher(path: Path, *, seed: int = 7, sharpen: float = 1.0, kind: str =
     model.save_pretrained(path)
     CharTokenizer().save(path)
     return path
-
