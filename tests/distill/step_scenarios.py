@@ -51,7 +51,8 @@ def make_batches(seed: int = 0, count: int = 4, rows: int = 3, length: int = 7) 
 def fuse_on_rank(payload: Any = None) -> dict[str, Any]:
     """Per layout, two RL steps (so that the SAF schedule's second multiplier is compared too). ``dp``: rank r
     holds every other micro-batch; ``pp``: rank 0 is a first stage (no old_logp), rank 1 holds them all."""
-    dist.init_process_group("gloo")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
     rank = dist.get_rank()
     out: dict[str, Any] = {}
     for layout in ("dp", "pp"):
@@ -72,10 +73,16 @@ def fuse_on_rank(payload: Any = None) -> dict[str, Any]:
     return out
 
 
+def two_ranks(payload: dict[str, Any]) -> dict[str, Any]:
+    """Both scenarios in one pair of processes (a spawn costs seconds): the alignment check on a data-parallel
+    Megatron trainer, then the fusion layouts over the same process group."""
+    return {"alignment": alignment(payload), "layouts": fuse_on_rank()}
+
+
 def alignment(payload: dict[str, Any]) -> dict[str, float]:
     """A teacher identical to the student: the CPU engine samples and scores (the teacher path), the Megatron
-    trainer computes old_logp at the same weights, the distillation step fuses. Also the same teacher values
-    laid one position off (a misaligned span) for contrast."""
+    trainer (data-parallel over the ranks) computes old_logp at the same weights, the distillation step fuses.
+    Also the same teacher values laid one position off (a misaligned span) for contrast."""
     from dataclasses import replace
 
     from sapo_megatron.batching import TrainSequence, build_micro_batches
@@ -93,9 +100,10 @@ def alignment(payload: dict[str, Any]) -> dict[str, float]:
             "model": {"hf_config": hf_dir, "init": "hf", "init_path": hf_dir},
             "teachers": [{"name": "self", "model_path": hf_dir}],
             "algorithm": {"fusion": {"mode": "opd"}},
+            "launch": {"procs_per_node": payload["world"]},
         }
     )
-    init_parallel(cfg.parallel, seed=0, cfg=cfg, cpu_threads=1)
+    info = init_parallel(cfg.parallel, seed=0, cfg=cfg, cpu_threads=1)
     engine = CPUEngine.from_pretrained(hf_dir, seed=5, num_threads=1)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=8, seed=9)
     prompts = [[1, 17, 5, 9], [1, 40, 8], [1, 21, 22, 23, 24, 25], [1, 7]]
@@ -112,7 +120,9 @@ def alignment(payload: dict[str, Any]) -> dict[str, float]:
     trainer = TrainEngine(cfg)
     out = {}
     for name, seqs in (("aligned", sequences), ("shifted", shifted)):
-        batches = build_micro_batches(seqs, dp_rank=0, dp_size=1, micro_batches=1, pad_id=0)
+        batches = build_micro_batches(
+            seqs, dp_rank=info.dp_rank, dp_size=info.dp_size, micro_batches=1, pad_id=0
+        )
         (batches[0]["old_logp"],) = trainer.forward_only(batches, LogprobOutput())
         metrics = DistillStep(cfg).fuse([batches])
         mask = batches[0]["loss_mask"].bool()

@@ -96,13 +96,16 @@ def test_saf_schedule_steps_once_per_rl_step_with_the_steps_reverse_kl_and_resum
 
 
 @pytest.fixture(scope="module")
-def two_ranks():
-    return run_distributed("tests.distill.step_scenarios:fuse_on_rank", 2)
+def two_ranks(tmp_path_factory):
+    from sapo_megatron.tiny import make_tiny_hf_checkpoint
+
+    hf_dir = make_tiny_hf_checkpoint(tmp_path_factory.mktemp("student") / "hf", "dense", seed=3)
+    return run_distributed("tests.distill.step_scenarios:two_ranks", 2, {"hf_dir": str(hf_dir), "world": 2})
 
 
 @pytest.mark.parametrize("layout", ["dp", "pp"])
 def test_data_and_pipeline_parallel_ranks_fuse_like_one_process(two_ranks, layout):
-    ranks = [result[layout] for result in two_ranks]
+    ranks = [result["layouts"][layout] for result in two_ranks]
     single = DistillStep(distill_config(SAF), DOMAINS)
     for index, seed in enumerate((0, 1)):
         batches = make_batches(seed)
@@ -127,11 +130,10 @@ ALIGNED_TOLERANCE = 1e-4
 to ~1e-6 in fp32 log-prob at the same weights (tests/rl/test_engine_trainer_agreement.py)."""
 
 
-def test_a_teacher_identical_to_the_student_gives_zero_advantage_on_every_response_token(tmp_path):
-    from sapo_megatron.tiny import make_tiny_hf_checkpoint
-
-    hf_dir = make_tiny_hf_checkpoint(tmp_path / "hf", "dense", seed=3)
-    (result,) = run_distributed("tests.distill.step_scenarios:alignment", 1, {"hf_dir": str(hf_dir)})
-    assert result["tokens"] >= 30
-    assert result["aligned_max_abs"] < ALIGNED_TOLERANCE and abs(result["aligned_kl"]) < ALIGNED_TOLERANCE
-    assert result["shifted_max_abs"] > 100 * ALIGNED_TOLERANCE  # one position off: the span shows it
+def test_a_teacher_identical_to_the_student_gives_zero_advantage_on_every_response_token(two_ranks):
+    """On 2 data-parallel ranks of a Megatron trainer, each rank's half of the batch."""
+    for result in (r["alignment"] for r in two_ranks):
+        assert result["tokens"] >= 12
+        assert result["aligned_max_abs"] < ALIGNED_TOLERANCE and abs(result["aligned_kl"]) < ALIGNED_TOLERANCE
+        assert result["shifted_max_abs"] > 100 * ALIGNED_TOLERANCE  # one position off: the span shows it
+    assert two_ranks[0]["alignment"]["shifted_kl"] == two_ranks[1]["alignment"]["shifted_kl"]  # global mean
