@@ -17,12 +17,15 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from sapo_megatron.algo import (
     AdvantageConfig,
+    FusionConfig,
     MismatchCorrectionConfig,
     NoCorrection,
     PolicyLossConfig,
+    RlFusion,
     SapoLoss,
 )
 from sapo_megatron.arch import ArchError, QwenArch
+from sapo_megatron.distill.config import TeacherConfig, check_distillation
 from sapo_megatron.errors import UserError
 
 
@@ -308,6 +311,16 @@ class AlgorithmConfig(Section):
         le=1.0,
         description="stop the run when more than this fraction of a step's rewards raised (they score 0)",
     )
+    fusion: FusionConfig = Field(
+        default_factory=RlFusion,
+        description="how teacher advantages (on-policy distillation) meet the RL advantage: rl, opd, fixed, "
+        "saf or mopd (see docs/distillation.md); all but rl need a teachers section",
+    )
+    opd_student_logp: Literal["trainer", "engine"] = Field(
+        default="trainer",
+        description="the student log-prob of A_opd = teacher_logp - student_logp: the trainer's old-policy "
+        "log-prob (the default) or the rollout engine's",
+    )
 
 
 class TrainerConfig(Section):
@@ -347,6 +360,9 @@ class RunConfig(Section):
     data: DataConfig = DataConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     trainer: TrainerConfig = TrainerConfig()
+    teachers: list[TeacherConfig] = Field(
+        default_factory=list, description="teachers that score the student's samples (distillation)"
+    )
 
     @model_validator(mode="after")
     def _check_rl(self) -> RunConfig:
@@ -358,6 +374,9 @@ class RunConfig(Section):
                 "algorithm.routing_replay=r3 replays the rollout engine's routes, which it only returns when "
                 "asked: set rollout.routed_experts: true (SGLang servers also need --enable-return-routed-experts)"
             )
+        check_distillation(
+            self.teachers, self.algorithm.fusion, self.algorithm.loss, self.algorithm.correction.name
+        )
         batch = self.rollout.n_samples * self.trainer.prompts_per_step
         if batch % self.trainer.mini_batches:
             raise ValueError(

@@ -1,7 +1,7 @@
 """PNG plots of the comparison: one file per quantity, RL step on x, the arms overlaid.
 
 Drawn with matplotlib's object API on the Agg canvas (no pyplot, no display, no global figure state). An arm's
-colour is its (loss, correction) pair, its line style its routing replay (none solid, r2 dashed, r3 dotted), so
+colour is its (loss, correction) pair (a config arm's: its name), its line style its routing replay (none solid, r2 dashed, r3 dotted), so
 the replay effect of one loss reads as three styles of one colour; the seeds of one configuration share both.
 Non-finite or missing values are gaps. A quantity no arm logged still gets its file, saying so.
 """
@@ -24,6 +24,7 @@ PLOTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         ("routing_agreement", "routing_agreement_live"),
     ),
     ("grad_norm", "gradient norm (before clipping)", ("grad_norm",)),
+    ("reverse_kl", "student–teacher reverse KL (nats per token)", ("reverse_kl",)),
 )
 """(file stem, title, series of :class:`ArmResult` drawn; two series are two panels)."""
 
@@ -106,7 +107,7 @@ def _panel(ax, results: Sequence[ArmResult], name: str, colours) -> bool:
             steps,
             ys,
             LINE_STYLES.get(result.arm.replay, "-."),
-            color=colours[(result.arm.loss, result.arm.correction)],
+            color=colours[result.arm.colour_key],
             marker="o" if name == "accuracy" or len(steps) < 12 else None,
             markersize=3,
             linewidth=1.2,
@@ -134,6 +135,6 @@ def _points(result: ArmResult, name: str) -> tuple[list[int], list[float | None]
     return steps, [points[step] for step in steps]
 
 
-def _colours(results: Sequence[ArmResult]) -> dict[tuple[str, str], str]:
-    keys = list(dict.fromkeys((r.arm.loss, r.arm.correction) for r in results))
+def _colours(results: Sequence[ArmResult]) -> dict[tuple[str, ...], str]:
+    keys = list(dict.fromkeys(r.arm.colour_key for r in results))
     return {key: f"C{i % 10}" for i, key in enumerate(keys)}
