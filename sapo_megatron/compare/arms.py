@@ -89,9 +89,13 @@ class Arm:
     @property
     def name(self) -> str:
         """``sapo-r2-none-s0`` (or ``<label>-s0``): the arm's run directory under the compare's output directory."""
-        if self.label is not None:
-            return f"{self.label}-s{self.seed}"
-        return f"{self.loss}-{self.replay}-{self.correction}-s{self.seed}"
+        return f"{self.configuration}-s{self.seed}"
+
+    @property
+    def configuration(self) -> str:
+        """``sapo-r2-none`` (or ``<label>``): the arm's name without its seed; the seeds of one configuration
+        share it."""
+        return self.label if self.label is not None else f"{self.loss}-{self.replay}-{self.correction}"
 
     @property
     def colour_key(self) -> tuple[str, ...]:

@@ -260,3 +260,27 @@ def test_no_mismatch_and_failures_are_said(tmp_path):
     assert "- Mismatch k3 is below 1e-06 in every arm: the engine and the trainer agree" in md
     assert "- Not finished: `grpo-r2-tis-s1` (failed: exit status 1)." in md
     assert "| `grpo-r2-tis-s1` | failed | 0 | – | – → – |" in md
+
+
+def test_the_seeds_of_one_configuration_are_one_curve_their_mean_with_gaps_where_none_logged(tmp_path):
+    from dataclasses import replace
+
+    from sapo_megatron.compare.plots import _by_configuration, _values_per_step
+
+    seeds = [SAPO, replace(SAPO, seed=1), replace(SAPO, seed=2)]
+    rewards = [flat(0.2, 4), [0.4, None, 0.4, 0.4], [0.9, None, 0.3, None]]
+    for arm, reward in zip(seeds, rewards):
+        write_run(tmp_path, arm, {**healthy(4), "reward/mean": reward})
+    write_run(tmp_path, GRPO, healthy(4))
+    results = [load_arm_result(arm, tmp_path / arm.name) for arm in [*seeds, GRPO]]
+    groups = _by_configuration(results)
+    assert list(groups) == ["sapo-none-none", "grpo-r2-tis"]
+    assert [r.arm.seed for r in groups["sapo-none-none"]] == [0, 1, 2]
+    steps, per_step = _values_per_step(groups["sapo-none-none"], "reward")
+    assert steps == [1, 2, 3, 4]
+    assert per_step == [[0.2, 0.4, 0.9], [0.2], [0.2, 0.4, 0.3], [0.2, 0.4]]
+    assert _values_per_step(groups["sapo-none-none"], "routing_agreement") == ([], [])
+    # the picture draws both configurations (SAPO blue, GRPO orange)
+    files = write_report(tmp_path, [*seeds, GRPO])
+    reward_png = next(path for path in files.plots if path.name == "reward.png")
+    assert has_colour(reward_png, SAPO_BLUE) and has_colour(reward_png, GRPO_ORANGE)
