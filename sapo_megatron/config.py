@@ -385,14 +385,18 @@ class RunConfig(Section):
             )
         return self
 
+    def resolved_dict(self) -> dict[str, Any]:
+        """The resolved config as plain data (HF architecture inlined): what :meth:`save_resolved` writes."""
+        data = self.model_dump(mode="json")
+        data["model"]["hf_config"] = self.model.arch.to_hf_dict()
+        return data
+
     def save_resolved(self, path: str | Path) -> Path:
         """Write the resolved config (HF architecture inlined) as YAML; returns the path written."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = self.model_dump(mode="json")
-        data["model"]["hf_config"] = self.model.arch.to_hf_dict()
         tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+        tmp.write_text(yaml.safe_dump(self.resolved_dict(), sort_keys=False))
         tmp.replace(path)
         return path
 

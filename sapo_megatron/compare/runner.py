@@ -42,6 +42,7 @@ from sapo_megatron.compare.arms import (
     PlannedRun,
 )
 from sapo_megatron.compare.report import ReportFiles, load_arm_result, require_matplotlib, write_report
+from sapo_megatron.config import ConfigError, config_from_dict
 from sapo_megatron.errors import UserError
 from sapo_megatron.interrupts import EXIT_NOW_CODE, InterruptGuard
 from sapo_megatron.run_dir import TRASH_PREFIX
@@ -329,15 +330,23 @@ def config_differences(run: PlannedRun) -> list[str]:
     written = run.run_dir / "config.yaml"
     if not written.is_file():
         return []
-    there = _flatten(yaml.safe_load(written.read_text()) or {})
-    with tempfile.TemporaryDirectory() as tmp:
-        planned = _flatten(yaml.safe_load(run.cfg.save_resolved(Path(tmp) / "config.yaml").read_text()))
+    there = _flatten(_with_current_defaults(yaml.safe_load(written.read_text()) or {}))
+    planned = _flatten(run.cfg.resolved_dict())
     keys = sorted(set(there) | set(planned))
     return [
         f"{key}: {there.get(key)!r} → {planned.get(key)!r}"
         for key in keys
         if there.get(key) != planned.get(key)
     ]
+
+
+def _with_current_defaults(written: dict[str, Any]) -> dict[str, Any]:
+    """A run's written config read through this version's schema: a field added since the run was written gets
+    its default (a run from before an upgrade is the same run), unless the run's config no longer validates."""
+    try:
+        return config_from_dict(written).resolved_dict()
+    except ConfigError:
+        return written
 
 
 def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
