@@ -25,6 +25,7 @@ from sapo_megatron.config import ConfigError, RunConfig, load_config, validate_l
 from sapo_megatron.errors import RunInterrupted, UserError
 from sapo_megatron.inputs import check_input_files
 from sapo_megatron.interrupts import EXIT_NOW_CODE
+from sapo_megatron.plan.report import PLAN_SCHEMA
 from sapo_megatron.rewards.registry import check_reward_available
 
 
@@ -337,11 +338,13 @@ def _parse_overrides(pairs: list[str]) -> dict[str, Any]:
     return overrides
 
 
-def resolve_config(args: argparse.Namespace, *, world_size: int | None = None) -> RunConfig:
+def resolve_config(
+    args: argparse.Namespace, *, world_size: int | None = None, check_layout: bool = True
+) -> RunConfig:
     overrides = _parse_overrides(args.set)
     if args.output_dir:
         overrides["output_dir"] = args.output_dir
-    return load_config(args.config, overrides, world_size=world_size)
+    return load_config(args.config, overrides, world_size=world_size, check_layout=check_layout)
 
 
 def run_mode(args: argparse.Namespace) -> str:
@@ -424,26 +427,44 @@ def plan_settings(cfg: RunConfig, args: argparse.Namespace, world: int):
 
 
 def _plan(args: argparse.Namespace) -> int:
+    """Print the plan (text or JSON); exit 0 when every rank fits, 1 when not. With ``--suggest``, a layout that
+    is invalid on this world size is reported and the suggestions still printed."""
+    from sapo_megatron.plan import suggest_layouts
+
+    cfg = resolve_config(args, world_size=args.world_size, check_layout=not args.suggest)
+    world = args.world_size or cfg.launch.world_size
+    settings = plan_settings(cfg, args, world)
+    try:
+        validate_layout(cfg, world)
+    except ConfigError as err:
+        if not args.suggest:
+            raise
+        invalid = str(err)
+    else:
+        invalid = None
+    suggestions = suggest_layouts(cfg, settings, args.suggest) if args.suggest else None
+    fits = _print_plan(cfg, settings, suggestions, invalid, as_json=args.json)
+    return 0 if fits else 1
+
+
+def _print_plan(cfg: RunConfig, settings, suggestions, invalid: str | None, *, as_json: bool) -> bool:
     import json
 
-    from sapo_megatron.plan import build_plan, format_plan, format_suggestions, plan_to_json, suggest_layouts
+    from sapo_megatron.plan import build_plan, format_plan, format_suggestions, plan_to_json
 
-    cfg = resolve_config(args, world_size=args.world_size)
-    world = args.world_size or cfg.launch.world_size
-    validate_layout(cfg, world)
-    settings = plan_settings(cfg, args, world)
-    plan = build_plan(cfg, settings)
-    suggestions = suggest_layouts(cfg, settings, args.suggest) if args.suggest else None
-    if args.json:
-        out = plan_to_json(plan)
+    plan = None if invalid else build_plan(cfg, settings)
+    if as_json:
+        out = (
+            plan_to_json(plan) if plan else {"schema": PLAN_SCHEMA, "invalid_layout": invalid, "fits": False}
+        )
         if suggestions is not None:
             out["suggestions"] = [s.to_json() for s in suggestions]
         print(json.dumps(out, indent=2))
     else:
-        print(format_plan(plan))
+        print(format_plan(plan) if plan else f"the config's layout on {settings.world_size} GPUs: {invalid}")
         if suggestions is not None:
             print("\n" + format_suggestions(suggestions, settings))
-    return 0 if plan.fits else 1
+    return plan is not None and plan.fits
 
 
 def check_training_precision(cfg: RunConfig) -> None:

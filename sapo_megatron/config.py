@@ -484,10 +484,15 @@ class RunConfig(Section):
 
 
 def load_config(
-    path: str | Path | None = None, overrides: dict[str, Any] | None = None, *, world_size: int | None = None
+    path: str | Path | None = None,
+    overrides: dict[str, Any] | None = None,
+    *,
+    world_size: int | None = None,
+    check_layout: bool = True,
 ) -> RunConfig:
     """Load, resolve and validate a YAML run config (or the embedded default when ``path`` is None). The layout
-    is checked against ``world_size`` when given (dry run, planner), else against ``launch.*``."""
+    is checked against ``world_size`` when given (dry run, planner), else against ``launch.*``; not at all with
+    ``check_layout=False`` (the planner's layout search replaces it)."""
     if path is None:
         from sapo_megatron.defaults import embedded_default_dict
 
@@ -497,10 +502,12 @@ def load_config(
     for dotted, value in (overrides or {}).items():
         _set_dotted(raw, dotted, value)
     _resolve_relative_hf_config(raw, base_dir)
-    return config_from_dict(raw, world_size=world_size)
+    return config_from_dict(raw, world_size=world_size, check_layout=check_layout)
 
 
-def config_from_dict(raw: dict[str, Any], *, world_size: int | None = None) -> RunConfig:
+def config_from_dict(
+    raw: dict[str, Any], *, world_size: int | None = None, check_layout: bool = True
+) -> RunConfig:
     """Validate a config mapping; raise :class:`ConfigError` with one readable line per problem. The layout is
     checked against ``world_size`` when given, else against ``launch.nodes × launch.procs_per_node``."""
     try:
@@ -510,7 +517,8 @@ def config_from_dict(raw: dict[str, Any], *, world_size: int | None = None) -> R
         raise ConfigError(_format_validation_error(err)) from None
     except ArchError as err:
         raise ConfigError(f"model.hf_config: {err}") from None
-    validate_layout(cfg, world_size or cfg.launch.world_size)
+    if check_layout:
+        validate_layout(cfg, world_size or cfg.launch.world_size)
     return cfg
 
 

@@ -32,9 +32,12 @@ class MeasuredActivations:
     peak: int
 
 
-def measure_activations(model: torch.nn.Module, input_ids: torch.Tensor) -> MeasuredActivations:
+def measure_activations(
+    model: torch.nn.Module, input_ids: torch.Tensor, *, measure_peak: bool = True
+) -> MeasuredActivations:
     """One measured forward + backward of ``model`` (a Megatron GPTModel chunk of a single-stage layout) on
-    ``input_ids`` [b, s]; gradients accumulate into the parameters."""
+    ``input_ids`` [b, s]; gradients accumulate into the parameters. ``measure_peak=False`` skips the allocator
+    (the profiler is slow on CPU): ``live_after_forward`` and ``peak`` are then 0."""
     model.train()
     _step(model, input_ids)  # warm-up: gradients allocated, lazy buffers (rope tables, ...) built
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -48,8 +51,10 @@ def measure_activations(model: torch.nn.Module, input_ids: torch.Tensor) -> Meas
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         box: list[torch.Tensor] = []
-        live_after_forward, forward_peak = _allocated(lambda: box.append(_forward(model, input_ids)))
-    _, backward_peak = _allocated(lambda: _backward(box.pop()))
+        live_after_forward, forward_peak = _allocated(
+            lambda: box.append(_forward(model, input_ids)), measure_peak
+        )
+    _, backward_peak = _allocated(lambda: _backward(box.pop()), measure_peak)
     peak = max(forward_peak, live_after_forward + backward_peak)
     return MeasuredActivations(sum(saved.values()), live_after_forward, peak)
 
@@ -79,8 +84,11 @@ def _step(model: torch.nn.Module, input_ids: torch.Tensor) -> None:
     _backward(_forward(model, input_ids))
 
 
-def _allocated(fn) -> tuple[int, int]:
+def _allocated(fn, measure: bool = True) -> tuple[int, int]:
     """Run ``fn``; return (bytes allocated and not freed, peak bytes above the start) over its run."""
+    if not measure:
+        fn()
+        return 0, 0
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()

@@ -7,11 +7,12 @@ config rule asks); cp 1; recompute none, selective (``moe`` on MoE models, ``mlp
 batch stays the config's: one sequence per micro-batch (``parallel.micro_batches`` = the rank's sequences of an
 update) unless packing sets a token budget. Layouts the config validation refuses are skipped.
 
-Ranking (first difference decides): (1) no recomputation, then selective, then full (full recomputation costs
+Ranking (first difference decides): (0) a margin of at least 10% of the GPU's memory left (room for the
+estimate's error: the TE-spec terms are not measured here), (1) no recomputation, then selective, then full (full recomputation costs
 about a third more compute); (2) fewer pipeline stages (bubbles, and every stage holds more micro-batches in
-flight); (3) smaller tp (two all-reduce-sized collectives per layer); (4) the expert-parallel group inside one
-node (all-to-all over NVLink, not the network); (5) larger ep (fewer experts per GPU to load-balance); (6) more
-headroom.
+flight); (3) the expert-parallel group inside one node (``ep × etp ≤ launch.procs_per_node``: the two
+all-to-alls of every MoE layer over NVLink, not the network); (4) smaller tp (two all-reduce-sized collectives
+per layer); (5) larger ep (fewer experts per GPU); (6) more headroom.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from sapo_megatron.config import ConfigError, RunConfig, validate_layout
 from sapo_megatron.plan.report import Plan, PlanSettings, build_plan, layout_json
 
 RECOMPUTE_COST = {"none": 0, "selective": 1, "full": 2}
+MARGIN = 0.10  # of the GPU's memory: layouts leaving less rank after those leaving more
 
 
 @dataclass(frozen=True)
@@ -113,7 +115,8 @@ def rank_key(plan: Plan) -> tuple:
     node = max(1, cfg.launch.procs_per_node)
     ep_leaves_node = int(par.ep * par.etp > node) if cfg.model.arch.is_moe else 0
     headroom = min(stage.headroom for stage in plan.stages)
-    return (RECOMPUTE_COST[cfg.model.recompute], par.pp, par.tp, ep_leaves_node, -par.ep, -headroom)
+    tight = int(headroom < MARGIN * plan.gpu_memory)
+    return (tight, RECOMPUTE_COST[cfg.model.recompute], par.pp, ep_leaves_node, par.tp, -par.ep, -headroom)
 
 
 def suggest_layouts(cfg: RunConfig, settings: PlanSettings, top: int = 5) -> list[Suggestion]:
