@@ -179,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="single-rank cases only")
+    parser.add_argument("--only", help="run the cases whose name contains this text")
     args = parser.parse_args(argv)
     payload = {"seq": args.seq, "batch": args.batch, "layers": args.layers, "threads": args.threads}
     print(
@@ -191,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     worst_kept = worst_peak = 0.0
     for case in CASES:
-        if args.quick and case.world > 1:
+        if (args.quick and case.world > 1) or (args.only and args.only not in case.name):
             continue
         for rank, r in enumerate(run_case(case, payload)):
             kept_ratio, peak_ratio = r["est_kept"] / r["kept"], r["est_peak"] / r["peak"]

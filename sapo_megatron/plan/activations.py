@@ -216,7 +216,7 @@ class StageActivations:
 
     in_flight: int  # micro-batches whose activations are held at once (1F1B: pp - stage, at most the count)
     per_micro_batch: float  # layers + embedding/output of this stage, one micro-batch
-    transient: float  # backward working memory on top (logit gradient, one layer's gradients, recomputation)
+    transient: float  # backward working memory on top (logit gradient, one block's gradients, recomputation)
     layers: dict[str, float]  # one layer of each kind, kept bytes (for the report)
 
     @property
@@ -237,8 +237,15 @@ def stage_activations(
     # On top of what is kept, the backward holds the logits' gradient (last stage) and either what one layer's
     # recomputation re-creates or the gradients of one block being differentiated, whichever is larger
     # (the backward frees each block's saved tensors as it goes). bench/bench_planner.py measures this rule.
+    # Under sequence parallelism a linear's backward re-gathers its input over the TP ranks and holds the
+    # gathered gradient before the reduce-scatter: two [T, h] tensors.
     logits_grad = _logits_bytes(cfg, shape) if "output" in edges else 0.0
-    transient = logits_grad + max(max(m.recompute_peak, m.largest_block) for m in kinds.values())
+    gathered = 0.0
+    if par.sequence_parallel and par.tp > 1:
+        gathered = (
+            2 * shape.tokens / par.cp * cfg.model.arch.hidden_size * ACTIVATION_BYTES[cfg.precision.dtype]
+        )
+    transient = logits_grad + gathered + max(max(m.recompute_peak, m.largest_block) for m in kinds.values())
     layer_report = {("moe" if moe else "dense"): kinds[moe].kept for moe in kinds}
     return StageActivations(in_flight, per_micro, transient, layer_report)
 

@@ -162,7 +162,7 @@ def _header_lines(cfg: RunConfig, plan: Plan) -> list[str]:
     batch = (
         f"packed: {shape.tokens:,} tokens"
         if shape.packed
-        else f"{shape.sequences} sequences x {shape.seq_len:,} tokens (prompt {plan.settings.prompt_tokens} + "
+        else f"{shape.sequences} sequence{'s' if shape.sequences != 1 else ''} x {shape.seq_len:,} tokens (prompt {plan.settings.prompt_tokens} + "
         f"rollout.max_new_tokens {cfg.rollout.max_new_tokens}, padded to a multiple of "
         f"{sequence_length_multiple(cfg)}) = {shape.tokens:,} tokens"
     )
@@ -202,7 +202,8 @@ def _verdict_lines(plan: Plan) -> list[str]:
     first = plan.stages[0].activations
     layers = ", ".join(f"{kind} layer {_gib(value)}" for kind, value in sorted(first.layers.items()))
     lines = [
-        f"activations, stage 0: {first.in_flight} micro-batch(es) in flight × {_gib(first.per_micro_batch)} GiB "
+        f"activations, stage 0: {first.in_flight} micro-batch{'es' if first.in_flight != 1 else ''} in flight × "
+        f"{_gib(first.per_micro_batch)} GiB "
         f"({layers}) + backward working memory {_gib(first.transient)} GiB",
         "verdict: fits in memory on every rank"
         if plan.fits
