@@ -117,6 +117,7 @@ def test_budget_and_verdict(capsys):
     cfg = load_config(QWEN30B, {"rollout.colocated": True, "rollout.weight_sync": "tensor"})
     plan = build_plan(cfg, PlanSettings(world_size=32, gpu_memory_gib=80, rollout_mem_fraction=0.25))
     assert plan.budget == pytest.approx((80 - 2 - 0.05 * 80 - 0.25 * 80) * GIB)  # 54 GiB per rank
+    assert build_plan(cfg, PlanSettings(world_size=32)).gpu_memory == 79.1 * GIB  # launch.gpu_type: h100
     stage = plan.stages[0]
     assert stage.total == stage.static.total + stage.activations.total
     assert plan.fits == (stage.total <= plan.budget)
