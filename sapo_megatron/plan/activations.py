@@ -179,16 +179,11 @@ def layer_memory(cfg: RunConfig, shape: MicroBatchShape, *, moe: bool, spec: Spe
 
 
 def _expert_activation_bytes(cfg: RunConfig, shape: MicroBatchShape) -> float:
+    """The expert activations ``moe_act`` recomputes: ``Tt·k·etp`` routed tokens × ``Fe/etp`` values."""
     arch, par = cfg.model.arch, cfg.parallel
     tt = shape.tokens / par.cp / (par.tp if par.sequence_parallel else 1)
-    return (
-        tt
-        * arch.num_experts_per_tok
-        * par.etp
-        * arch.moe_intermediate_size
-        / par.etp
-        * ACTIVATION_BYTES[cfg.precision.dtype]
-    )
+    d = ACTIVATION_BYTES[cfg.precision.dtype]
+    return tt * arch.num_experts_per_tok * arch.moe_intermediate_size * d
 
 
 def edge_bytes(
