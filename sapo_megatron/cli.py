@@ -1,5 +1,5 @@
 """``sapo-megatron`` command line: train (the RL loop; with no config, the embedded tiny demo), compare (losses ×
-routing replay × corrections, with a report), convert, serve.
+routing replay × corrections, with a report), plan (memory per GPU and a fits verdict), convert, serve.
 
 Errors a user can act on (:class:`~sapo_megatron.errors.UserError`: config, data, checkpoint, run directory, ...)
 print ``sapo-megatron: <message>`` and a ``hint:`` line, without a traceback unless ``--debug`` (``train.log``
@@ -25,6 +25,7 @@ from sapo_megatron.config import ConfigError, RunConfig, load_config, validate_l
 from sapo_megatron.errors import RunInterrupted, UserError
 from sapo_megatron.inputs import check_input_files
 from sapo_megatron.interrupts import EXIT_NOW_CODE
+from sapo_megatron.plan.report import PLAN_SCHEMA
 from sapo_megatron.rewards.registry import check_reward_available
 
 
@@ -117,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_train_parser(commands)
     _add_compare_parser(commands)
+    _add_plan_parser(commands)
     _add_serve_parser(commands)
     _add_convert_parser(commands)
     _apply_formatter(parser)
@@ -170,8 +172,9 @@ def _add_train_parser(commands) -> None:
     train.add_argument(
         "--world-size",
         type=int,
-        help="world size to check the layout against (dry run; default: the config's)",
+        help="world size to check the layout against (dry run; default: launch.nodes × launch.procs_per_node)",
     )
+    _add_plan_options(train, prefix="dry run: ")
     train.add_argument(
         "--launch-info",
         action="store_true",
@@ -253,6 +256,67 @@ def _add_compare_parser(commands) -> None:
     compare.set_defaults(handler=_compare)
 
 
+def _add_plan_parser(commands) -> None:
+    plan = commands.add_parser(
+        "plan",
+        help="memory per GPU (weights, gradients, optimizer, activations, colocated rollout) and a fits verdict",
+        description="Plan a layout without a GPU or Transformer Engine: per pipeline stage, static memory and "
+        "activations of the largest micro-batch against the GPU's memory, with a fits / does-not-fit verdict "
+        "(exit 0 / 1); --suggest lists the layouts that fit, best first. docs/planning.md has the formula.",
+    )
+    plan.add_argument("config", nargs="?", help="YAML run config (default: the embedded demo)")
+    plan.add_argument(
+        "--world-size", type=int, help="GPUs to plan for (default: launch.nodes × launch.procs_per_node)"
+    )
+    plan.add_argument(
+        "--json", action="store_true", help="print the plan as JSON (schema in docs/planning.md)"
+    )
+    plan.add_argument(
+        "--suggest",
+        type=int,
+        nargs="?",
+        const=5,
+        metavar="N",
+        help="also list the N best layouts that fit (default N: 5)",
+    )
+    _add_plan_options(plan)
+    plan.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field (YAML value); repeatable (default: none)",
+    )
+    plan.add_argument("--debug", action="store_true", help="show the traceback of errors")
+    plan.set_defaults(handler=_plan, output_dir=None)
+
+
+def _add_plan_options(parser: argparse.ArgumentParser, prefix: str = "") -> None:
+    parser.add_argument(
+        "--gpu-memory-gb",
+        type=float,
+        help=prefix + "GPU memory in GiB as CUDA reports it (default: launch.gpu_type's, else 80)",
+    )
+    parser.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=512,
+        help=prefix + "prompt length of the padded micro-batch (responses: rollout.max_new_tokens)",
+    )
+    parser.add_argument(
+        "--rollout-mem-fraction",
+        type=float,
+        help=prefix + "share of each GPU the colocated SGLang engine keeps (its --mem-fraction-static; "
+        "needs rollout.colocated) (default: 0.5 when colocated)",
+    )
+    parser.add_argument(
+        "--spec",
+        choices=("te", "local"),
+        default="te",
+        help=prefix + "layer spec whose activations are counted: te (GPU clusters) or local (pure torch)",
+    )
+
+
 def _add_serve_parser(commands) -> None:
     from sapo_megatron.rollout.cpu_server import add_serve_arguments
 
@@ -287,11 +351,13 @@ def _parse_overrides(pairs: list[str]) -> dict[str, Any]:
     return overrides
 
 
-def resolve_config(args: argparse.Namespace) -> RunConfig:
+def resolve_config(
+    args: argparse.Namespace, *, world_size: int | None = None, check_layout: bool = True
+) -> RunConfig:
     overrides = _parse_overrides(args.set)
     if args.output_dir:
         overrides["output_dir"] = args.output_dir
-    return load_config(args.config, overrides)
+    return load_config(args.config, overrides, world_size=world_size, check_layout=check_layout)
 
 
 def run_mode(args: argparse.Namespace) -> str:
@@ -307,16 +373,17 @@ def run_mode(args: argparse.Namespace) -> str:
 
 
 def _train(args: argparse.Namespace) -> int:
-    cfg = resolve_config(args)
+    cfg = resolve_config(args, world_size=args.world_size if args.dry_run else None)
     if args.launch_info:
         launch = cfg.launch
         print(f"nodes={launch.nodes} procs_per_node={launch.procs_per_node} world_size={launch.world_size}")
         return 0
     if args.dry_run:
-        return _dry_run(cfg, args.world_size)
+        return _dry_run(cfg, args)
     mode = run_mode(args)
     check_input_files(cfg)  # before any process starts; each rank checks again when the session opens
     check_reward_available(cfg.algorithm.reward)
+    check_training_precision(cfg)
     if cfg.launch.world_size > 1 and "WORLD_SIZE" not in os.environ:
         return _launch_ranks(cfg, args.argv)
     _run_training(cfg, mode)
@@ -329,14 +396,16 @@ def _run_training(cfg: RunConfig, mode: str) -> None:
     trainer.run(cfg, mode=mode)
 
 
-def _dry_run(cfg: RunConfig, world_size: int | None) -> int:
-    from sapo_megatron.plan import format_plan
+def _dry_run(cfg: RunConfig, args: argparse.Namespace) -> int:
+    """Validate the layout for ``--world-size`` (else ``launch.*``), print the plan, check the inputs. The memory
+    verdict is printed, not enforced: it is an estimate (``plan`` exits 1 on does-not-fit)."""
+    from sapo_megatron.plan import build_plan, format_plan
 
-    world = world_size or cfg.launch.world_size
+    world = args.world_size or cfg.launch.world_size
     validate_layout(cfg, world)
     check_reward_available(cfg.algorithm.reward)
     print(f"layout OK: {cfg.name} -> {cfg.output_dir}")
-    print(format_plan(cfg, world))
+    print(format_plan(build_plan(cfg, plan_settings(cfg, args, world))))
     try:
         check_input_files(cfg)
     except ConfigError as err:
@@ -344,6 +413,83 @@ def _dry_run(cfg: RunConfig, world_size: int | None) -> int:
         raise
     print("inputs OK: every input file exists")
     return 0
+
+
+def plan_settings(cfg: RunConfig, args: argparse.Namespace, world: int):
+    """The planner's settings from the command line (``plan`` and ``train --dry-run`` share the options)."""
+    from sapo_megatron.plan import PlanSettings
+
+    fraction = args.rollout_mem_fraction
+    if fraction is not None and not cfg.rollout.colocated:
+        raise ConfigError(
+            "--rollout-mem-fraction is the share a colocated rollout engine keeps, and rollout.colocated is false",
+            hint="drop the option, or set rollout.colocated: true (--set rollout.colocated=true)",
+        )
+    if fraction is not None and not 0 <= fraction < 1:
+        raise ConfigError(f"--rollout-mem-fraction={fraction}: expected a fraction in [0, 1)")
+    for name, value in (("--gpu-memory-gb", args.gpu_memory_gb), ("--prompt-tokens", args.prompt_tokens)):
+        if value is not None and value <= 0:
+            raise ConfigError(f"{name}={value}: expected a positive number")
+    return PlanSettings(
+        world_size=world,
+        gpu_memory_gib=args.gpu_memory_gb,
+        prompt_tokens=args.prompt_tokens,
+        rollout_mem_fraction=fraction,
+        spec=args.spec,
+    )
+
+
+def _plan(args: argparse.Namespace) -> int:
+    """Print the plan (text or JSON); exit 0 when every rank fits, 1 when not. With ``--suggest``, a layout that
+    is invalid on this world size is reported and the suggestions still printed."""
+    from sapo_megatron.plan import suggest_layouts
+
+    cfg = resolve_config(args, world_size=args.world_size, check_layout=not args.suggest)
+    world = args.world_size or cfg.launch.world_size
+    settings = plan_settings(cfg, args, world)
+    try:
+        validate_layout(cfg, world)
+    except ConfigError as err:
+        if not args.suggest:
+            raise
+        invalid = str(err)
+    else:
+        invalid = None
+    suggestions = suggest_layouts(cfg, settings, args.suggest) if args.suggest else None
+    fits = _print_plan(cfg, settings, suggestions, invalid, as_json=args.json)
+    return 0 if fits else 1
+
+
+def _print_plan(cfg: RunConfig, settings, suggestions, invalid: str | None, *, as_json: bool) -> bool:
+    import json
+
+    from sapo_megatron.plan import build_plan, format_plan, format_suggestions, plan_to_json
+
+    plan = None if invalid else build_plan(cfg, settings)
+    if as_json:
+        out = (
+            plan_to_json(plan) if plan else {"schema": PLAN_SCHEMA, "invalid_layout": invalid, "fits": False}
+        )
+        if suggestions is not None:
+            out["suggestions"] = [s.to_json() for s in suggestions]
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_plan(plan) if plan else f"the config's layout on {settings.world_size} GPUs: {invalid}")
+        if suggestions is not None:
+            print("\n" + format_suggestions(suggestions, settings))
+    return plan is not None and plan.fits
+
+
+def check_training_precision(cfg: RunConfig) -> None:
+    """FP8 training needs Transformer Engine and a GPU that runs the recipe: refuse before any rank starts."""
+    from sapo_megatron.precision import fp8_runtime_problem
+
+    if cfg.precision.dtype == "fp8":
+        problem = fp8_runtime_problem(cfg.precision.fp8_recipe)
+        if problem:
+            raise ConfigError(
+                problem, hint="`sapo-megatron plan CONFIG` and `train --dry-run` work without it"
+            )
 
 
 def _launch_ranks(cfg: RunConfig, argv: list[str]) -> int:

@@ -8,7 +8,6 @@ Every error names the field and the fix. :func:`load_config` returns a :class:`R
 from __future__ import annotations
 
 import difflib
-import importlib.util
 from pathlib import Path
 from typing import Any, Literal
 
@@ -27,6 +26,7 @@ from sapo_megatron.algo import (
 from sapo_megatron.arch import ArchError, QwenArch
 from sapo_megatron.distill.config import TeacherConfig, check_distillation
 from sapo_megatron.errors import UserError
+from sapo_megatron.precision import FP8_RECIPES, GPU_TYPES, Fp8RecipeName, GpuTypeName, fp8_capability_problem
 
 
 class ConfigError(UserError, ValueError):
@@ -39,6 +39,9 @@ class Section(BaseModel):
     """Base of every config section: unknown keys are errors, assignments are validated."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+RecomputeModule = Literal["core_attn", "mlp", "moe", "moe_act"]
 
 
 class ModelConfig(Section):
@@ -55,13 +58,38 @@ class ModelConfig(Section):
     moe_grouped_gemm: bool = False
     moe_aux_loss_coeff: float = Field(default=0.0, ge=0.0)
     init_std: float = Field(default=0.02, gt=0.0)
+    recompute: Literal["none", "selective", "full"] = Field(
+        default="none",
+        description="activation recomputation (Megatron's recompute_granularity): full recomputes every decoder "
+        "layer in the backward (keeps only each layer's input), selective the modules in recompute_modules",
+    )
+    recompute_modules: list[RecomputeModule] | None = Field(
+        default=None,
+        description="recompute: selective only; Megatron's module names (default [core_attn]): core_attn, mlp "
+        "(dense MLP), moe (the whole MoE layer), moe_act (expert activation; needs moe_grouped_gemm)",
+    )
     _arch: QwenArch | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")
     def _check_init(self) -> ModelConfig:
         if self.init != "random" and not self.init_path:
             raise ValueError(f"model.init={self.init!r} needs model.init_path (a checkpoint directory)")
+        if self.recompute_modules is not None and self.recompute != "selective":
+            raise ValueError(
+                f"model.recompute_modules only applies to model.recompute=selective (recompute is {self.recompute})"
+            )
+        if "moe_act" in self.selective_modules and not self.moe_grouped_gemm:
+            raise ValueError(
+                "model.recompute_modules: moe_act needs model.moe_grouped_gemm: true (Megatron's rule)"
+            )
         return self
+
+    @property
+    def selective_modules(self) -> list[str]:
+        """The modules selective recomputation covers ([] unless recompute=selective)."""
+        if self.recompute != "selective":
+            return []
+        return list(self.recompute_modules) if self.recompute_modules is not None else ["core_attn"]
 
     @property
     def arch(self) -> QwenArch:
@@ -100,19 +128,75 @@ class ParallelConfig(Section):
 
 
 class PrecisionConfig(Section):
-    """Parameter / compute precision. fp8 runs bf16 parameters with FP8 GEMMs via a Transformer Engine recipe."""
+    """Parameter / compute precision. fp8 keeps bf16 parameters (fp32 master weights in the optimizer) and runs the
+    decoder layers' GEMMs in FP8 through a Transformer Engine recipe (docs/fp8.md): ``delayed`` (amax history),
+    ``tensorwise`` (current per-tensor scaling), ``blockwise`` (1x128 / 128x128 tiles, Hopper) or ``mxfp8``
+    (32-element MX blocks, Blackwell only). Validation needs no Transformer Engine; training does."""
 
     dtype: Literal["fp32", "bf16", "fp8"] = "fp32"
-    fp8_recipe: Literal["delayed", "tensorwise", "mxfp8", "blockwise"] = "tensorwise"
+    fp8_recipe: Fp8RecipeName = "tensorwise"
+    fp8_format: Literal["e4m3", "hybrid"] | None = Field(
+        default=None,
+        description="e4m3 everywhere, or hybrid (e4m3 forward, e5m2 gradients); default: hybrid for delayed and "
+        "tensorwise, e4m3 for blockwise and mxfp8",
+    )
+    fp8_amax_history_len: int | None = Field(
+        default=None, ge=1, description="delayed scaling only: amax history window (default 1024, as TE)"
+    )
+    fp8_amax_compute_algo: Literal["max", "most_recent"] | None = Field(
+        default=None,
+        description="delayed scaling only: scale from the history's max or the latest amax (default max)",
+    )
+    bf16_layers_at_start: int = Field(
+        default=0, ge=0, description="fp8: keep this many first decoder layers in bf16 (not with delayed)"
+    )
+    bf16_layers_at_end: int = Field(
+        default=0, ge=0, description="fp8: keep this many last decoder layers in bf16 (not with delayed)"
+    )
+    fp8_param_gather: bool = Field(
+        default=False,
+        description="fp8: keep the decoder GEMM weights in FP8 and all-gather them in FP8 (needs "
+        "optimizer.use_distributed_optimizer); halves those weights' memory and gather traffic",
+    )
 
     @model_validator(mode="after")
     def _check_fp8(self) -> PrecisionConfig:
-        if self.dtype == "fp8" and importlib.util.find_spec("transformer_engine") is None:
+        given = [
+            f
+            for f in _FP8_ONLY_FIELDS
+            if f in self.model_fields_set and getattr(self, f) not in (None, 0, False)
+        ]
+        if self.dtype != "fp8" and given:
             raise ValueError(
-                "precision.dtype=fp8 needs Transformer Engine, which is not installed here; install "
-                "`sapo-megatron[gpu]` on a CUDA machine, or use precision.dtype=bf16"
+                f"precision.{given[0]} only applies to precision.dtype=fp8 (dtype is {self.dtype})"
+            )
+        recipe = FP8_RECIPES[self.fp8_recipe]
+        amax = [f for f in ("fp8_amax_history_len", "fp8_amax_compute_algo") if getattr(self, f) is not None]
+        if amax and not recipe.amax_history:
+            raise ValueError(
+                f"precision.{amax[0]} is a delayed-scaling setting; fp8_recipe={self.fp8_recipe} scales from the "
+                "current tensor. Remove it or set fp8_recipe: delayed"
+            )
+        if (self.bf16_layers_at_start or self.bf16_layers_at_end) and not recipe.bf16_edge_layers:
+            raise ValueError(
+                "precision.bf16_layers_at_start/_end: Megatron cannot keep layers in bf16 under delayed scaling; "
+                "use fp8_recipe tensorwise, blockwise or mxfp8"
             )
         return self
+
+    @property
+    def fp8_format_resolved(self) -> str:
+        return self.fp8_format or FP8_RECIPES[self.fp8_recipe].default_format
+
+
+_FP8_ONLY_FIELDS = (
+    "fp8_format",
+    "fp8_amax_history_len",
+    "fp8_amax_compute_algo",
+    "bf16_layers_at_start",
+    "bf16_layers_at_end",
+    "fp8_param_gather",
+)
 
 
 class OptimizerConfig(Section):
@@ -156,6 +240,11 @@ class LaunchConfig(Section):
         default=60,
         ge=1,
         description="process-group timeout: how long ranks wait in a collective (e.g. while rank 0 rolls out)",
+    )
+    gpu_type: GpuTypeName | None = Field(
+        default=None,
+        description="the GPU model of the job (h100, h200, b200, ...): refuses FP8 recipes it cannot run (mxfp8 "
+        "on Hopper) and gives the planner its memory; training also checks the GPU it finds",
     )
 
     @property
@@ -374,6 +463,7 @@ class RunConfig(Section):
                 "algorithm.routing_replay=r3 replays the rollout engine's routes, which it only returns when "
                 "asked: set rollout.routed_experts: true (SGLang servers also need --enable-return-routed-experts)"
             )
+        self._check_fp8_setup()
         check_distillation(
             self.teachers, self.algorithm.fusion, self.algorithm.loss, self.algorithm.correction.name
         )
@@ -384,6 +474,21 @@ class RunConfig(Section):
                 f"trainer.mini_batches={self.trainer.mini_batches} equal updates"
             )
         return self
+
+    def _check_fp8_setup(self) -> None:
+        precision = self.precision
+        if precision.fp8_param_gather and not self.optimizer.use_distributed_optimizer:
+            raise ValueError(
+                "precision.fp8_param_gather all-gathers FP8 weights from the distributed optimizer's shards: set "
+                "optimizer.use_distributed_optimizer: true (Megatron's rule)"
+            )
+        gpu = GPU_TYPES.get(self.launch.gpu_type or "")
+        if precision.dtype == "fp8" and gpu is not None:
+            problem = fp8_capability_problem(
+                precision.fp8_recipe, gpu.capability, f"launch.gpu_type={gpu.name}"
+            )
+            if problem:
+                raise ValueError(problem)
 
     def resolved_dict(self) -> dict[str, Any]:
         """The resolved config as plain data (HF architecture inlined): what :meth:`save_resolved` writes."""
@@ -401,8 +506,16 @@ class RunConfig(Section):
         return path
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> RunConfig:
-    """Load, resolve and validate a YAML run config (or the embedded default when ``path`` is None)."""
+def load_config(
+    path: str | Path | None = None,
+    overrides: dict[str, Any] | None = None,
+    *,
+    world_size: int | None = None,
+    check_layout: bool = True,
+) -> RunConfig:
+    """Load, resolve and validate a YAML run config (or the embedded default when ``path`` is None). The layout
+    is checked against ``world_size`` when given (dry run, planner), else against ``launch.*``; not at all with
+    ``check_layout=False`` (the planner's layout search replaces it)."""
     if path is None:
         from sapo_megatron.defaults import embedded_default_dict
 
@@ -412,11 +525,14 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     for dotted, value in (overrides or {}).items():
         _set_dotted(raw, dotted, value)
     _resolve_relative_hf_config(raw, base_dir)
-    return config_from_dict(raw)
+    return config_from_dict(raw, world_size=world_size, check_layout=check_layout)
 
 
-def config_from_dict(raw: dict[str, Any]) -> RunConfig:
-    """Validate a config mapping; raise :class:`ConfigError` with one readable line per problem."""
+def config_from_dict(
+    raw: dict[str, Any], *, world_size: int | None = None, check_layout: bool = True
+) -> RunConfig:
+    """Validate a config mapping; raise :class:`ConfigError` with one readable line per problem. The layout is
+    checked against ``world_size`` when given, else against ``launch.nodes × launch.procs_per_node``."""
     try:
         cfg = RunConfig.model_validate(raw)
         cfg.model.arch  # noqa: B018 - parse the HF config now, not after process groups exist
@@ -424,7 +540,8 @@ def config_from_dict(raw: dict[str, Any]) -> RunConfig:
         raise ConfigError(_format_validation_error(err)) from None
     except ArchError as err:
         raise ConfigError(f"model.hf_config: {err}") from None
-    validate_layout(cfg, cfg.launch.world_size)
+    if check_layout:
+        validate_layout(cfg, world_size or cfg.launch.world_size)
     return cfg
 
 
@@ -439,6 +556,17 @@ def data_parallel_size(cfg: RunConfig, world_size: int) -> int:
     return world_size // cfg.parallel.model_parallel_size
 
 
+def sequence_length_multiple(cfg: RunConfig) -> int:
+    """What every micro-batch's padded sequence length must be a multiple of: the tensor-parallel size under
+    sequence parallelism (the sequence is split over TP ranks), times the FP8 recipe's token multiple (16, or 32
+    for MXFP8) under FP8, since each TP rank's shard of the tokens enters FP8 GEMMs on its own."""
+    par = cfg.parallel
+    multiple = par.tp if par.sequence_parallel else 1
+    if cfg.precision.dtype == "fp8":
+        multiple *= FP8_RECIPES[cfg.precision.fp8_recipe].token_multiple
+    return multiple
+
+
 def _layout_problems(cfg: RunConfig, world_size: int) -> list[str]:
     arch, par = cfg.model.arch, cfg.parallel
     problems = [
@@ -446,6 +574,8 @@ def _layout_problems(cfg: RunConfig, world_size: int) -> list[str]:
         *_moe_problems(arch, par),
         *_pipeline_problems(arch, par),
         *_routing_replay_problems(cfg),
+        *_precision_problems(cfg),
+        *_recompute_problems(cfg),
     ]
     if world_size % par.model_parallel_size:
         problems.append(
@@ -464,6 +594,31 @@ def _layout_problems(cfg: RunConfig, world_size: int) -> list[str]:
     if par.sequence_parallel and par.tp == 1:
         problems.append("parallel.sequence_parallel needs parallel.tp > 1; set it to false or raise tp")
     return problems
+
+
+def _precision_problems(cfg: RunConfig) -> list[str]:
+    """Megatron keeps the bf16 edge layers per pipeline stage; at most a stage's layers each way."""
+    precision, per_stage = cfg.precision, cfg.model.arch.num_hidden_layers // cfg.parallel.pp
+    return [
+        f"precision.{name}={value} exceeds the {per_stage} decoder layers of a pipeline stage"
+        for name, value in (
+            ("bf16_layers_at_start", precision.bf16_layers_at_start),
+            ("bf16_layers_at_end", precision.bf16_layers_at_end),
+        )
+        if precision.dtype == "fp8" and value > per_stage
+    ]
+
+
+def _recompute_problems(cfg: RunConfig) -> list[str]:
+    """A selective module the model does not have would be accepted and do nothing: refuse it."""
+    pattern = cfg.model.arch.moe_layer_pattern()
+    missing = {"moe": not any(pattern), "moe_act": not any(pattern), "mlp": all(pattern)}
+    return [
+        f"model.recompute_modules: {name} has nothing to recompute in this model "
+        f"({'no MoE layers' if name != 'mlp' else 'no dense MLP layers'}); remove it"
+        for name in cfg.model.selective_modules
+        if missing.get(name)
+    ]
 
 
 def _routing_replay_problems(cfg: RunConfig) -> list[str]:

@@ -13,6 +13,7 @@ from typing import Any
 
 from sapo_megatron.batching import RouteLayout, TrainSequence, build_micro_batches
 from sapo_megatron.checkpointing import Checkpointer, LoopState
+from sapo_megatron.config import sequence_length_multiple
 from sapo_megatron.data.prompts import PromptIterator, PromptRow
 from sapo_megatron.distill.teachers import TeacherScoring
 from sapo_megatron.errors import RunInterrupted
@@ -282,7 +283,7 @@ def _micro_batches(session: Session, sequences: list[TrainSequence], routes: Rou
         dp_size=info.dp_size,
         micro_batches=par.micro_batches,
         pad_id=session.tokenizer.pad_id,
-        length_multiple=par.tp if par.sequence_parallel else 1,
+        length_multiple=sequence_length_multiple(session.cfg),
         route_layout=routes,
     )
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,6 @@ from sapo_megatron.config import ConfigError, config_from_dict, load_config, val
 from sapo_megatron.tiny import tiny_hf_config
 
 REPO = Path(__file__).resolve().parents[1]
-HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
 
 
 def raw(kind: str = "moe", **sections):
@@ -179,12 +177,6 @@ def test_setting_a_loss_name_switches_the_loss_and_keeps_shared_settings(tmp_pat
 def test_cli_switches_the_loss_of_the_demo(capsys):
     assert main(["train", "--dry-run", "--set", "algorithm.loss.name=grpo"]) == 0
     assert "layout OK" in capsys.readouterr().out
-
-
-@pytest.mark.skipif(HAVE_TE, reason="checks the message shown where Transformer Engine is missing")
-def test_fp8_without_transformer_engine():
-    message = error_of(raw(precision={"dtype": "fp8"}))
-    assert "precision.dtype=fp8 needs Transformer Engine" in message and "use precision.dtype=bf16" in message
 
 
 def test_context_parallel_is_refused_up_front():

@@ -4,6 +4,7 @@ on a CUDA machine the real run must pass every check it does not skip."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 
 SCRIPT = Path(__file__).resolve().parents[1] / "tools" / "gpu_check.py"
 HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
 
 
 def run_script(*args: str) -> subprocess.CompletedProcess:
@@ -22,11 +24,15 @@ def run_script(*args: str) -> subprocess.CompletedProcess:
 
 
 def table_rows(stdout: str) -> dict[str, str]:
+    return {name: status for name, (status, _) in table_details(stdout).items()}
+
+
+def table_details(stdout: str) -> dict[str, tuple[str, str]]:
     rows = {}
     for line in stdout.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) >= 3 and cells[1] in ("PASS", "FAIL", "SKIP"):
-            rows[cells[0]] = cells[1]
+            rows[cells[0]] = (cells[1], "|".join(cells[2:]))
     return rows
 
 
@@ -42,6 +48,16 @@ def test_checks_run_on_cpu_and_report_a_table():
         expected_te = "PASS" if HAVE_TE else "SKIP"
         assert rows[f"{kind}: logit parity vs HF, TE spec"] == expected_te
     assert "SKIP" in rows["chunked log-probs: memory and values vs naive"]
+    details = table_details(proc.stdout)
+    for recipe in FP8_RECIPES:  # every recipe has its row; without TE each says why it did not run
+        status, detail = details[f"fp8 {recipe} vs bf16: loss, logits, step time"]
+        assert status == "SKIP" and "Transformer Engine, which is not installed" in detail
+    status, detail = details["fused paths active"]
+    assert status == "PASS" and "Adam torch.optim" in detail and "local_multi_tensor_applier" in detail
+    assert "no apex" in detail and "WrappedTorchNorm (torch fallback)" in detail
+    status, detail = details["planner: activations vs measured"]
+    kept_ratio = float(re.search(r"kept [\d.]+ MiB \(planner ([\d.]+)x\)", detail).group(1))
+    assert status == "PASS" and "local spec" in detail and abs(kept_ratio - 1) <= 0.05
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal shown where no GPU exists")
@@ -59,3 +75,11 @@ def test_gpu_checks_pass_on_cuda():
     rows = table_rows(proc.stdout)
     assert rows["moe: logit parity vs HF, local spec"] == "PASS"
     assert rows["chunked log-probs: memory and values vs naive"] == "PASS"
+    assert rows["planner: activations vs measured"] == "PASS"
+    assert rows["fused paths active"] == "PASS"
+    for (
+        recipe
+    ) in FP8_RECIPES:  # SKIP only for a missing TE or a GPU without the recipe (mxfp8 before Blackwell)
+        assert rows[f"fp8 {recipe} vs bf16: loss, logits, step time"] in ("PASS", "SKIP")
+    if HAVE_TE:
+        assert rows["fp8 tensorwise vs bf16: loss, logits, step time"] == "PASS"

@@ -1,8 +1,11 @@
 #!/usr/bin/env python
 """One prepared GPU check: build the tiny Qwen3 / Qwen3-MoE models on CUDA (Transformer Engine spec when TE
 imports, else the local spec), check logit parity against HF transformers, run training steps (SFT, SAPO hook,
-bf16, FP8 with TE), compare the chunked vocab-parallel log-probs with a naive log_softmax in memory and value,
-and print a table of what was verified.
+bf16, FP8 with TE), run each FP8 recipe (delayed, tensorwise, blockwise, mxfp8) against bf16 on the same weights
+and tokens (loss and logit deltas, step time), report which fused kernels are active (TE, apex, flash-attn, or
+Megatron's torch fallbacks), compare the planner's activation estimate with the allocator, compare the chunked
+vocab-parallel log-probs with a naive log_softmax in memory and value, and print a table of what was verified.
+A recipe the GPU cannot run (mxfp8 before Blackwell) or that needs a missing TE is a SKIP with the reason.
 
     python tools/gpu_check.py                 # on a CUDA machine; exit code 1 if any check FAILs
     python tools/gpu_check.py --allow-cpu     # the same checks on CPU (used by the CPU test suite)
@@ -63,6 +66,8 @@ class Checks:
         from sapo_megatron.tiny import make_tiny_hf_checkpoint
 
         self.device = device
+        self.workdir = workdir
+        self.recipe_runs: dict[str | None, dict] = {}
         self.hf_dirs = {
             kind: make_tiny_hf_checkpoint(workdir / kind, kind, seed=0) for kind in ("moe", "dense")
         }
@@ -174,6 +179,180 @@ class Checks:
             raise AssertionError(f"peak {chunked_mb:.0f} MiB vs naive {naive_mb:.0f} MiB, max |Δ| {diff:.2e}")
         return f"peak extra {chunked_mb:.0f} MiB vs naive {naive_mb:.0f} MiB ({chunked_mb / naive_mb:.2f}x), max |Δ| {diff:.1e}"
 
+    # -- FP8 recipes against bf16 ------------------------------------------------------------------------
+
+    def fp8_config(self, precision: dict):
+        """A Qwen3-MoE shape whose GEMM dimensions are multiples of 32 (MXFP8 blocks), same weights every time."""
+        from sapo_megatron.config import config_from_dict
+        from sapo_megatron.tiny import make_tiny_hf_checkpoint
+
+        if "fp8" not in self.hf_dirs:
+            self.hf_dirs["fp8"] = make_tiny_hf_checkpoint(self.workdir / "fp8", "moe", seed=0, **FP8_SHAPE)
+        hf_dir = str(self.hf_dirs["fp8"])
+        return config_from_dict(
+            {
+                # grouped expert GEMMs with TE (they pad each expert's tokens to the FP8 multiple), as on clusters
+                "model": {
+                    "hf_config": hf_dir,
+                    "init": "hf",
+                    "init_path": hf_dir,
+                    "moe_grouped_gemm": have("transformer_engine"),
+                },
+                "precision": precision,
+                "optimizer": {"lr": 1e-4},
+            }
+        )
+
+    def recipe_run(self, recipe: str | None) -> dict:
+        """Logits, first loss and median step time of the SFT step under ``recipe`` (None: bf16), cached."""
+        from sapo_megatron.batching import TrainSequence, build_micro_batches
+        from sapo_megatron.config import sequence_length_multiple
+        from sapo_megatron.megatron.loss_hook import add_global_normalisers
+        from sapo_megatron.megatron.sft import sft_loss
+        from sapo_megatron.megatron.train_step import TrainEngine
+
+        if recipe in self.recipe_runs:
+            return self.recipe_runs[recipe]
+        precision = {"dtype": "bf16"} if recipe is None else {"dtype": "fp8", "fp8_recipe": recipe}
+        cfg = self.fp8_config(precision)
+        engine = TrainEngine(cfg)
+        gen = torch.Generator().manual_seed(2)
+        seqs = [
+            TrainSequence(
+                torch.randint(3, 1000, (40,), generator=gen).tolist(),
+                torch.randint(3, 1000, (200,), generator=gen).tolist(),
+            )
+            for _ in range(8)
+        ]
+        micro = add_global_normalisers(
+            [
+                _to(b, self.device)
+                for b in build_micro_batches(
+                    seqs,
+                    dp_rank=0,
+                    dp_size=1,
+                    micro_batches=2,
+                    pad_id=0,
+                    length_multiple=sequence_length_multiple(cfg),
+                )
+            ]
+        )
+        logits = engine.forward_only(micro, lambda out, batch: out.float())
+        times, losses = [], []
+        for _ in range(6):
+            _sync(self.device)
+            start = time.perf_counter()
+            losses.append(engine.train_step(micro, sft_loss).loss)
+            _sync(self.device)
+            times.append(time.perf_counter() - start)
+        run = {
+            "logits": torch.cat([x.flatten() for x in logits]),
+            "loss": losses[0],
+            "step_s": sorted(times[1:])[2],
+        }
+        self.recipe_runs[recipe] = run
+        return run
+
+    def fp8_recipe(self, recipe: str) -> str:
+        from sapo_megatron.precision import fp8_runtime_problem
+
+        problem = fp8_runtime_problem(recipe)
+        if problem:
+            raise SkipCheck(problem)
+        ref, got = self.recipe_run(None), self.recipe_run(recipe)
+        logit_err = ((got["logits"] - ref["logits"]).norm() / ref["logits"].norm()).item()
+        loss_err = abs(got["loss"] - ref["loss"]) / abs(ref["loss"])
+        detail = (
+            f"loss {got['loss']:.4f} vs bf16 {ref['loss']:.4f} (rel {loss_err:.1e}), logits rel RMS error "
+            f"{logit_err:.3f}; step {got['step_s'] * 1e3:.1f} ms vs bf16 {ref['step_s'] * 1e3:.1f} ms "
+            f"({got['step_s'] / ref['step_s']:.2f}x)"
+        )
+        if not (loss_err < FP8_LOSS_TOLERANCE and logit_err < FP8_LOGIT_TOLERANCE):
+            raise AssertionError(
+                f"{detail}; tolerances: loss {FP8_LOSS_TOLERANCE}, logits {FP8_LOGIT_TOLERANCE}"
+            )
+        return detail
+
+    # -- which fused kernels Megatron picked --------------------------------------------------------------
+
+    def fused_paths(self) -> str:
+        import megatron.core.models.backends as backends
+        import megatron.core.optimizer as mc_optimizer
+        import megatron.core.optimizer.optimizer as mc_optimizer_impl
+
+        te = f"transformer_engine {_version('transformer_engine')}" if have("transformer_engine") else "no TE"
+        spec = "TE layer spec" if have("transformer_engine") else "local spec (pure torch)"
+        apex = "apex" if have("apex") else "no apex"
+        norm = backends.LNImpl.__name__ + (
+            " (apex)" if getattr(backends, "HAVE_APEX", False) else " (torch fallback)"
+        )
+        adam = f"{mc_optimizer.Adam.__module__}.{mc_optimizer.Adam.__name__}"
+        applier = mc_optimizer_impl.multi_tensor_applier
+        applier = (
+            getattr(applier, "__module__", "") + "." + getattr(applier, "__name__", type(applier).__name__)
+        )
+        flash = "flash_attn" if have("flash_attn") else "no flash_attn"
+        return f"{te}, {apex}, {flash}; {spec}; local-spec norm {norm}; Adam {adam}; multi_tensor_applier {applier}"
+
+    # -- the planner against the allocator ----------------------------------------------------------------
+
+    def planner_activations(self) -> str:
+        from sapo_megatron.megatron.activation_probe import measure_activations
+        from sapo_megatron.megatron.model import BuildOptions, build_gpt_model
+        from sapo_megatron.plan.activations import MicroBatchShape, stage_activations
+
+        cfg = self.fp8_config({"dtype": "bf16"})
+        spec = "te" if have("transformer_engine") else "local"
+        model = build_gpt_model(BuildOptions(cfg.model, cfg.parallel, cfg.precision)).to(self.device)
+        batch, seq = (2, 512) if self.device.type == "cuda" else (1, 64)  # the CPU profiler is slow
+        ids = torch.randint(
+            0, cfg.model.arch.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(3)
+        )
+        measured = measure_activations(model, ids.to(self.device))
+        est = stage_activations(
+            cfg, MicroBatchShape(batch, seq), 0, (0, cfg.model.arch.num_hidden_layers), spec=spec
+        )
+        kept_ratio = est.per_micro_batch / measured.saved
+        peak_ratio = (est.per_micro_batch + est.transient) / measured.peak
+        detail = (
+            f"{spec} spec, {batch}x{seq} tokens: kept {measured.saved / 2**20:.1f} MiB (planner {kept_ratio:.3f}x), "
+            f"allocator peak {measured.peak / 2**20:.1f} MiB (planner {peak_ratio:.3f}x)"
+        )
+        if spec == "local" and abs(kept_ratio - 1) > 0.05:  # the local-spec terms are exact on CPU
+            raise AssertionError(detail)
+        return detail
+
+
+FP8_SHAPE = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    head_dim=32,
+    vocab_size=1024,
+    num_experts=16,
+    num_experts_per_tok=4,
+    moe_intermediate_size=128,
+)
+FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
+FP8_LOSS_TOLERANCE = 0.02  # relative, first SFT loss (random weights: ln(vocab) ≈ 6.9)
+FP8_LOGIT_TOLERANCE = 0.15  # relative RMS error of the logits; e4m3 carries 3 mantissa bits
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _version(module: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(module.replace("_", "-"))
+    except PackageNotFoundError:
+        return "?"
+
 
 def _to(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device) for k, v in batch.items()}
@@ -213,6 +392,14 @@ def main(argv: list[str] | None = None) -> int:
                     f"{kind}: SFT + SAPO steps, {dtype}",
                     lambda k=kind, d=dtype: checks.train_steps(k, d),
                 )
+        for recipe in FP8_RECIPES:
+            run_check(
+                results,
+                f"fp8 {recipe} vs bf16: loss, logits, step time",
+                lambda r=recipe: checks.fp8_recipe(r),
+            )
+        run_check(results, "fused paths active", checks.fused_paths)
+        run_check(results, "planner: activations vs measured", checks.planner_activations)
         run_check(results, "chunked log-probs: memory and values vs naive", checks.logprob_memory)
     shutdown_parallel()
     print("\n| check | status | detail |\n|---|---|---|")

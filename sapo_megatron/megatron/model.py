@@ -11,7 +11,6 @@ The layer spec is Transformer Engine's when TE imports (GPU clusters), else Mega
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +22,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from sapo_megatron.arch import ArchError, QwenArch
-from sapo_megatron.config import ModelConfig, ParallelConfig, PrecisionConfig
+from sapo_megatron.config import ConfigError, ModelConfig, ParallelConfig, PrecisionConfig
+from sapo_megatron.precision import FP8_RECIPES, fp8_runtime_problem, have_transformer_engine
 
 PARAMS_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
 
@@ -37,10 +37,6 @@ class BuildOptions:
     precision: PrecisionConfig
     use_te: bool | None = None  # None: use TE when it imports
     routing_replay: bool = False
-
-
-def have_transformer_engine() -> bool:
-    return importlib.util.find_spec("transformer_engine") is not None
 
 
 def transformer_config(opts: BuildOptions) -> TransformerConfig:
@@ -83,18 +79,63 @@ def transformer_config(opts: BuildOptions) -> TransformerConfig:
         sequence_parallel=par.sequence_parallel,
         variable_seq_lengths=False,  # every micro-batch of a step has one shape; see TrainEngine
         moe_token_dispatcher_type=opts.model.moe_token_dispatcher,
-        **_fp8_fields(opts.precision),
+        **fp8_fields(opts.precision),
+        **recompute_fields(opts.model),
         **_moe_fields(arch, opts),
     )
 
 
-def _fp8_fields(precision: PrecisionConfig) -> dict:
+def fp8_fields(precision: PrecisionConfig) -> dict:
+    """``TransformerConfig`` fields of the FP8 recipe ({} unless ``precision.dtype`` is fp8).
+
+    The field names are the same in megatron-core 0.16.1 and 0.19.x (0.19 adds ``fp8_output_proj`` and FP4,
+    unused here). Megatron enters ``fp8_autocast`` per decoder layer itself (``get_fp8_context``), skipping the
+    bf16 edge layers, and builds the layers under ``fp8_model_init`` when ``fp8_param`` is set."""
     if precision.dtype != "fp8":
         return {}
+    fields: dict = {"fp8": precision.fp8_format_resolved, "fp8_recipe": precision.fp8_recipe}
+    if FP8_RECIPES[precision.fp8_recipe].amax_history:
+        # Megatron's defaults (1, most_recent) differ from TE's DelayedScaling (1024, max); TE's are the tested ones.
+        fields["fp8_amax_history_len"] = precision.fp8_amax_history_len or 1024
+        fields["fp8_amax_compute_algo"] = precision.fp8_amax_compute_algo or "max"
+    if precision.bf16_layers_at_start or precision.bf16_layers_at_end:
+        fields["first_last_layers_bf16"] = True
+        fields["num_layers_at_start_in_bf16"] = precision.bf16_layers_at_start
+        fields["num_layers_at_end_in_bf16"] = precision.bf16_layers_at_end
+    if precision.fp8_param_gather:
+        fields["fp8_param"] = True
+    return fields
+
+
+def fp8_ddp_fields(precision: PrecisionConfig) -> dict:
+    """``DistributedDataParallelConfig`` fields for FP8 weights gathered in FP8 (same names in 0.16.1 and 0.19.x).
+    MXFP8 reuses the gradient buffer for the gathered weights, as Megatron recommends (it warns otherwise)."""
+    if precision.dtype != "fp8" or not precision.fp8_param_gather:
+        return {}
     return {
-        "fp8": "e4m3" if precision.fp8_recipe != "delayed" else "hybrid",
-        "fp8_recipe": precision.fp8_recipe,
+        "fp8_param_gather": True,
+        "reuse_grad_buf_for_mxfp8_param_ag": precision.fp8_recipe == "mxfp8",
     }
+
+
+def fp8_optimizer_fields(precision: PrecisionConfig) -> dict:
+    """Megatron ``OptimizerConfig`` fields: the distributed optimizer handles FP8 weights per recipe."""
+    if precision.dtype != "fp8":
+        return {}
+    fields: dict = {"fp8_recipe": precision.fp8_recipe}
+    if precision.fp8_param_gather and precision.fp8_recipe == "mxfp8":
+        fields["reuse_grad_buf_for_mxfp8_param_ag"] = True
+    return fields
+
+
+def recompute_fields(model: ModelConfig) -> dict:
+    """``TransformerConfig`` fields of ``model.recompute``: full recomputes each decoder layer from its input
+    (uniform method, one layer per checkpoint); selective checkpoints the named modules."""
+    if model.recompute == "full":
+        return {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
+    if model.recompute == "selective":
+        return {"recompute_granularity": "selective", "recompute_modules": model.selective_modules}
+    return {}
 
 
 def _moe_fields(arch: QwenArch, opts: BuildOptions) -> dict:
@@ -122,6 +163,10 @@ def layer_spec(config: TransformerConfig, opts: BuildOptions) -> ModuleSpec:
     """Transformer Engine layer spec on GPU clusters, Megatron's local spec elsewhere."""
     use_te = have_transformer_engine() if opts.use_te is None else opts.use_te
     num_experts = config.num_moe_experts
+    if config.fp8 and not use_te:
+        raise ConfigError(
+            "precision.dtype=fp8 needs the Transformer Engine layer spec; the local spec has no FP8"
+        )
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
@@ -136,7 +181,12 @@ def layer_spec(config: TransformerConfig, opts: BuildOptions) -> ModuleSpec:
 
 
 def build_gpt_model(opts: BuildOptions, *, vp_stage: int | None = None) -> GPTModel:
-    """One model chunk for this rank (pipeline stage decided by Megatron's parallel state)."""
+    """One model chunk for this rank (pipeline stage decided by Megatron's parallel state). FP8 is refused here,
+    before any weight exists, when Transformer Engine or a GPU that runs the recipe is missing."""
+    if opts.precision.dtype == "fp8":
+        problem = fp8_runtime_problem(opts.precision.fp8_recipe)
+        if problem:
+            raise ConfigError(problem)
     config = transformer_config(opts)
     arch = opts.model.arch
     model = GPTModel(

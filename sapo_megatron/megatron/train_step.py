@@ -29,7 +29,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from sapo_megatron.checkpoint.hf_io import HFCheckpointReader
 from sapo_megatron.config import OptimizerConfig, RunConfig
-from sapo_megatron.megatron.model import BuildOptions, build_gpt_model
+from sapo_megatron.megatron.model import BuildOptions, build_gpt_model, fp8_ddp_fields, fp8_optimizer_fields
 from sapo_megatron.megatron.routing import reduce_agreement
 from sapo_megatron.megatron.routing_replay import (
     RECORDED_ROUTES,
@@ -87,7 +87,7 @@ class TrainEngine:
         )
         init_weights(module, cfg)
         self.config = module.config
-        self.model = [_wrap_ddp(module, cfg.optimizer)]
+        self.model = [_wrap_ddp(module, cfg)]
         self.optimizer = get_megatron_optimizer(_megatron_optimizer_config(cfg), self.model)
         self.scheduler = _build_scheduler(self.optimizer, cfg.optimizer, total_steps)
         self._wire_config()
@@ -397,11 +397,12 @@ def _broadcast_from_last_stage(packed: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def _wrap_ddp(module: torch.nn.Module, opt: OptimizerConfig) -> DistributedDataParallel:
+def _wrap_ddp(module: torch.nn.Module, cfg: RunConfig) -> DistributedDataParallel:
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
-        use_distributed_optimizer=opt.use_distributed_optimizer,
+        use_distributed_optimizer=cfg.optimizer.use_distributed_optimizer,
+        **fp8_ddp_fields(cfg.precision),
     )
     return DistributedDataParallel(config=module.config, ddp_config=ddp_config, module=module)
 
@@ -421,6 +422,7 @@ def _megatron_optimizer_config(cfg: RunConfig) -> MegatronOptimizerConfig:
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_distributed_optimizer=opt.use_distributed_optimizer,
+        **fp8_optimizer_fields(cfg.precision),
     )
 
 
