@@ -61,7 +61,9 @@ class Job:
             if value:
                 return value
             time.sleep(0.2)
-        raise AssertionError(f"job {self.job_id}: {what} not within {timeout} s\n{self.output_text()}")
+        raise AssertionError(
+            f"job {self.job_id}: {what} not within {timeout} s\n{self.output_text()}\n{cluster_picture()}"
+        )
 
     def wait_while_alive(self, predicate: Callable[[], Any], timeout: float, what: str) -> Any:
         """Like :meth:`wait_until`, but fail at once (with the job's output) when the job ends first."""
@@ -98,6 +100,18 @@ def submit(
         raise AssertionError(f"sbatch failed ({done.returncode}): {done.stderr}")
     job_id = done.stdout.strip().split(";")[0]
     return Job(job_id, workdir / f"{script.stem}-{job_id}.out")
+
+
+def cluster_picture() -> str:
+    """What Slurm says about the queue and the nodes (why a job is still pending), for failure messages."""
+    lines = []
+    for command in (["squeue", "-o", "%i %T %R %j"], ["sinfo", "-N", "-o", "%N %T %E"]):
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=30)
+            lines.append(f"$ {' '.join(command)}\n{done.stdout}{done.stderr}")
+        except (OSError, subprocess.TimeoutExpired) as error:
+            lines.append(f"$ {' '.join(command)}: {error}")
+    return "\n".join(lines)
 
 
 def job_field(job_id: str, field: str) -> str:

@@ -87,9 +87,21 @@ EOF
 pid_alive() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2> /dev/null; }
 
 start_daemons() {
-  pid_alive "$RUN/slurmctld.pid" || slurmctld
+  # A controller that is not running means the cluster went away with the machine (or a container restart):
+  # start from a clean state. slurmctld would otherwise recover the jobs that were running then as RUNNING and
+  # hold the nodes for them until it notices, minutes later, that their batch steps are gone.
+  if ! pid_alive "$RUN/slurmctld.pid"; then
+    for node in "${NODES[@]}"; do
+      if pid_alive "$RUN/slurmd-$node.pid"; then
+        kill "$(cat "$RUN/slurmd-$node.pid")"
+        for _ in $(seq 50); do pid_alive "$RUN/slurmd-$node.pid" || break; sleep 0.1; done
+      fi
+      find "$STATE/$node" -mindepth 1 -delete
+    done
+    slurmctld -c
+  fi
   for node in "${NODES[@]}"; do
-    pid_alive "$RUN/slurmd-$node.pid" || slurmd -N "$node"
+    pid_alive "$RUN/slurmd-$node.pid" || slurmd -c -N "$node"
   done
 }
 
