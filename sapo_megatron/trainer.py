@@ -2,7 +2,8 @@
 configured policy loss → weight sync → logging → checkpoint. Preceded by an optional supervised warm start and
 followed by an HF export and ``summary.json``.
 
-After every step of either phase, :func:`end_of_step` logs it, checkpoints when due, and stops the run cleanly
+With ``trainer.async_rollout`` each step's rollouts are generated in the background during the step before
+(:mod:`sapo_megatron.rollout_pipeline`). After every step of either phase, :func:`end_of_step` logs it, checkpoints when due, and stops the run cleanly
 (checkpoint first) when a signal asked for it.
 """
 

@@ -1,6 +1,7 @@
-"""The rollout pipeline on its own (one process, a fake engine and weight sync): what each step trains on, which
-weights generated it, that the next batch is generated while the caller trains and never while weights are
-pushed, that a background failure reaches the loop with its message, and the checkpointed batch in flight."""
+"""The rollout pipeline on its own (a fake engine and weight sync): what each step trains on, which weights
+generated it, that the next batch is generated while the caller trains and never while weights are pushed, that a
+background failure reaches the loop with its message (on every rank of a 2-process group), and the checkpointed
+batch in flight."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from sapo_megatron.rollout_pipeline import (
     rollout_from_file,
     rollout_to_bytes,
 )
+from sapo_megatron.session import MainRankFailed
 
 ROWS = [PromptRow(prompt=f"{i}+1=", ground_truth=str(i + 1)) for i in range(20)]
 
@@ -60,10 +62,10 @@ class FakeEngine:
         return {"weight_sync/version": float(self.version)}
 
 
-def make_pipeline(engine: FakeEngine, *, overlap: bool, steps: int = 4, checkpointer=None):
+def make_pipeline(engine: FakeEngine, *, overlap: bool, steps: int = 4, checkpointer=None, is_main=True):
     prompts = PromptIterator(ROWS, batch_size=2, seed=0)
     session = SimpleNamespace(
-        info=SimpleNamespace(is_main=True),
+        info=SimpleNamespace(is_main=is_main),
         start=SimpleNamespace(resume=False, checkpoint=None),
         checkpointer=checkpointer,
         sync=SimpleNamespace(push=engine.push),
@@ -187,3 +189,49 @@ def test_the_saved_batch_round_trips_exactly_and_belongs_to_one_step(tmp_path):
     )
     with pytest.raises(RolloutResumeError, match=r"batch in flight for RL step 7 .* resumes at step 8"):
         rollout_from_file(path, step=8)
+
+
+def two_ranks(payload: None) -> dict:
+    """One rank of a 2-process gloo group, twice: a clean run of 4 steps, then one whose rollout for step 2 fails
+    in rank 0's background thread. Only rank 0 generates."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    is_main = dist.get_rank() == 0
+    result = {}
+    for name, fail_at in (("clean", None), ("failing", 2)):
+        engine = FakeEngine()
+        engine.fail_at = fail_at
+        pipeline, prompts = make_pipeline(engine, overlap=True, is_main=is_main)
+        seen, error = [], None
+        try:
+            for step in range(4):
+                sequences, metrics = pipeline.next_batch(step)
+                seen.append(([s.sample_id for s in sequences], metrics["rollout/staleness"]))
+                pipeline.push_weights(module=None)
+        except (RewardError, MainRankFailed) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        result[name] = {
+            "seen": seen,
+            "prompts": prompts.state_dict(),
+            "generated": sorted(engine.sampled_from),
+        }
+        result[name]["error"] = error
+    return result
+
+
+def test_only_the_main_rank_generates_and_a_failure_there_reaches_every_rank():
+    from tests.distributed import run_distributed
+
+    main, other = run_distributed("tests.test_rollout_pipeline:two_ranks", 2)
+    clean = main["clean"], other["clean"]
+    assert clean[0]["generated"] == [0, 1, 2, 3] and clean[1]["generated"] == []
+    assert clean[0]["seen"] == clean[1]["seen"]  # the same batches on both ranks
+    assert [stale for _, stale in clean[0]["seen"]] == [0.0, 1.0, 1.0, 1.0]
+    assert clean[0]["prompts"] == clean[1]["prompts"] and clean[0]["error"] is None is clean[1]["error"]
+    failing = main["failing"], other["failing"]
+    message = "RewardError: reward raised on 8 of 8 samples at step 2"
+    assert (
+        failing[0]["error"] == message and failing[1]["error"] == f"MainRankFailed: rank 0 failed: {message}"
+    )
+    assert [len(r["seen"]) for r in failing] == [2, 2]  # both ranks stopped at the end of the same step
