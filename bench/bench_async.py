@@ -13,7 +13,9 @@ the step time (``time/step_s``: from taking the batch to the end of the weight p
 (``time/rollout_s``), training (``time/train_s``), the wait for rollouts and the weight sync, and the ratio of
 step times async / sync (lower is better; 0.5 is the bound when generation and training take equally long).
 The arms alternate (sync, async, sync, async for two ``--rounds``) so that a change in the machine's load
-during the run reaches both; the load average is printed with the result.
+during the run reaches both; the load average is printed with the result. The trainer runs in a session of its
+own: with Linux's autogroup scheduling, processes of one session share one slice of a busy machine, so a trainer
+and a server in the same session could not overlap there (they would on separate machines, or an idle one).
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ def run_arm(root: Path, name: str, **kwargs) -> list[dict[str, float]]:
         capture_output=True,
         text=True,
         check=False,
+        start_new_session=True,  # its own scheduler group (Linux autogroup), apart from the server's: see above
     )
     if proc.returncode != 0:
         raise SystemExit(f"{name} run failed:\n{proc.stderr[-3000:]}")
