@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench install clean
+.PHONY: demo test lint bench install clean distill-evidence
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,15 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/pytest -q -p no:cacheprovider --durations=15
+
+# docs/distillation.md: RL / OPD / fixed fusion / SAF from one teacher, then MOPD with two (about 30 min on 2 cores)
+DISTILL := configs/distill
+distill-evidence: $(STAMP)
+	$(BIN)/sapo-megatron compare --arms $(DISTILL)/rl.yaml,$(DISTILL)/opd.yaml,$(DISTILL)/fixed.yaml,$(DISTILL)/saf.yaml \
+	    --teachers $(DISTILL)/teacher_addition.yaml --steps 80 --output-dir runs/distill
+	$(BIN)/sapo-megatron compare --arms $(DISTILL)/rl_mixed.yaml,$(DISTILL)/mopd.yaml \
+	    --teachers $(DISTILL)/teacher_addition.yaml,$(DISTILL)/teacher_multiplication.yaml --steps 80 \
+	    --output-dir runs/distill_mopd
 
 bench: $(STAMP)
 	for script in bench/bench_*.py; do $(BIN)/python $$script || exit 1; done

@@ -41,7 +41,9 @@ class TrainSequence:
     """One sequence to train on. ``rollout_logp`` has one entry per response token (may be empty for SFT).
 
     ``routed_experts``: the engine's routes, int32 ``[P + R - 1, num_layers, top_k]`` (MoE, when requested);
-    ``sample_id`` names the sample in errors (e.g. ``"group 3 sample 1"``)."""
+    ``sample_id`` names the sample in errors (e.g. ``"group 3 sample 1"``). Distillation: ``teacher_logp``, the
+    teacher's log-prob of each response token (None: not scored), and ``domain_id``, the prompt's domain as an
+    index the distillation step knows (-1: none)."""
 
     prompt_ids: Sequence[int]
     response_ids: Sequence[int]
@@ -49,6 +51,14 @@ class TrainSequence:
     rollout_logp: Sequence[float] = ()
     routed_experts: np.ndarray | None = field(default=None, compare=False, repr=False)
     sample_id: str | None = None
+    teacher_logp: Sequence[float] | None = None
+    domain_id: int = -1
+
+
+TEACHER_LOGP = "teacher_logp"
+"""Micro-batch key of the teacher's log-probs, fp32 ``[b, s]`` aligned with ``labels`` (0 off the response)."""
+DOMAIN_IDS = "domain_ids"
+"""Micro-batch key of the rows' domain ids, int64 ``[b]``."""
 
 
 @dataclass(frozen=True)
@@ -143,7 +153,8 @@ def to_tensors(
 ) -> MicroBatch:
     """``input_ids``, ``labels``, ``loss_mask``, ``rollout_logp`` [b, length] and ``advantages`` [b]; with
     ``route_layout`` also ``engine_routes``, int32 ``[b, length, L, k]`` on the CPU (see the module docstring;
-    the sequences' routes must already be valid: :func:`check_routes`)."""
+    the sequences' routes must already be valid: :func:`check_routes`); when the sequences were scored by a
+    teacher, ``teacher_logp`` [b, length] and ``domain_ids`` [b] (:func:`teacher_tensors`)."""
     rows = len(sequences)
     input_ids = torch.full((rows, length), pad_id, dtype=torch.long)
     labels = torch.full((rows, length), pad_id, dtype=torch.long)
@@ -171,7 +182,31 @@ def to_tensors(
     }
     if route_layout is not None:
         batch[ENGINE_ROUTES] = routes_tensor([s.routed_experts for s in sequences], length, route_layout)
+    if any(s.teacher_logp is not None for s in sequences):
+        batch.update(teacher_tensors(sequences, length))
     return batch
+
+
+def teacher_tensors(sequences: Sequence[TrainSequence], length: int) -> MicroBatch:
+    """``teacher_logp`` fp32 ``[b, length]`` (response token ``j`` at position ``P - 1 + j``, like
+    ``rollout_logp``; 0 elsewhere) and ``domain_ids`` int64 ``[b]``; every sequence must have been scored."""
+    teacher_logp = torch.zeros((len(sequences), length), dtype=torch.float32)
+    for row, seq in enumerate(sequences):
+        if seq.teacher_logp is None or len(seq.teacher_logp) != len(seq.response_ids):
+            got = (
+                "no teacher log-probs"
+                if seq.teacher_logp is None
+                else f"{len(seq.teacher_logp)} teacher log-probs"
+            )
+            raise ValueError(
+                f"{seq.sample_id or f'sequence {row}'}: {got} for {len(seq.response_ids)} response tokens"
+            )
+        start = len(seq.prompt_ids) - 1
+        teacher_logp[row, start : start + len(seq.response_ids)] = torch.tensor(
+            list(seq.teacher_logp), dtype=torch.float32
+        )
+    domain_ids = torch.tensor([s.domain_id for s in sequences], dtype=torch.long)
+    return {TEACHER_LOGP: teacher_logp, DOMAIN_IDS: domain_ids}
 
 
 def routes_tensor(routes: Sequence[np.ndarray], length: int, layout: RouteLayout) -> torch.Tensor:

@@ -25,6 +25,8 @@ class LoopState:
     accuracy_before: float | None = None
     wall_seconds: float = 0.0
     bad_steps: dict[str, int] = field(default_factory=dict)
+    distill: dict[str, Any] = field(default_factory=dict)
+    """The distillation step's state (the SAF schedule), see ``DistillStep.state_dict``."""
 
 
 class Checkpointer:

@@ -188,8 +188,11 @@ def _add_train_parser(commands) -> None:
     train.set_defaults(handler=_train)
 
 
+COMPARE_DEFAULTS = {"losses": "sapo,gspo,grpo", "replay": "none,r2,r3", "corrections": "none"}
+
+
 def _add_compare_parser(commands) -> None:
-    from sapo_megatron.compare import CORRECTIONS, REPLAYS
+    from sapo_megatron.compare import CORRECTIONS
 
     compare = commands.add_parser(
         "compare",
@@ -203,20 +206,30 @@ def _add_compare_parser(commands) -> None:
         "config", nargs="?", help="YAML run config every arm shares (default: the embedded demo)"
     )
     compare.add_argument(
+        "--arms",
+        help="comma-separated YAML run configs, one arm each (named after the file), instead of CONFIG × "
+        "--losses × --replay × --corrections; e.g. the distillation arms of configs/distill/",
+    )
+    compare.add_argument(
+        "--teachers",
+        help="with --arms: comma-separated teacher run configs, trained first into OUTPUT_DIR/teachers/<name>; "
+        "each arm's teacher of that name scores with its HF export",
+    )
+    compare.add_argument(
         "--losses",
-        default="sapo,gspo,grpo",
+        default=COMPARE_DEFAULTS["losses"],
         help="comma-separated policy losses, each with its paper settings: sapo (tau 1.0/1.05), gspo "
         "(eps 3e-4/4e-4), grpo (DAPO eps 0.2/0.28, token-mean)",
     )
     compare.add_argument(
         "--replay",
-        default=",".join(REPLAYS),
+        default=COMPARE_DEFAULTS["replay"],
         help="comma-separated MoE routing replay modes: none (live routing), r2 (the trainer's own routes of the "
         "old-log-prob pass), r3 (the rollout engine's routes); r2 and r3 need a MoE model",
     )
     compare.add_argument(
         "--corrections",
-        default="none",
+        default=COMPARE_DEFAULTS["corrections"],
         help=f"comma-separated mismatch corrections from {', '.join(CORRECTIONS)} (tis: cap 2.0)",
     )
     compare.add_argument("--seeds", type=int, default=1, help="seeds per configuration: 0 .. N-1")
@@ -354,18 +367,43 @@ def free_port() -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from sapo_megatron.compare import CORRECTIONS, LOSSES, REPLAYS, build_plan, parse_names, run_compare
-
-    plan = build_plan(
-        args.config,
-        _parse_overrides(args.set),
-        losses=parse_names(args.losses, list(LOSSES), "--losses"),
-        replays=parse_names(args.replay, list(REPLAYS), "--replay"),
-        corrections=parse_names(args.corrections, list(CORRECTIONS), "--corrections"),
-        seeds=args.seeds,
-        steps=args.steps,
-        output_dir=args.output_dir,
+    from sapo_megatron.compare import (
+        CORRECTIONS,
+        LOSSES,
+        REPLAYS,
+        CompareError,
+        build_config_plan,
+        build_plan,
+        parse_names,
+        run_compare,
     )
+
+    if args.arms:
+        given = ["CONFIG"] if args.config else []
+        given += [f"--{k}" for k, v in COMPARE_DEFAULTS.items() if getattr(args, k) != v]
+        if given:
+            raise CompareError(f"--arms names every arm's whole config; drop {', '.join(given)}")
+        plan = build_config_plan(
+            [p.strip() for p in args.arms.split(",") if p.strip()],
+            _parse_overrides(args.set),
+            teacher_configs=[p.strip() for p in (args.teachers or "").split(",") if p.strip()],
+            seeds=args.seeds,
+            steps=args.steps,
+            output_dir=args.output_dir,
+        )
+    else:
+        if args.teachers:
+            raise CompareError("--teachers goes with --arms (configs whose teachers it trains)")
+        plan = build_plan(
+            args.config,
+            _parse_overrides(args.set),
+            losses=parse_names(args.losses, list(LOSSES), "--losses"),
+            replays=parse_names(args.replay, list(REPLAYS), "--replay"),
+            corrections=parse_names(args.corrections, list(CORRECTIONS), "--corrections"),
+            seeds=args.seeds,
+            steps=args.steps,
+            output_dir=args.output_dir,
+        )
     outcome = run_compare(plan, overwrite=args.overwrite, debug=args.debug)
     return 1 if outcome.failures else 0
 

@@ -17,12 +17,15 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError,
 
 from sapo_megatron.algo import (
     AdvantageConfig,
+    FusionConfig,
     MismatchCorrectionConfig,
     NoCorrection,
     PolicyLossConfig,
+    RlFusion,
     SapoLoss,
 )
 from sapo_megatron.arch import ArchError, QwenArch
+from sapo_megatron.distill.config import TeacherConfig, check_distillation
 from sapo_megatron.errors import UserError
 
 
@@ -308,6 +311,16 @@ class AlgorithmConfig(Section):
         le=1.0,
         description="stop the run when more than this fraction of a step's rewards raised (they score 0)",
     )
+    fusion: FusionConfig = Field(
+        default_factory=RlFusion,
+        description="how teacher advantages (on-policy distillation) meet the RL advantage: rl, opd, fixed, "
+        "saf or mopd (see docs/distillation.md); all but rl need a teachers section",
+    )
+    opd_student_logp: Literal["trainer", "engine"] = Field(
+        default="trainer",
+        description="the student log-prob of A_opd = teacher_logp - student_logp: the trainer's old-policy "
+        "log-prob (the default) or the rollout engine's",
+    )
 
 
 class TrainerConfig(Section):
@@ -352,6 +365,9 @@ class RunConfig(Section):
     data: DataConfig = DataConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     trainer: TrainerConfig = TrainerConfig()
+    teachers: list[TeacherConfig] = Field(
+        default_factory=list, description="teachers that score the student's samples (distillation)"
+    )
 
     @model_validator(mode="after")
     def _check_rl(self) -> RunConfig:
@@ -363,6 +379,9 @@ class RunConfig(Section):
                 "algorithm.routing_replay=r3 replays the rollout engine's routes, which it only returns when "
                 "asked: set rollout.routed_experts: true (SGLang servers also need --enable-return-routed-experts)"
             )
+        check_distillation(
+            self.teachers, self.algorithm.fusion, self.algorithm.loss, self.algorithm.correction.name
+        )
         if self.trainer.async_rollout and self.rollout.colocated:
             raise ValueError(
                 "trainer.async_rollout overlaps generation with training, which needs servers on their own "
@@ -376,14 +395,18 @@ class RunConfig(Section):
             )
         return self
 
+    def resolved_dict(self) -> dict[str, Any]:
+        """The resolved config as plain data (HF architecture inlined): what :meth:`save_resolved` writes."""
+        data = self.model_dump(mode="json")
+        data["model"]["hf_config"] = self.model.arch.to_hf_dict()
+        return data
+
     def save_resolved(self, path: str | Path) -> Path:
         """Write the resolved config (HF architecture inlined) as YAML; returns the path written."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        data = self.model_dump(mode="json")
-        data["model"]["hf_config"] = self.model.arch.to_hf_dict()
         tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(yaml.safe_dump(data, sort_keys=False))
+        tmp.write_text(yaml.safe_dump(self.resolved_dict(), sort_keys=False))
         tmp.replace(path)
         return path
 

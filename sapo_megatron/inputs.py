@@ -33,6 +33,11 @@ def _inputs(cfg: RunConfig) -> list[tuple[str, str, str]]:
         inputs.append(("model.hf_config", model.hf_config, "any"))
     if model.init != "random" and model.init_path:
         inputs.append(("model.init_path", model.init_path, "dir"))
+    for teacher in cfg.teachers:
+        if teacher.engine == "cpu":
+            inputs.append((f"teachers[{teacher.name}].model_path", teacher.model_path, "dir"))
+        if teacher.tokenizer and teacher.tokenizer != "char":
+            inputs.append((f"teachers[{teacher.name}].tokenizer", teacher.tokenizer, "dir"))
     return inputs
 
 

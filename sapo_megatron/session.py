@@ -18,8 +18,10 @@ import torch.distributed as dist
 
 from sapo_megatron.config import ConfigError, RunConfig
 from sapo_megatron.data.prompts import PromptRow, check_encodable, load_prompts
-from sapo_megatron.data.synthetic import make_addition_rows
+from sapo_megatron.data.synthetic import TASKS, make_mixed_rows
 from sapo_megatron.data.tokenizer import load_tokenizer
+from sapo_megatron.distill.config import check_domains_served, prompt_domains
+from sapo_megatron.distill.step import DistillStep
 from sapo_megatron.errors import UserError
 from sapo_megatron.inputs import check_input_files
 from sapo_megatron.interrupts import InterruptGuard, print_line
@@ -57,6 +59,8 @@ class Session:
     bad_steps: BadStepGuard
     checkpointer: Any = None  # set by the trainer (it needs the loop's start time)
     _server: object | None = None
+    distill: DistillStep | None = None
+    teachers: Any = None  # distill.teachers.Teachers on the main rank of a run with teachers, else None
 
     @property
     def run_dir(self) -> Path:
@@ -67,6 +71,8 @@ class Session:
         self.sync.close()
         if self.rollout is not None:
             self.rollout.close()
+        if self.teachers is not None:
+            self.teachers.close()
         if self._server is not None:
             self._server.stop()
 
@@ -106,6 +112,8 @@ def build_session(cfg: RunConfig, info: RankInfo, start: RunStart, guard: Interr
     train_rows, heldout_rows = build_prompts(cfg)
     for rows, source in ((train_rows, cfg.data.train), (heldout_rows, cfg.data.heldout)):
         check_encodable(rows, tokenizer, source, template=cfg.data.prompt_template)
+    check_domains_served(cfg.teachers, train_rows, cfg.data.train)
+    teachers = build_teachers_on_main(cfg, info, tokenizer)  # before the model: a bad teacher fails fast
     engine = TrainEngine(
         cfg,
         routing_replay=needs_route_capture(cfg),
@@ -130,7 +138,23 @@ def build_session(cfg: RunConfig, info: RankInfo, start: RunStart, guard: Interr
         guard,
         BadStepGuard(cfg.trainer.max_bad_steps),
         _server=server,
+        distill=DistillStep(cfg, prompt_domains(train_rows)),
+        teachers=teachers,
     )
+
+
+def build_teachers_on_main(cfg: RunConfig, info: RankInfo, tokenizer):
+    """The teachers (main rank; None elsewhere or without teachers). A failure there stops every rank."""
+    built = []
+
+    def build() -> None:
+        from sapo_megatron.distill.teachers import build_teachers
+
+        log = lambda line: print(line, flush=True)  # noqa: E731
+        built.append(build_teachers(cfg.teachers, tokenizer, seed=cfg.seed, log=log))
+
+    on_main_rank(info, build)
+    return built[0] if built else None
 
 
 def build_tokenizer(cfg: RunConfig):
@@ -149,10 +173,15 @@ def build_prompts(cfg: RunConfig) -> tuple[list[PromptRow], list[PromptRow]]:
     def rows(source: str | None, split: str, size: int) -> list[PromptRow]:
         if source is None:
             return []
-        if source == "synthetic:addition":
-            return make_addition_rows(size, digits=data.digits, split=split, seed=cfg.seed)
         if source.startswith("synthetic:"):
-            raise ConfigError(f"data source {source!r}: the only synthetic task is 'synthetic:addition'")
+            tasks = source.removeprefix("synthetic:").split("+")
+            unknown = [task for task in tasks if task not in TASKS]
+            if unknown:
+                raise ConfigError(
+                    f"data source {source!r}: unknown synthetic task {unknown[0]!r}; the tasks are "
+                    f"{', '.join(TASKS)}, mixed with '+' (e.g. 'synthetic:addition+multiplication')"
+                )
+            return make_mixed_rows(tasks, size, digits=data.digits, split=split, seed=cfg.seed)
         return load_prompts(source)
 
     return rows(data.train, "train", data.train_size), rows(data.heldout, "heldout", data.heldout_size)

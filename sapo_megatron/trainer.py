@@ -15,6 +15,7 @@ from typing import Any
 from sapo_megatron.batching import RouteLayout, TrainSequence, build_micro_batches
 from sapo_megatron.checkpointing import Checkpointer, LoopState
 from sapo_megatron.data.prompts import PromptIterator, PromptRow
+from sapo_megatron.distill.teachers import TeacherScoring
 from sapo_megatron.errors import RunInterrupted
 from sapo_megatron.megatron.loss_hook import LogprobOutput, PolicyLossHook, add_global_normalisers
 from sapo_megatron.megatron.sft import sft_loss
@@ -39,6 +40,7 @@ def run(cfg, *, mode: str = "new") -> dict[str, Any]:
         )
         if state.bad_steps:
             session.bad_steps.load_state_dict(state.bad_steps)
+        session.distill.load_state_dict(state.distill)
         prompts = PromptIterator(session.train_rows, batch_size=cfg.trainer.prompts_per_step, seed=cfg.seed)
         if state.prompts:
             prompts.load_state_dict(state.prompts)
@@ -95,7 +97,8 @@ def encode_prompt(session: Session, row: PromptRow) -> list[int]:
 
 def run_rl(session: Session, state: LoopState, prompts: PromptIterator) -> None:
     cfg = session.cfg
-    hook = PolicyLossHook(cfg.algorithm.loss, cfg.algorithm.correction, temperature=cfg.rollout.temperature)
+    correction = session.distill.correction(cfg.algorithm.correction)  # MOPD brings its own IS weight
+    hook = PolicyLossHook(cfg.algorithm.loss, correction, temperature=cfg.rollout.temperature)
     reference = _reference_policy(session, state)
     session.tracker.start_phase("rl", cfg.trainer.steps, initial=state.step)
     with RolloutPipeline(  # generates each batch now, or (trainer.async_rollout) during the previous step
@@ -127,6 +130,7 @@ def end_of_step(session: Session, state: LoopState, phase: str, metrics: dict[st
         else (state.step, cfg.trainer.steps, cfg.trainer.save_every)
     )
     state.bad_steps = session.bad_steps.state_dict()
+    state.distill = session.distill.state_dict()
     if metrics is not None:
         session.tracker.log(step, metrics, phase=phase)
     stopping = session.guard.should_stop()
@@ -179,6 +183,7 @@ def rl_step(
     routing.old_logp(micro)
     if reference is not None:
         _attach_logp(reference, micro, "ref_logp", session.cfg.rollout.temperature)
+    metrics.update(session.distill.fuse(micro))  # teacher advantages into the micro-batches (OPD, SAF, MOPD)
     for update in micro:
         result = routing.train_step(update, hook)
         for name, value in result.metrics.items():
@@ -222,6 +227,7 @@ def _rollout(session: Session, prompts: PromptIterator, step: int):
         overlong_cache_len=cfg.algorithm.overlong_cache_len,
         return_routed_experts=cfg.rollout.routed_experts,
     )
+    teacher = TeacherScoring(session.teachers, session.distill.domain_names)  # no-op without teachers
     batch = collect(
         session.rollout,
         rows,
@@ -232,10 +238,12 @@ def _rollout(session: Session, prompts: PromptIterator, step: int):
         ),
         settings=settings,
         seed=cfg.seed * 7919 + step,
+        on_generated=teacher.submit,  # teachers score while the rewards are computed
     )
     session.reward.check_error_budget(cfg.algorithm.max_reward_error_frac)
     batch.metrics.update(session.reward.take_step_metrics())
-    return _train_sequences(batch), batch.metrics, prompts.state_dict()
+    sequences = teacher.attach(_train_sequences(batch), batch)
+    return sequences, batch.metrics, prompts.state_dict()
 
 
 def _sampling(session: Session, temperature: float) -> SamplingParams:

@@ -13,6 +13,11 @@ overrides, so arms differ only in what the arm names:
 When the base config has an SFT phase it runs once, as a warm start (``trainer.steps: 0`` into
 ``<output_dir>/warm_start``, exporting HF weights); every arm then starts from those weights with
 ``model.init: hf`` and ``sft.steps: 0``.
+
+Config arms (:func:`build_config_plan`, ``compare --arms a.yaml,b.yaml``): each arm is one YAML run config
+(named after its file: ``a-s0``), for comparisons that are not losses × replay × corrections, such as the
+distillation fusion modes. Teacher configs (``--teachers``) are trained first into ``<output_dir>/teachers/<name>``
+and every arm's teacher of that name is pointed at the teacher's HF export.
 """
 
 from __future__ import annotations
@@ -56,6 +61,10 @@ WARM_START_DIR = "warm_start"
 ARM_CONFIG_FILE = "compare.yaml"
 """The config compare wrote for a run (its own resolved copy is ``config.yaml``)."""
 ARM_NAME = re.compile(r"^(?P<loss>[a-z_]+)-(?P<replay>[a-z0-9]+)-(?P<correction>[a-z]+)-s(?P<seed>\d+)$")
+CONFIG_ARM_NAME = re.compile(r"^(?P<label>[a-z0-9_]+)-s(?P<seed>\d+)$")
+"""Run directories of config arms: ``<config file stem>-s<seed>``."""
+TEACHERS_DIR = "teachers"
+"""Where ``--teachers`` runs go: ``<output_dir>/teachers/<teacher config name>``."""
 DEMO_MISMATCH = {"rollout.precision": "fp8"}
 """The demo's default source of training–inference mismatch (a ``--set`` may change it)."""
 
@@ -74,15 +83,31 @@ class Arm:
     replay: str
     correction: str
     seed: int
+    label: str | None = None
+    """A config arm's name (its config file's stem); None for a (loss, replay, correction) arm."""
 
     @property
     def name(self) -> str:
-        """``sapo-r2-none-s0``: the arm's run directory under the compare's output directory."""
-        return f"{self.loss}-{self.replay}-{self.correction}-s{self.seed}"
+        """``sapo-r2-none-s0`` (or ``<label>-s0``): the arm's run directory under the compare's output directory."""
+        return f"{self.configuration}-s{self.seed}"
+
+    @property
+    def configuration(self) -> str:
+        """``sapo-r2-none`` (or ``<label>``): the arm's name without its seed; the seeds of one configuration
+        share it."""
+        return self.label if self.label is not None else f"{self.loss}-{self.replay}-{self.correction}"
+
+    @property
+    def colour_key(self) -> tuple[str, ...]:
+        """What the plots colour by: the config arm's label, else (loss, correction)."""
+        return (self.label,) if self.label is not None else (self.loss, self.correction)
 
     def overrides(self) -> dict[str, Any]:
         """Dotted config overrides of this arm, in the order they must be applied (the loss's ``name`` first:
-        switching the variant drops the other variant's keys and keeps the shared ones)."""
+        switching the variant drops the other variant's keys and keeps the shared ones). A config arm sets only
+        its seed: the rest is its config."""
+        if self.label is not None:
+            return {"seed": self.seed}
         loss = LOSSES[self.loss]
         out: dict[str, Any] = {"algorithm.loss.name": loss["name"]}
         out.update({f"algorithm.loss.{key}": value for key, value in loss.items() if key != "name"})
@@ -121,6 +146,8 @@ class ComparePlan:
     """Where the base config comes from, in words (a path, or the embedded demo)."""
     overrides: dict[str, Any]
     """The ``--set`` overrides every run got."""
+    teachers: tuple[PlannedRun, ...] = ()
+    """Teacher runs (``--teachers``), trained before the warm start; arms score with their HF exports."""
 
 
 def parse_names(text: str, known: Sequence[str], option: str) -> list[str]:
@@ -250,3 +277,110 @@ def _check_base(base: RunConfig, replays: Sequence[str]) -> None:
             f"{base.model.arch.model_type} has no experts",
             hint="use --replay none",
         )
+
+
+# --------------------------------------------------------------------------------------------------------
+# Config arms (--arms) and teachers (--teachers)
+# --------------------------------------------------------------------------------------------------------
+
+SHARED_SECTIONS = ("model", "sft", "data")
+"""Sections every config arm must have alike: they share one warm start and one prompt set."""
+
+
+def build_config_plan(
+    arm_configs: Sequence[str],
+    overrides: Mapping[str, Any],
+    *,
+    teacher_configs: Sequence[str] = (),
+    seeds: int,
+    steps: int,
+    output_dir: str | Path,
+) -> ComparePlan:
+    """A comparison whose arms are whole run configs (one per file, named after its stem), plus teachers to
+    train first. Raises :class:`CompareError` (or ``ConfigError``) on bad input; nothing runs."""
+    if steps < 1:
+        raise CompareError(f"--steps {steps}: each arm needs at least one RL step")
+    if seeds < 1:
+        raise CompareError(f"--seeds {seeds}: need at least one seed")
+    check_overrides({k: v for k, v in overrides.items() if not k.startswith("algorithm.")})
+    root = Path(output_dir).resolve()
+    labels = [_arm_label(path) for path in arm_configs]
+    repeated = sorted({label for label in labels if labels.count(label) > 1})
+    if repeated:
+        raise CompareError(
+            f"--arms: {', '.join(repeated)} given more than once (arms are named by file stem)"
+        )
+    teachers = tuple(_teacher_run(path, root) for path in teacher_configs)
+    shared = {**overrides, "trainer.steps": steps}
+    bases = [load_config(path, shared) for path in arm_configs]
+    base = bases[0]
+    _check_base(base, ["none"])
+    _check_alike(arm_configs, bases)
+    warm_start = None
+    if base.sft.steps > 0:
+        warm_start = _warm_start(arm_configs[0], shared, root / WARM_START_DIR)
+        shared.update({"model.init": "hf", "model.init_path": str(warm_start.run_dir / "hf"), "sft.steps": 0})
+    made = {run.cfg.name: run.run_dir / "hf" for run in teachers}
+    planned = []
+    for seed in range(seeds):
+        for path, label, cfg in zip(arm_configs, labels, bases):
+            arm = Arm(
+                cfg.algorithm.loss.name,
+                cfg.algorithm.routing_replay,
+                cfg.algorithm.correction.name,
+                seed,
+                label,
+            )
+            arm_overrides = {
+                **shared,
+                **arm.overrides(),
+                "name": arm.name,
+                "output_dir": str(root / arm.name),
+            }
+            if made and cfg.teachers:
+                arm_overrides["teachers"] = _teachers_pointed_at(cfg, made)
+            planned.append(PlannedRun(arm.name, load_config(path, arm_overrides), arm))
+    source = "configs " + ", ".join(arm_configs)
+    return ComparePlan(root, base, warm_start, tuple(planned), steps, source, dict(overrides), teachers)
+
+
+def _arm_label(path: str) -> str:
+    label = Path(path).stem
+    if not re.fullmatch(r"[a-z0-9_]+", label):
+        raise CompareError(
+            f"--arms {path}: arms are named after their file's stem, which must be lower-case letters, digits "
+            f"and '_' (got {label!r})",
+            hint="rename the file, e.g. fixed_fusion.yaml",
+        )
+    return label
+
+
+def _teacher_run(path: str, root: Path) -> PlannedRun:
+    """A teacher config trained (SFT and/or RL, as it says) into ``root/teachers/<its name>``, exporting HF."""
+    name = load_config(path).name
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
+        raise CompareError(f"--teachers {path}: its name {name!r} must be usable as a directory name")
+    overrides = {"output_dir": str(root / TEACHERS_DIR / name), "trainer.export_hf": True}
+    return PlannedRun(f"{TEACHERS_DIR}/{name}", load_config(path, overrides))
+
+
+def _teachers_pointed_at(cfg: RunConfig, made: Mapping[str, Path]) -> list[dict[str, Any]]:
+    """The arm's ``teachers`` with each teacher that compare trains (same name) reading that teacher's export."""
+    out = []
+    for teacher in cfg.teachers:
+        entry = teacher.model_dump(mode="json")
+        if teacher.name in made and teacher.engine == "cpu":
+            entry["model_path"] = str(made[teacher.name])
+        out.append(entry)
+    return out
+
+
+def _check_alike(paths: Sequence[str], configs: Sequence[RunConfig]) -> None:
+    first = {section: getattr(configs[0], section).model_dump(mode="json") for section in SHARED_SECTIONS}
+    for path, cfg in zip(paths[1:], configs[1:]):
+        for section in SHARED_SECTIONS:
+            if getattr(cfg, section).model_dump(mode="json") != first[section]:
+                raise CompareError(
+                    f"--arms: {path} has another {section} section than {paths[0]}; config arms share one warm "
+                    f"start and one prompt set, so {', '.join(SHARED_SECTIONS)} must be the same in every arm"
+                )

@@ -1,9 +1,11 @@
 """PNG plots of the comparison: one file per quantity, RL step on x, the arms overlaid.
 
 Drawn with matplotlib's object API on the Agg canvas (no pyplot, no display, no global figure state). An arm's
-colour is its (loss, correction) pair, its line style its routing replay (none solid, r2 dashed, r3 dotted), so
-the replay effect of one loss reads as three styles of one colour; the seeds of one configuration share both.
-Non-finite or missing values are gaps. A quantity no arm logged still gets its file, saying so.
+colour is its (loss, correction) pair (a config arm's: its name), its line style its routing replay (none solid,
+r2 dashed, r3 dotted), so the replay effect of one loss reads as three styles of one colour. A configuration run
+with several seeds is one curve, the mean over its seeds at each step, in a band from their minimum to their
+maximum (27 overlaid curves would be unreadable). Non-finite or missing values are gaps. A quantity no arm logged
+still gets its file, saying so.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ PLOTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
         ("routing_agreement", "routing_agreement_live"),
     ),
     ("grad_norm", "gradient norm (before clipping)", ("grad_norm",)),
+    ("reverse_kl", "student–teacher reverse KL (nats per token)", ("reverse_kl",)),
 )
 """(file stem, title, series of :class:`ArmResult` drawn; two series are two panels)."""
 
@@ -95,27 +98,49 @@ def _save_small_png(figure, path: Path) -> None:
 
 
 def _panel(ax, results: Sequence[ArmResult], name: str, colours) -> bool:
-    """Draw one series of every arm into ``ax``; returns whether any value was drawn."""
+    """Draw one series of every configuration into ``ax`` (one arm: its values; several seeds: their mean and
+    min-max band); returns whether any value was drawn."""
     drawn: list[float] = []
-    for result in results:
-        steps, values = _points(result, name)
-        if not any(v is not None for v in values):
+    for arms in _by_configuration(results).values():
+        steps, per_step = _values_per_step(arms, name)
+        if not steps:
             continue
-        ys = [float("nan") if v is None else v for v in values]
+        arm = arms[0].arm
+        means = [sum(values) / len(values) if values else float("nan") for values in per_step]
+        style = dict(color=colours[arm.colour_key], linewidth=1.2)
+        label = arm.name if len(arms) == 1 else f"{arm.configuration} (mean of {len(arms)} seeds)"
+        marker = "o" if name == "accuracy" or len(steps) < 12 else None
         ax.plot(
-            steps,
-            ys,
-            LINE_STYLES.get(result.arm.replay, "-."),
-            color=colours[(result.arm.loss, result.arm.correction)],
-            marker="o" if name == "accuracy" or len(steps) < 12 else None,
-            markersize=3,
-            linewidth=1.2,
-            label=result.arm.name,
+            steps, means, LINE_STYLES.get(arm.replay, "-."), marker=marker, markersize=3, label=label, **style
         )
-        drawn += [v for v in values if v is not None]
+        if len(arms) > 1:
+            low = [min(values) if values else float("nan") for values in per_step]
+            high = [max(values) if values else float("nan") for values in per_step]
+            ax.fill_between(steps, low, high, color=style["color"], alpha=0.12, linewidth=0)
+        drawn += [v for values in per_step for v in values]
     if drawn and name in LOG_SCALE and min(drawn) > 0:
         ax.set_yscale("log")
     return bool(drawn)
+
+
+def _by_configuration(results: Sequence[ArmResult]) -> dict[str, list[ArmResult]]:
+    groups: dict[str, list[ArmResult]] = {}
+    for result in results:
+        groups.setdefault(result.arm.configuration, []).append(result)
+    return groups
+
+
+def _values_per_step(arms: Sequence[ArmResult], name: str) -> tuple[list[int], list[list[float]]]:
+    """The steps of the configuration's seeds and the values they logged there (an empty list: a gap); no steps
+    when nothing was logged."""
+    by_step: dict[int, list[float]] = {}
+    for result in arms:
+        for step, value in zip(*_points(result, name)):
+            by_step.setdefault(step, []).extend([] if value is None else [value])
+    if not any(by_step.values()):
+        return [], []
+    steps = sorted(by_step)
+    return steps, [by_step[step] for step in steps]
 
 
 def _points(result: ArmResult, name: str) -> tuple[list[int], list[float | None]]:
@@ -134,6 +159,6 @@ def _points(result: ArmResult, name: str) -> tuple[list[int], list[float | None]
     return steps, [points[step] for step in steps]
 
 
-def _colours(results: Sequence[ArmResult]) -> dict[tuple[str, str], str]:
-    keys = list(dict.fromkeys((r.arm.loss, r.arm.correction) for r in results))
+def _colours(results: Sequence[ArmResult]) -> dict[tuple[str, ...], str]:
+    keys = list(dict.fromkeys(r.arm.colour_key for r in results))
     return {key: f"C{i % 10}" for i, key in enumerate(keys)}

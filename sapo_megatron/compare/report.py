@@ -8,8 +8,9 @@ without rollout log-probs) is ``null`` in ``report.json`` and "–" in the table
 
 Definitions (``report.json`` → ``arms[i].final``):
 
-- ``reward``, ``entropy``: mean of ``reward/mean`` / ``entropy`` over the last 10 % of the arm's logged RL steps
-  (at least one step), ignoring null values;
+- ``reward``, ``entropy``, ``reverse_kl``: mean of ``reward/mean`` / ``entropy`` / ``opd/reverse_kl`` (the
+  student–teacher reverse KL of runs with a teacher) over the last 10 % of the arm's logged RL steps (at least one
+  step), ignoring null values;
 - ``accuracy``: ``summary.json`` ``accuracy_after`` (greedy held-out accuracy after the last step);
 - ``mismatch_k3``: mean of ``mismatch/k3`` over all steps; ``routing_agreement``: mean of
   ``routing/agreement_used``; ``routing_agreement_live``: mean of ``routing/agreement``;
@@ -60,6 +61,7 @@ METRICS = {
     "routing_agreement_live": "routing/agreement",
     "grad_norm": "grad_norm",
     "loss": "loss/total",
+    "reverse_kl": "opd/reverse_kl",
 }
 """Short name → metric name in ``metrics.jsonl``."""
 
@@ -147,6 +149,7 @@ def final_values(result: ArmResult) -> dict[str, Any]:
         "routing_agreement": _mean(result.series["routing_agreement"]),
         "routing_agreement_live": _mean(result.series["routing_agreement_live"]),
         "grad_norm_max": _max(result.series["grad_norm"]),
+        "reverse_kl": _mean(result.series["reverse_kl"][-window:] if window else []),
         "collapsed": bool(result.reasons),
     }
 
@@ -224,10 +227,11 @@ class ReportFiles:
 
 
 def report_json(results: Sequence[ArmResult]) -> dict[str, Any]:
-    """The stable shape: ``{"arms": [{loss, replay, correction, seed, run_dir, steps, final: {...}}]}``."""
+    """The stable shape: ``{"arms": [{name, loss, replay, correction, seed, run_dir, steps, final: {...}}]}``."""
     return {
         "arms": [
             {
+                "name": r.arm.name,
                 "loss": r.arm.loss,
                 "replay": r.arm.replay,
                 "correction": r.arm.correction,
@@ -290,7 +294,8 @@ def render_markdown(
 
 
 _DEFINITIONS = (
-    f"reward, entropy: mean over the last {FINAL_FRACTION:.0%} of the RL steps; held-out accuracy: greedy, before "
+    f"reward, entropy, reverse KL (student–teacher): mean over the last {FINAL_FRACTION:.0%} of the RL steps; "
+    "held-out accuracy: greedy, before "
     "the first and after the last RL step; k3 and routing agreement: mean over all steps (agreement used: the "
     "routing of the training forward vs the engine's; live: the trainer's own routing vs the engine's); "
     "–: not logged by the run."
@@ -300,7 +305,7 @@ _DEFINITIONS = (
 def _table(results: Sequence[ArmResult]) -> list[str]:
     head = (
         "| arm | status | steps | reward | held-out accuracy | entropy | mismatch k3 | "
-        "routing agreement used / live | max grad norm | collapsed |"
+        "routing agreement used / live | max grad norm | reverse KL | collapsed |"
     )
     rows = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
@@ -311,7 +316,7 @@ def _table(results: Sequence[ArmResult]) -> list[str]:
         rows.append(
             f"| `{r.arm.name}` | {r.status} | {r.completed_steps} | {_fmt(final['reward'])} | "
             f"{accuracy} | {_fmt(final['entropy'])} | {_fmt(final['mismatch_k3'])} | {routing} | "
-            f"{_fmt(final['grad_norm_max'])} | {collapsed} |"
+            f"{_fmt(final['grad_norm_max'])} | {_fmt(final['reverse_kl'])} | {collapsed} |"
         )
     return rows
 
@@ -332,6 +337,7 @@ def reading(results: Sequence[ArmResult]) -> list[str]:
             f"{loss}: collapsed in {sum(bool(r.reasons) for r in mine)} of {len(mine)} arms ({by_replay})."
         )
     lines.append(_best_line(results))
+    lines.append(_distillation_line(results))
     lines.append(_mismatch_line(results))
     lines += _missing_lines(results)
     return [line for line in lines if line]
@@ -352,6 +358,17 @@ def _best_line(results: Sequence[ArmResult]) -> str:
     ties = [r.arm.name for r in scored if r.final["accuracy"] == best.final["accuracy"]]
     names = ", ".join(f"`{name}`" for name in ties)
     return f"Highest held-out accuracy after RL: {_fmt(best.final['accuracy'])} ({names})."
+
+
+def _distillation_line(results: Sequence[ArmResult]) -> str:
+    """Entropy and reverse KL at the end, per arm, when some arm had a teacher (what OPD / SAF change)."""
+    if all(r.final["reverse_kl"] is None for r in results):
+        return ""
+    parts = [
+        f"`{r.arm.name}` entropy {_fmt(r.final['entropy'])}, reverse KL {_fmt(r.final['reverse_kl'])}"
+        for r in results
+    ]
+    return "At the end (last 10 % of steps): " + "; ".join(parts) + "."
 
 
 def _mismatch_line(results: Sequence[ArmResult]) -> str:

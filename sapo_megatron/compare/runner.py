@@ -34,12 +34,15 @@ import yaml
 from sapo_megatron.compare.arms import (
     ARM_CONFIG_FILE,
     ARM_NAME,
+    CONFIG_ARM_NAME,
+    TEACHERS_DIR,
     WARM_START_DIR,
     CompareError,
     ComparePlan,
     PlannedRun,
 )
 from sapo_megatron.compare.report import ReportFiles, load_arm_result, require_matplotlib, write_report
+from sapo_megatron.config import ConfigError, config_from_dict
 from sapo_megatron.errors import UserError
 from sapo_megatron.interrupts import EXIT_NOW_CODE, InterruptGuard
 from sapo_megatron.run_dir import TRASH_PREFIX
@@ -86,8 +89,9 @@ def preflight(plan: ComparePlan, *, overwrite: bool) -> None:
 
     require_matplotlib()
     check_output_dir(plan, overwrite=overwrite)
-    # The warm start's inputs; without one, an arm's (with a warm start, arms read its export, made later).
-    check_input_files(plan.warm_start.cfg if plan.warm_start else plan.arms[0].cfg)
+    # The first run's inputs: later runs read the exports of the teachers and the warm start, made later.
+    first = plan.teachers[0] if plan.teachers else plan.warm_start or plan.arms[0]
+    check_input_files(first.cfg)
     check_reward_available(plan.base.algorithm.reward)
 
 
@@ -119,6 +123,8 @@ def run_compare(
     outcome_failures: dict[str, str] = {}
     ran: list[str] = []
     with InterruptGuard(announce=None) as guard:
+        for teacher in plan.teachers:
+            _warm_start(teacher, guard, command, out, ran, what=f"teacher {teacher.cfg.name}")
         if plan.warm_start is not None:
             _warm_start(plan.warm_start, guard, command, out, ran)
         for index, run in enumerate(plan.arms, start=1):
@@ -153,9 +159,17 @@ def is_finished(run: PlannedRun) -> bool:
 
 
 def _warm_start(
-    run: PlannedRun, guard: InterruptGuard, command: TrainCommand, out: TextIO, ran: list[str]
+    run: PlannedRun,
+    guard: InterruptGuard,
+    command: TrainCommand,
+    out: TextIO,
+    ran: list[str],
+    what: str = "warm start",
 ) -> None:
-    prefix = f"warm start ({run.cfg.sft.steps} SFT steps) ..."
+    """Run a run every arm needs (the warm start, a teacher) unless finished; raise :class:`WarmStartError` if
+    it fails."""
+    rl = f", {run.cfg.trainer.steps} RL steps" if run.cfg.trainer.steps else ""
+    prefix = f"{what} ({run.cfg.sft.steps} SFT steps{rl}) ..."
     if is_finished(run):
         _say(out, f"{prefix} finished earlier")
         return
@@ -167,7 +181,7 @@ def _warm_start(
     if rc != 0:
         _say(out, "failed")
         raise WarmStartError(
-            f"the warm start failed (exit {rc}): {error}",
+            f"the {what} failed (exit {rc}): {error}",
             hint=f"see {run.run_dir / 'train.log'}; run the same command again once fixed",
         )
     _say(out, f"done in {time.monotonic() - started:.0f} s")
@@ -289,7 +303,7 @@ def check_output_dir(plan: ComparePlan, *, overwrite: bool) -> None:
         )
     if overwrite:
         return
-    runs = [plan.warm_start, *plan.arms] if plan.warm_start else list(plan.arms)
+    runs = [*plan.teachers, *([plan.warm_start] if plan.warm_start else []), *plan.arms]
     for run in runs:
         differences = config_differences(run)
         if differences:
@@ -303,7 +317,9 @@ def _is_compare_entry(path: Path) -> bool:
     name = path.name
     if path.is_dir():
         return (
-            name in (WARM_START_DIR, "plots") or bool(ARM_NAME.match(name)) or name.startswith(TRASH_PREFIX)
+            name in (WARM_START_DIR, TEACHERS_DIR, "plots")
+            or bool(ARM_NAME.match(name) or CONFIG_ARM_NAME.match(name))
+            or name.startswith(TRASH_PREFIX)
         )
     return name in REPORT_ENTRIES or bool(re.fullmatch(r"\.report\.(md|json)\.tmp", name))
 
@@ -314,15 +330,23 @@ def config_differences(run: PlannedRun) -> list[str]:
     written = run.run_dir / "config.yaml"
     if not written.is_file():
         return []
-    there = _flatten(yaml.safe_load(written.read_text()) or {})
-    with tempfile.TemporaryDirectory() as tmp:
-        planned = _flatten(yaml.safe_load(run.cfg.save_resolved(Path(tmp) / "config.yaml").read_text()))
+    there = _flatten(_with_current_defaults(yaml.safe_load(written.read_text()) or {}))
+    planned = _flatten(run.cfg.resolved_dict())
     keys = sorted(set(there) | set(planned))
     return [
         f"{key}: {there.get(key)!r} → {planned.get(key)!r}"
         for key in keys
         if there.get(key) != planned.get(key)
     ]
+
+
+def _with_current_defaults(written: dict[str, Any]) -> dict[str, Any]:
+    """A run's written config read through this version's schema: a field added since the run was written gets
+    its default (a run from before an upgrade is the same run), unless the run's config no longer validates."""
+    try:
+        return config_from_dict(written).resolved_dict()
+    except ConfigError:
+        return written
 
 
 def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
@@ -371,9 +395,15 @@ def describe(plan: ComparePlan, *, markdown: bool = False) -> list[str]:
 
     code = (lambda text: f"`{text}`") if markdown else (lambda text: text)
     seeds = sorted({arm.seed for arm in arms})
+    if any(arm.label is not None for arm in arms):
+        what = f"configs {listed(code(a.label) for a in arms)}"
+    else:
+        what = (
+            f"losses {listed(a.loss for a in arms)} × replay {listed(a.replay for a in arms)} × "
+            f"corrections {listed(a.correction for a in arms)}"
+        )
     lines = [
-        f"{len(arms)} arms: losses {listed(a.loss for a in arms)} × replay {listed(a.replay for a in arms)} × "
-        f"corrections {listed(a.correction for a in arms)} × seeds {listed(map(str, seeds))}, "
+        f"{len(arms)} arms: {what} × seeds {listed(map(str, seeds))}, "
         f"{plan.steps} RL steps each, into {code(str(plan.output_dir))}.",
         f"Base config: {plan.source}"
         + (
@@ -383,6 +413,7 @@ def describe(plan: ComparePlan, *, markdown: bool = False) -> list[str]:
         )
         + f"; rollout precision {code(plan.base.rollout.precision)} (trainer: {code(plan.base.precision.dtype)}).",
     ]
+    lines += [_teacher_line(run, code) for run in plan.teachers]
     lines.append(_warm_start_line(plan, code))
     if not markdown:
         lines.append(f"each run's log: {plan.output_dir}/<run>/train.log")
@@ -406,3 +437,22 @@ def _warm_start_line(plan: ComparePlan, code) -> str:
         f"Warm start: {code(WARM_START_DIR + '/')} ({plan.warm_start.cfg.sft.steps} SFT steps{accuracy}), "
         "the initial weights of every arm (arm seeds are the seed indices)."
     )
+
+
+def _teacher_line(run: PlannedRun, code) -> str:
+    summary = _accuracy_after(run)
+    accuracy = f", held-out accuracy {summary:.3f}" if summary is not None else ""
+    return (
+        f"Teacher {code(run.cfg.name)}: {code(run.name + '/')} ({run.cfg.sft.steps} SFT steps, "
+        f"{run.cfg.trainer.steps} RL steps{accuracy}); the arms' teacher {code(run.cfg.name)} scores with its HF export."
+    )
+
+
+def _accuracy_after(run: PlannedRun) -> float | None:
+    import json
+
+    path = run.run_dir / "summary.json"
+    if not path.is_file():
+        return None
+    value = json.loads(path.read_text()).get("accuracy_after")
+    return value if isinstance(value, (int, float)) else None

@@ -1,6 +1,9 @@
-"""A synthetic verifiable task: multi-digit addition, ``"12+34="`` -> ``"46"``.
+"""Synthetic verifiable tasks: multi-digit addition, ``"12+34="`` -> ``"46"`` (domain ``addition``), and
+multiplication by a one-digit number, ``"37*6="`` -> ``"222"`` (domain ``multiplication``); both are scored by
+the ``numeric_match`` reward. A data source ``synthetic:addition+multiplication`` mixes tasks (equal shares,
+interleaved), which gives multi-teacher distillation (MOPD) two domains.
 
-Difficulty is the number of digits of each operand. Train and held-out splits partition the *unordered* operand
+Difficulty is the number of digits of each operand (addition) or of the first operand (multiplication). Train and held-out splits partition the *unordered* operand
 pairs by a fixed hash, so ``a+b`` and ``b+a`` always fall in the same split and no held-out problem (in either
 order) is ever a training problem, as long as both splits are drawn with the same ``heldout_fraction``. Generation
 is deterministic in ``seed``.
@@ -15,6 +18,9 @@ import numpy as np
 from sapo_megatron.data.prompts import DatasetError, PromptRow
 
 DOMAIN = "addition"
+MULTIPLICATION = "multiplication"
+TASKS: tuple[str, ...] = (DOMAIN, MULTIPLICATION)
+"""The synthetic tasks, by their domain names."""
 Split = Literal["train", "heldout"]
 
 
@@ -33,6 +39,56 @@ def pair_split(a: int, b: int, heldout_fraction: float) -> Split:
 
 def addition_problem(a: int, b: int) -> PromptRow:
     return PromptRow(prompt=f"{a}+{b}=", ground_truth=str(a + b), domain=DOMAIN)
+
+
+def multiplication_problem(a: int, b: int) -> PromptRow:
+    return PromptRow(prompt=f"{a}*{b}=", ground_truth=str(a * b), domain=MULTIPLICATION)
+
+
+def make_task_rows(
+    task: str, n: int, *, digits: int = 2, split: Split = "train", seed: int = 0
+) -> list[PromptRow]:
+    """``n`` distinct problems of one synthetic ``task`` (a name of :data:`TASKS`) and split."""
+    if task == DOMAIN:
+        return make_addition_rows(n, digits=digits, split=split, seed=seed)
+    if task == MULTIPLICATION:
+        return make_multiplication_rows(n, digits=digits, split=split, seed=seed)
+    raise ValueError(f"unknown synthetic task {task!r}; choose from {', '.join(TASKS)}")
+
+
+def make_mixed_rows(
+    tasks: list[str], n: int, *, digits: int = 2, split: Split = "train", seed: int = 0
+) -> list[PromptRow]:
+    """``n`` problems drawn from ``tasks`` in turn (task ``i`` supplies rows ``i, i + len(tasks), ...``)."""
+    if not tasks:
+        raise ValueError("make_mixed_rows needs at least one task")
+    shares = [len(range(i, n, len(tasks))) for i in range(len(tasks))]
+    per_task = [
+        make_task_rows(task, share, digits=digits, split=split, seed=seed)
+        for task, share in zip(tasks, shares)
+    ]
+    return [per_task[i % len(tasks)][i // len(tasks)] for i in range(n)]
+
+
+def make_multiplication_rows(
+    n: int, *, digits: int = 2, split: Split = "train", seed: int = 0, heldout_fraction: float = 0.1
+) -> list[PromptRow]:
+    """``n`` distinct problems ``a*b=`` with ``a`` of ``digits`` digits and ``b`` in 2..9, of one split (the
+    pair hash of :func:`pair_split`, as for addition). Raises :class:`DatasetError` when the split is too small."""
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout', got {split!r}")
+    lo, hi = _operand_range(digits)
+    pairs = [
+        (a, b) for a in range(lo, hi + 1) for b in range(2, 10) if pair_split(a, b, heldout_fraction) == split
+    ]
+    if len(pairs) < n:
+        raise DatasetError(
+            f"only {len(pairs)} distinct {split} multiplication problems with digits={digits}, {n} asked for; "
+            f"ask for fewer (data.{split}_size) or allow more digits (data.digits)"
+        )
+    rng = np.random.default_rng([seed, 2 if split == "train" else 3])
+    chosen = rng.choice(len(pairs), size=n, replace=False)
+    return [multiplication_problem(*pairs[int(i)]) for i in chosen]
 
 
 def make_addition_rows(

@@ -163,6 +163,10 @@ class CharTokenizer:
             raise TokenizerError(f"{path} is not a char tokenizer file of this version")
         return cls(data["chars"])
 
+    def fingerprint(self) -> str:
+        """Equal for tokenizers that map every text to the same ids (teacher and student must share one)."""
+        return _digest({"type": "char", "special": list(SPECIAL_TOKENS), "chars": self.chars})
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, CharTokenizer) and other.chars == self.chars
 
@@ -207,6 +211,11 @@ class HFTokenizer:
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def fingerprint(self) -> str:
+        """Equal for tokenizers with the same vocabulary (token → id, added tokens included) and special ids."""
+        vocab = sorted(self._tok.get_vocab().items(), key=lambda item: item[1])
+        return _digest({"vocab": vocab, "special": [self.pad_id, self.bos_id, self.eos_id]})
+
     def save(self, directory: str | Path) -> Path:
         """Copy the tokenizer files of the directory it was loaded from, unchanged (``save_pretrained`` would
         re-serialise them, and may drop files such as a chat template it does not know)."""
@@ -218,6 +227,12 @@ class HFTokenizer:
         if not copied:  # loaded through files of other names: let transformers write its own
             self._tok.save_pretrained(str(directory))
         return directory
+
+
+def _digest(data: Any) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def load_tokenizer(spec: str) -> CharTokenizer | HFTokenizer:

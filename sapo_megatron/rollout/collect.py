@@ -54,6 +54,9 @@ Refill = Callable[[int], Sequence[PromptRow]]
 """``refill(n)``: the next ``n`` prompts of the data order (e.g. ``PromptIterator.take``); fewer when the data
 runs out."""
 Scored = tuple[PromptRow, list[Sample], torch.Tensor]
+OnGenerated = Callable[[Sequence[PromptRow], list[list[Sample]]], None]
+"""Called with each generation round's prompts and groups before they are scored (e.g. to start teacher scoring,
+which then overlaps with the reward computation)."""
 
 
 def generate_groups(
@@ -95,6 +98,7 @@ def collect(
     score: Score,
     settings: CollectSettings,
     seed: int,
+    on_generated: OnGenerated | None = None,
 ) -> RolloutBatch:
     """Generate and score one batch of ``len(prompts)`` groups.
 
@@ -112,6 +116,8 @@ def collect(
     while batch_prompts:
         groups = generate_groups(engine, batch_prompts, encode, settings, seed * 31 + rounds)
         rounds += 1
+        if on_generated is not None:
+            on_generated(batch_prompts, groups)
         pool.add(batch_prompts, groups, score, settings)
         if len(pool.informative) >= wanted or rounds > settings.max_refills:
             break

@@ -71,7 +71,16 @@ def generate_payload(
 
 
 def score_payload(token_ids: Sequence[int], *, rid: str) -> dict[str, Any]:
-    """Body of ``POST /generate`` that scores a full sequence without generating (teacher scoring)."""
+    """Body of ``POST /generate`` that scores a full sequence without generating (teacher scoring).
+
+    Checked against SGLang's source (``python/sglang/srt/managers/io_struct.py`` ``GenerateReqInput``:
+    ``input_ids``, ``sampling_params``, ``return_logprob``, ``logprob_start_len`` – "the start location in the
+    prompt for returning logprobs", default -1 = output tokens only –, ``rid``; ``entrypoints/http_server.py``
+    ``/generate`` returns the tokenizer manager's dict, whose ``meta_info.input_token_logprobs`` is a list of
+    ``[logprob, token_id, text]``, one per input token, the first with logprob None). slime's teacher scoring
+    sends the same body and reads ``input_token_logprobs[1:]``. Input log-probs come from the raw logits:
+    the ``temperature`` here does not change them (teachers score at temperature 1).
+    """
     return {
         "input_ids": list(token_ids),
         "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},

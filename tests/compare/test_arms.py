@@ -200,3 +200,45 @@ def test_arm_overrides_switch_the_loss_variant_first():
     assert next(iter(overrides)) == "algorithm.loss.name"
     assert overrides["algorithm.correction"] == {"name": "tis", "cap": 2.0}
     assert (overrides["algorithm.routing_replay"], overrides["seed"]) == ("r3", 2)
+
+
+# ------------------------------------------------------------------------------ config arms (--arms, --teachers)
+
+DISTILL = Path(__file__).resolve().parents[2] / "configs" / "distill"
+
+
+def test_config_arms_run_their_own_configs_and_read_the_teachers_compare_trains(tmp_path):
+    from sapo_megatron.compare import build_config_plan
+
+    arms = [str(DISTILL / f"{name}.yaml") for name in ("rl", "saf")]
+    plan = build_config_plan(
+        arms,
+        {},
+        teacher_configs=[str(DISTILL / "teacher_addition.yaml")],
+        seeds=2,
+        steps=5,
+        output_dir=tmp_path,
+    )
+    assert [run.name for run in plan.arms] == ["rl-s0", "saf-s0", "rl-s1", "saf-s1"]
+    (teacher,) = plan.teachers
+    assert teacher.run_dir == tmp_path / "teachers" / "addition" and teacher.cfg.sft.steps == 1500
+    assert plan.warm_start is not None and plan.warm_start.cfg.sft.steps == 150
+    for run in plan.arms:
+        cfg = run.cfg
+        assert cfg.seed == run.arm.seed and cfg.trainer.steps == 5 and cfg.sft.steps == 0
+        assert cfg.teachers[0].model_path == str(tmp_path / "teachers" / "addition" / "hf")
+        assert cfg.model.init_path == str(tmp_path / "warm_start" / "hf")
+    assert [run.cfg.algorithm.fusion.mode for run in plan.arms[:2]] == ["rl", "saf"]
+    assert plan.arms[0].arm.colour_key != plan.arms[1].arm.colour_key
+
+
+def test_config_arms_must_share_model_sft_and_data(tmp_path):
+    from sapo_megatron.compare import build_config_plan
+
+    arms = [str(DISTILL / "rl.yaml"), str(DISTILL / "mopd.yaml")]
+    with pytest.raises(CompareError, match=r"mopd.yaml has another data section than .*rl.yaml"):
+        build_config_plan(arms, {}, seeds=1, steps=5, output_dir=tmp_path)
+    bad = tmp_path / "Fixed-Fusion.yaml"
+    bad.write_text((DISTILL / "fixed.yaml").read_text())
+    with pytest.raises(CompareError, match=r"must be lower-case letters"):
+        build_config_plan([str(bad)], {}, seeds=1, steps=5, output_dir=tmp_path)

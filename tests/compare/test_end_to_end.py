@@ -23,7 +23,7 @@ TINY = [
     "--set", "trainer.mini_batches=1", "--set", "trainer.eval_every=0", "--set", "trainer.save_every=0",
     "--set", "trainer.export_hf=false",
 ]  # fmt: skip
-PLOTS = {"reward", "accuracy", "entropy", "mismatch_k3", "routing_agreement", "grad_norm"}
+PLOTS = {"reward", "accuracy", "entropy", "mismatch_k3", "routing_agreement", "grad_norm", "reverse_kl"}
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
 

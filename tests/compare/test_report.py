@@ -19,9 +19,10 @@ FINAL_KEYS = [
     "routing_agreement",
     "routing_agreement_live",
     "grad_norm_max",
+    "reverse_kl",
     "collapsed",
 ]
-ARM_KEYS = ["loss", "replay", "correction", "seed", "run_dir", "steps", "final"]
+ARM_KEYS = ["name", "loss", "replay", "correction", "seed", "run_dir", "steps", "final"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SAPO_BLUE, GRPO_ORANGE = (0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)
 
@@ -181,6 +182,7 @@ def test_missing_metrics_and_missing_runs_give_nulls(tmp_path):
         "routing_agreement": None,
         "routing_agreement_live": None,
         "grad_norm_max": None,
+        "reverse_kl": None,
         "collapsed": True,  # a null grad_norm was logged: it was not finite
     }
     never_ran = load_arm_result(GRPO, tmp_path / "nowhere")
@@ -217,13 +219,17 @@ def test_plots_are_small_non_empty_pngs_even_for_metrics_nobody_logged(tmp_path)
         "mismatch_k3.png",
         "routing_agreement.png",  # no arm logged routing agreement: the file says so
         "grad_norm.png",
+        "reverse_kl.png",  # no arm had a teacher
     ]
     for path in files.plots:
         data = path.read_bytes()
         assert data.startswith(PNG_SIGNATURE) and 1_000 < len(data) < 150_000, (path.name, len(data))
         # an arm's colour (matplotlib's C0, C1) is in the picture exactly when its curve was drawn: nobody
-        # logged routing agreement, and GRPO has no held-out accuracy (no summary.json, no eval steps)
-        drawn = {"routing_agreement": (False, False), "accuracy": (True, False)}.get(path.stem, (True, True))
+        # logged routing agreement or reverse KL, and GRPO has no held-out accuracy (no summary.json, no eval steps)
+        nobody = (False, False)
+        drawn = {"routing_agreement": nobody, "reverse_kl": nobody, "accuracy": (True, False)}.get(
+            path.stem, (True, True)
+        )
         assert (has_colour(path, SAPO_BLUE), has_colour(path, GRPO_ORANGE)) == drawn, path.name
     assert not list((tmp_path / "plots").glob(".*"))  # no temporary file left
 
@@ -234,7 +240,8 @@ def test_report_markdown_has_the_table_the_reading_and_the_rule(tmp_path):
     md = write_report(tmp_path, [SAPO, GRPO], header=["2 arms, a test."]).markdown.read_text()
     assert md.startswith("# sapo-megatron compare\n\n2 arms, a test.\n")
     assert (
-        "| `sapo-none-none-s0` | finished | 20 | 0.685 | 0.5 → 0.6 | 0.8 | 1.00e-04 | – / – | 1 | no |" in md
+        "| `sapo-none-none-s0` | finished | 20 | 0.685 | 0.5 → 0.6 | 0.8 | 1.00e-04 | – / – | 1 | – | no |"
+        in md
     )
     assert "| `grpo-r2-tis-s1` | finished | 20 | 0.1 | – → – |" in md
     assert "**yes**: reward 0.6 → 0.1" in md
@@ -253,3 +260,27 @@ def test_no_mismatch_and_failures_are_said(tmp_path):
     assert "- Mismatch k3 is below 1e-06 in every arm: the engine and the trainer agree" in md
     assert "- Not finished: `grpo-r2-tis-s1` (failed: exit status 1)." in md
     assert "| `grpo-r2-tis-s1` | failed | 0 | – | – → – |" in md
+
+
+def test_the_seeds_of_one_configuration_are_one_curve_their_mean_with_gaps_where_none_logged(tmp_path):
+    from dataclasses import replace
+
+    from sapo_megatron.compare.plots import _by_configuration, _values_per_step
+
+    seeds = [SAPO, replace(SAPO, seed=1), replace(SAPO, seed=2)]
+    rewards = [flat(0.2, 4), [0.4, None, 0.4, 0.4], [0.9, None, 0.3, None]]
+    for arm, reward in zip(seeds, rewards):
+        write_run(tmp_path, arm, {**healthy(4), "reward/mean": reward})
+    write_run(tmp_path, GRPO, healthy(4))
+    results = [load_arm_result(arm, tmp_path / arm.name) for arm in [*seeds, GRPO]]
+    groups = _by_configuration(results)
+    assert list(groups) == ["sapo-none-none", "grpo-r2-tis"]
+    assert [r.arm.seed for r in groups["sapo-none-none"]] == [0, 1, 2]
+    steps, per_step = _values_per_step(groups["sapo-none-none"], "reward")
+    assert steps == [1, 2, 3, 4]
+    assert per_step == [[0.2, 0.4, 0.9], [0.2], [0.2, 0.4, 0.3], [0.2, 0.4]]
+    assert _values_per_step(groups["sapo-none-none"], "routing_agreement") == ([], [])
+    # the picture draws both configurations (SAPO blue, GRPO orange)
+    files = write_report(tmp_path, [*seeds, GRPO])
+    reward_png = next(path for path in files.plots if path.name == "reward.png")
+    assert has_colour(reward_png, SAPO_BLUE) and has_colour(reward_png, GRPO_ORANGE)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import sapo_megatron.megatron  # noqa: F401  # isort: skip
 
 import copy
+import pickle
 from typing import Any
 
 import numpy as np
@@ -184,6 +185,11 @@ def replay_layouts(payload: dict[str, Any]) -> dict[str, Any]:
     add_normaliser(micro)
     spy = RouteSpy(engine.module, micro[0]["input_ids"].shape[0])
     result: dict[str, Any] = {"layers": engine.routes.layers, "recompute_layers": recompute_layers}
+    fp8_micro = _fp8_engine_micro_batches(payload, cfg, layout)
+    if fp8_micro is not None:  # the trainer's live routing at the engine's weights: below 1 under fp8
+        engine.forward_only(fp8_micro, LogprobOutput(), record_routes=True)
+        spy.take()
+        result["fp8_live_vs_engine"] = engine.routing_agreement(fp8_micro, "recorded_routes", "engine_routes")
 
     # R2 record: the recorded routes are what the routers used in that pass
     engine.forward_only(micro, LogprobOutput(), record_routes=True)
@@ -240,9 +246,36 @@ def replay_layouts(payload: dict[str, Any]) -> dict[str, Any]:
         **match_calls(live_calls, [b["used_routes"] for b in micro]),
         "leak": replay_state_left(engine),
     }
+    if fp8_micro is not None:  # R3 with the fp8 engine's real routes: used everywhere, forward and recompute
+        engine.train_step(fp8_micro, sft_loss, replay_key="engine_routes", record_routes=True)
+        result["fp8_r3"] = {
+            **match_calls(spy.take(), [b["engine_routes"] for b in fp8_micro]),
+            "leak": replay_state_left(engine),
+            "agreement_used": engine.routing_agreement(fp8_micro, "used_routes", "engine_routes"),
+        }
     result["route_seconds"] = engine.take_route_seconds()
     spy.remove()
     return result
+
+
+def _fp8_engine_micro_batches(payload: dict[str, Any], cfg, layout: RouteLayout) -> list[MicroBatch] | None:
+    """This rank's micro-batches of the sequences an fp8 CPU engine generated (``payload["fp8_sequences"]``, a
+    pickled list of :class:`TrainSequence` with the engine's routes), or None."""
+    if not payload.get("fp8_sequences"):
+        return None
+    with open(payload["fp8_sequences"], "rb") as handle:
+        sequences = pickle.load(handle)
+    info, par = rank_info(), cfg.parallel
+    micro = build_micro_batches(
+        sequences,
+        dp_rank=info.dp_rank,
+        dp_size=info.dp_size,
+        micro_batches=par.micro_batches,
+        pad_id=0,
+        length_multiple=par.tp if par.sequence_parallel else 1,
+        route_layout=layout,
+    )
+    return add_normaliser(micro)
 
 
 class RouterTap:

@@ -8,6 +8,8 @@ The routing a router used is observed by a hook on its output (``routing_map``),
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 
 from sapo_megatron.config import ConfigError, config_from_dict
@@ -25,6 +27,34 @@ def checkpoints(tmp_path_factory):
         "moe_pre_softmax": str(make_tiny_hf_checkpoint(root / "pre", "moe", seed=3, norm_topk_prob=False)),
         "dense": str(make_tiny_hf_checkpoint(root / "dense", "dense", seed=3)),
     }
+
+
+@pytest.fixture(scope="module")
+def fp8_sequences(checkpoints, tmp_path_factory) -> str:
+    """8 samples of the fp8 CPU rollout engine (SGLang's block-wise W8A8 numerics) serving the "moe" checkpoint,
+    with its routes, pickled for the ranks: a real engine whose routing differs from the trainer's."""
+    from sapo_megatron.batching import TrainSequence
+    from sapo_megatron.rollout.cpu_engine import CPUEngine
+    from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
+
+    engine = CPUEngine.from_pretrained(checkpoints["moe"], seed=3, num_threads=1, precision="fp8")
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=12, seed=5)
+    prompts = [[3, 17, 5, 9, 30, 12], [40, 2, 8, 8, 51], [21, 22, 23, 24, 25], [7, 1, 44, 19]]
+    requests = [
+        GenerationRequest(prompt_ids=p, n=2, sampling=sampling, return_routed_experts=True, group_id=i)
+        for i, p in enumerate(prompts)
+    ]
+    sequences = [
+        TrainSequence(
+            s.prompt_ids, s.response_ids, 1.0, s.rollout_logp, s.routed_experts, f"group {g} sample {i}"
+        )
+        for g, group in enumerate(engine.generate(requests))
+        for i, s in enumerate(group)
+    ]
+    engine.close()
+    path = tmp_path_factory.mktemp("fp8") / "sequences.pkl"
+    path.write_bytes(pickle.dumps(sequences))
+    return str(path)
 
 
 # Recomputation: MoE-layer recomputation (``recompute_modules: [moe]``). Full-layer recomputation takes the same
@@ -45,7 +75,7 @@ LAYOUTS = [
     LAYOUTS,
     ids=["single", "single-recompute", "tp2-sp", "ep2", "pp2", "tp2xep2"],
 )
-def test_replay_uses_the_given_routes_in_every_layout(checkpoints, world, parallel, recompute):
+def test_replay_uses_the_given_routes_in_every_layout(checkpoints, fp8_sequences, world, parallel, recompute):
     payload = {
         "hf_dir": checkpoints["moe"],
         "world": world,
@@ -53,6 +83,7 @@ def test_replay_uses_the_given_routes_in_every_layout(checkpoints, world, parall
         "sequences": 8,
         "recompute": recompute,
         "perturb": 0.05,
+        "fp8_sequences": fp8_sequences,
     }
     results = run_distributed("tests.megatron.replay_scenarios:replay_layouts", world, payload)
     assert sorted({layer for r in results for layer in r["layers"]}) == [0, 1]  # every MoE layer somewhere
@@ -86,6 +117,14 @@ def test_replay_uses_the_given_routes_in_every_layout(checkpoints, world, parall
         assert r["live_step"]["calls_per_micro_batch"] == {layer: [calls] * MICRO_BATCHES for layer in layers}
         assert r["live_step"]["worst_row_agreement"] == 1.0
         assert not r["live_step"]["leak"]
+        # the fp8 engine's real routes: the trainer's live routing at the same weights differs from them on some
+        # token-layers; R3 replays them for every token and layer, forward and recomputation
+        live_overall, live_per_layer = r["fp8_live_vs_engine"]
+        assert 0.5 < live_overall < 1.0 and min(live_per_layer[:2]) < 1.0
+        fp8 = r["fp8_r3"]
+        assert fp8["calls_per_micro_batch"] == {layer: [calls] * MICRO_BATCHES for layer in layers}
+        assert fp8["worst_row_agreement"] == 1.0 and not fp8["leak"]
+        assert fp8["agreement_used"] == (1.0, [1.0, 1.0])
     # agreement metrics are reduced over ranks: identical everywhere
     assert len({repr(r["r3"]["agreement_engine_live"]) for r in results}) == 1
 

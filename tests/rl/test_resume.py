@@ -1,5 +1,6 @@
 """Exact resume: N steps straight equal N/2 + resume + N/2 (same rewards, losses, gradient norms, bitwise),
-also when the process dies while writing a checkpoint."""
+also when the process dies while writing a checkpoint. The runs distil from a teacher with SAF, whose schedule
+(warm-up over 2 steps, anneal over 6) is mid-way at the resume point: its checkpointed state must come back too."""
 
 from __future__ import annotations
 
@@ -13,9 +14,22 @@ from pathlib import Path
 
 import pytest
 
+from tests.distill.models import make_teacher
 from tests.rl.test_trainer import data_files, train, write_config  # noqa: F401 - fixture reused
 
-COMPARED = ("reward/mean", "loss/total", "loss/pg", "grad_norm", "entropy", "ratio/mean", "sapo/w_mean")
+COMPARED = (
+    "reward/mean",
+    "loss/total",
+    "loss/pg",
+    "grad_norm",
+    "entropy",
+    "ratio/mean",
+    "sapo/w_mean",
+    "opd/reverse_kl",
+    "saf/multiplier",
+    "saf/coef",
+)
+SAF = {"mode": "saf", "warmup": {"steps": 2}, "anneal": {"steps": 6}}
 CRASHER = Path(__file__).with_name("crash_in_save.py")
 
 
@@ -30,9 +44,12 @@ def rl_rows(run_dir: Path) -> dict[int, dict]:
 
 
 def config_for(tmp_path: Path, data_files) -> Path:  # noqa: F811
-    return write_config(
-        tmp_path / "run.yaml", data_files, **{"trainer.steps": 6, "trainer.save_every": 3, "sft.steps": 10}
-    )
+    teacher = tmp_path / "teacher"
+    if not teacher.is_dir():
+        make_teacher(teacher, sharpen=4.0)
+    settings = {"trainer.steps": 6, "trainer.save_every": 3, "sft.steps": 10, "algorithm.fusion": SAF}
+    settings["teachers"] = [{"name": "t", "model_path": str(teacher)}]
+    return write_config(tmp_path / "run.yaml", data_files, **settings)
 
 
 def crash(config: Path, marker: str) -> None:
@@ -70,6 +87,7 @@ def test_resume_between_steps_is_exact(tmp_path, data_files, straight):  # noqa:
     assert sorted(rl_rows(tmp_path / "run")) == [1, 2, 3]
     train(config, "--resume")
     assert rl_rows(tmp_path / "run") == straight
+    assert [row["saf/coef"] for row in straight.values()][2:] != [1.0] * 4  # the anneal spans the resume
 
 
 def test_resume_after_a_crash_while_writing_a_checkpoint(tmp_path, data_files, straight):  # noqa: F811

@@ -1,0 +1,133 @@
+"""Per-rank bodies of the distillation-step tests (spawned over gloo by tests/distributed.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from sapo_megatron.config import config_from_dict
+from sapo_megatron.distill.step import DistillStep
+from sapo_megatron.tiny import tiny_hf_config
+
+SAF = {"mode": "saf", "warmup": {"steps": 4}, "anneal": {"steps": 4}}
+DOMAINS = ["addition", "multiplication"]
+
+
+def distill_config(fusion: dict[str, Any], **algorithm: Any):
+    return config_from_dict(
+        {
+            "model": {"hf_config": tiny_hf_config("dense")},
+            "teachers": [{"name": "t", "model_path": "unused", "default": True}],
+            "algorithm": {"fusion": fusion, **algorithm},
+        }
+    )
+
+
+def make_batches(seed: int = 0, count: int = 4, rows: int = 3, length: int = 7) -> list[dict]:
+    """Micro-batches as the trainer holds them after the old-log-prob pass (last pipeline stage)."""
+    gen = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(count):
+        mask = torch.zeros(rows, length)
+        for r in range(rows):
+            start = int(torch.randint(1, 3, (1,), generator=gen))
+            stop = int(torch.randint(start + 1, length + 1, (1,), generator=gen))
+            mask[r, start:stop] = 1.0
+        batches.append(
+            {
+                "loss_mask": mask,
+                "old_logp": -torch.rand(rows, length, generator=gen) * 2,
+                "rollout_logp": -torch.rand(rows, length, generator=gen) * 2,
+                "teacher_logp": -torch.rand(rows, length, generator=gen) * 3,
+                "advantages": torch.randn(rows, generator=gen),
+                "domain_ids": torch.randint(0, 2, (rows,), generator=gen),
+            }
+        )
+    return batches
+
+
+def fuse_on_rank(payload: Any = None) -> dict[str, Any]:
+    """Per layout, two RL steps (so that the SAF schedule's second multiplier is compared too). ``dp``: rank r
+    holds every other micro-batch; ``pp``: rank 0 is a first stage (no old_logp), rank 1 holds them all."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    for layout in ("dp", "pp"):
+        step = DistillStep(distill_config(SAF), DOMAINS)
+        out[layout] = {"metrics": [], "advantages": []}
+        for seed in (0, 1):
+            batches = make_batches(seed)
+            if layout == "dp":
+                mine = batches[rank::2]
+            else:
+                mine = (
+                    batches
+                    if rank == 1
+                    else [{k: v for k, v in b.items() if k != "old_logp"} for b in batches]
+                )
+            out[layout]["metrics"].append(step.fuse([mine[:1], mine[1:]]))
+            out[layout]["advantages"].append([b["advantages"] for b in mine])
+    return out
+
+
+def two_ranks(payload: dict[str, Any]) -> dict[str, Any]:
+    """Both scenarios in one pair of processes (a spawn costs seconds): the alignment check on a data-parallel
+    Megatron trainer, then the fusion layouts over the same process group."""
+    return {"alignment": alignment(payload), "layouts": fuse_on_rank()}
+
+
+def alignment(payload: dict[str, Any]) -> dict[str, float]:
+    """A teacher identical to the student: the CPU engine samples and scores (the teacher path), the Megatron
+    trainer (data-parallel over the ranks) computes old_logp at the same weights, the distillation step fuses.
+    Also the same teacher values laid one position off (a misaligned span) for contrast."""
+    from dataclasses import replace
+
+    from sapo_megatron.batching import TrainSequence, build_micro_batches
+    from sapo_megatron.distill.config import TeacherConfig
+    from sapo_megatron.distill.teachers import Teacher
+    from sapo_megatron.megatron.loss_hook import LogprobOutput
+    from sapo_megatron.megatron.parallel import init_parallel
+    from sapo_megatron.megatron.train_step import TrainEngine
+    from sapo_megatron.rollout.cpu_engine import CPUEngine
+    from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
+
+    hf_dir = payload["hf_dir"]
+    cfg = config_from_dict(
+        {
+            "model": {"hf_config": hf_dir, "init": "hf", "init_path": hf_dir},
+            "teachers": [{"name": "self", "model_path": hf_dir}],
+            "algorithm": {"fusion": {"mode": "opd"}},
+            "launch": {"procs_per_node": payload["world"]},
+        }
+    )
+    info = init_parallel(cfg.parallel, seed=0, cfg=cfg, cpu_threads=1)
+    engine = CPUEngine.from_pretrained(hf_dir, seed=5, num_threads=1)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=8, seed=9)
+    prompts = [[1, 17, 5, 9], [1, 40, 8], [1, 21, 22, 23, 24, 25], [1, 7]]
+    requests = [
+        GenerationRequest(prompt_ids=p, n=2, sampling=sampling, group_id=i) for i, p in enumerate(prompts)
+    ]
+    samples = [s for group in engine.generate(requests) for s in group]
+    teacher_logp = Teacher(TeacherConfig(name="self", model_path=hf_dir), engine).score(samples)
+    sequences = [
+        TrainSequence(s.prompt_ids, s.response_ids, 0.0, s.rollout_logp, teacher_logp=t)
+        for s, t in zip(samples, teacher_logp)
+    ]
+    shifted = [replace(seq, teacher_logp=[*seq.teacher_logp[1:], seq.teacher_logp[0]]) for seq in sequences]
+    trainer = TrainEngine(cfg)
+    out = {}
+    for name, seqs in (("aligned", sequences), ("shifted", shifted)):
+        batches = build_micro_batches(
+            seqs, dp_rank=info.dp_rank, dp_size=info.dp_size, micro_batches=1, pad_id=0
+        )
+        (batches[0]["old_logp"],) = trainer.forward_only(batches, LogprobOutput())
+        metrics = DistillStep(cfg).fuse([batches])
+        mask = batches[0]["loss_mask"].bool()
+        out[f"{name}_max_abs"] = float(batches[0]["advantages"][mask].abs().max())
+        out[f"{name}_min_abs"] = float(batches[0]["advantages"][mask].abs().min())
+        out[f"{name}_kl"] = metrics["opd/reverse_kl"]
+        out["tokens"] = int(mask.sum())
+    return out

@@ -1,0 +1,139 @@
+"""The distillation step on the trainer side: fused token advantages in the micro-batches, the student log-prob
+setting, the SAF schedule stepped once per RL step with the global reverse KL, its checkpointed state, and the
+same numbers under data and pipeline parallelism (gloo, 2 ranks) as on one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sapo_megatron.algo import IcePop, NoCorrection, fuse_advantages, opd_advantages
+from sapo_megatron.distill.step import DistillStep
+from tests.distill.step_scenarios import DOMAINS, SAF, distill_config, make_batches
+from tests.distributed import run_distributed
+
+
+def _reverse_kl(batches, key="old_logp") -> float:
+    gaps = [(b[key] - b["teacher_logp"])[b["loss_mask"].bool()] for b in batches]
+    return float(torch.cat(gaps).double().mean())
+
+
+def test_opd_replaces_advantages_by_the_token_gap_and_reports_the_global_reverse_kl():
+    batches = make_batches()
+    expected = [opd_advantages(b["teacher_logp"], b["old_logp"], b["loss_mask"]) for b in batches]
+    metrics = DistillStep(distill_config({"mode": "opd"}), DOMAINS).fuse([batches[:2], batches[2:]])
+    for batch, adv in zip(batches, expected):
+        assert batch["advantages"].shape == batch["loss_mask"].shape
+        assert torch.equal(batch["advantages"], adv)
+    assert metrics["opd/reverse_kl"] == pytest.approx(_reverse_kl(batches), rel=1e-12)
+    tokens = [b["loss_mask"].bool() for b in batches]
+    abs_mean = torch.cat([a[m] for a, m in zip(expected, tokens)]).abs().mean()
+    assert metrics["opd/adv_abs_mean"] == pytest.approx(float(abs_mean), rel=1e-6)
+    for d, domain in enumerate(DOMAINS):  # two domains in the data: per-domain reverse KL
+        rows = [m & (b["domain_ids"] == d)[:, None] for b, m in zip(batches, tokens)]
+        gap = torch.cat([(b["old_logp"] - b["teacher_logp"])[r] for b, r in zip(batches, rows)]).mean()
+        assert metrics[f"opd/reverse_kl/{domain}"] == pytest.approx(float(gap), rel=1e-6)
+
+
+def test_the_engines_log_prob_as_student_changes_the_advantage():
+    trainer, engine = make_batches(), make_batches()
+    DistillStep(distill_config({"mode": "opd"}), DOMAINS).fuse([trainer])
+    metrics = DistillStep(distill_config({"mode": "opd"}, opd_student_logp="engine"), DOMAINS).fuse([engine])
+    for a, b in zip(trainer, engine):
+        assert torch.equal(
+            b["advantages"], opd_advantages(b["teacher_logp"], b["rollout_logp"], b["loss_mask"])
+        )
+        assert not torch.equal(a["advantages"], b["advantages"])
+    assert metrics["opd/reverse_kl"] == pytest.approx(_reverse_kl(engine, "rollout_logp"), rel=1e-12)
+
+
+def test_rl_mode_only_measures_and_runs_without_teachers_do_nothing():
+    batches = make_batches()
+    before = [b["advantages"].clone() for b in batches]
+    metrics = DistillStep(distill_config({"mode": "rl"}), DOMAINS).fuse([batches])
+    assert all(torch.equal(b["advantages"], a) for b, a in zip(batches, before))
+    assert metrics["opd/reverse_kl"] == pytest.approx(_reverse_kl(batches), rel=1e-12)
+    plain = distill_config({"mode": "rl"}).model_copy(update={"teachers": []})
+    assert DistillStep(plain).fuse([batches]) == {}
+
+
+def test_fixed_and_mopd_fusion_and_mopds_correction():
+    batches = make_batches()
+    reference = [
+        fuse_advantages(
+            distill_config({"mode": "fixed", "coef": 0.5}).algorithm.fusion,
+            b["advantages"],
+            opd_advantages(b["teacher_logp"], b["old_logp"], b["loss_mask"]),
+            b["loss_mask"],
+        )[0]
+        for b in batches
+    ]
+    DistillStep(distill_config({"mode": "fixed", "coef": 0.5}), DOMAINS).fuse([batches])
+    assert all(torch.equal(b["advantages"], r) for b, r in zip(batches, reference))
+    mopd = DistillStep(distill_config({"mode": "mopd", "eps_low": 0.3, "eps_high": 3.0}), DOMAINS)
+    assert mopd.correction(NoCorrection()) == IcePop(low=0.3, high=3.0)
+    assert DistillStep(distill_config({"mode": "opd"})).correction(NoCorrection()) == NoCorrection()
+
+
+def test_saf_schedule_steps_once_per_rl_step_with_the_steps_reverse_kl_and_resumes_exactly():
+    step = DistillStep(distill_config(SAF), DOMAINS)
+    first = step.fuse([make_batches(0)])
+    assert (first["saf/scale"], first["saf/coef"], first["saf/multiplier"]) == (0.25, 1.0, 0.25)
+    assert step.schedule.state_dict()["kl_first"] == pytest.approx(_reverse_kl(make_batches(0)), rel=1e-12)
+    step.fuse([make_batches(1)])
+    saved = step.state_dict()
+    resumed = DistillStep(distill_config(SAF), DOMAINS)
+    resumed.load_state_dict(saved)
+    multipliers = []
+    for seed in (2, 3, 4, 5):
+        a, b = make_batches(seed), make_batches(seed)
+        metrics = step.fuse([a])
+        assert metrics == resumed.fuse([b])
+        assert all(torch.equal(x["advantages"], y["advantages"]) for x, y in zip(a, b))
+        multipliers.append(metrics["saf/multiplier"])
+    fresh = DistillStep(distill_config(SAF), DOMAINS)  # without the saved state it would start over
+    assert fresh.fuse([make_batches(2)])["saf/multiplier"] == 0.25 != multipliers[0]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    from sapo_megatron.tiny import make_tiny_hf_checkpoint
+
+    hf_dir = make_tiny_hf_checkpoint(tmp_path_factory.mktemp("student") / "hf", "dense", seed=3)
+    return run_distributed("tests.distill.step_scenarios:two_ranks", 2, {"hf_dir": str(hf_dir), "world": 2})
+
+
+@pytest.mark.parametrize("layout", ["dp", "pp"])
+def test_data_and_pipeline_parallel_ranks_fuse_like_one_process(two_ranks, layout):
+    ranks = [result["layouts"][layout] for result in two_ranks]
+    single = DistillStep(distill_config(SAF), DOMAINS)
+    for index, seed in enumerate((0, 1)):
+        batches = make_batches(seed)
+        expected = single.fuse([batches[:2], batches[2:]])
+        for result in ranks:
+            got = result["metrics"][index]
+            assert got.keys() == expected.keys()
+            assert got == pytest.approx(expected, rel=1e-9)
+        if layout == "dp":
+            fused = [ranks[0]["advantages"][index], ranks[1]["advantages"][index]]
+            for r in (0, 1):
+                assert all(torch.equal(a, b["advantages"]) for a, b in zip(fused[r], batches[r::2]))
+        else:  # the first stage keeps its [b] advantages (nothing reads them), the last stage fuses
+            assert all(a.dim() == 1 for a in ranks[0]["advantages"][index])
+            assert all(
+                torch.equal(a, b["advantages"]) for a, b in zip(ranks[1]["advantages"][index], batches)
+            )
+
+
+ALIGNED_TOLERANCE = 1e-4
+"""|A_opd| of a teacher identical to the student: the CPU engine (HF transformers) and the Megatron trainer agree
+to ~1e-6 in fp32 log-prob at the same weights (tests/rl/test_engine_trainer_agreement.py)."""
+
+
+def test_a_teacher_identical_to_the_student_gives_zero_advantage_on_every_response_token(two_ranks):
+    """On 2 data-parallel ranks of a Megatron trainer, each rank's half of the batch."""
+    for result in (r["alignment"] for r in two_ranks):
+        assert result["tokens"] >= 12
+        assert result["aligned_max_abs"] < ALIGNED_TOLERANCE and abs(result["aligned_kl"]) < ALIGNED_TOLERANCE
+        assert result["shifted_max_abs"] > 100 * ALIGNED_TOLERANCE  # one position off: the span shows it
+    assert two_ranks[0]["alignment"]["shifted_kl"] == two_ranks[1]["alignment"]["shifted_kl"]  # global mean
