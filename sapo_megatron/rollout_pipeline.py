@@ -35,6 +35,7 @@ generation runs (in the background thread: math-verify then runs without its ``s
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 import threading
@@ -45,6 +46,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import numpy as np
 import torch
 
 from sapo_megatron.batching import TrainSequence
@@ -231,26 +233,19 @@ class RolloutPipeline:
 
 
 def rollout_to_bytes(rollout: Rollout) -> bytes:
-    """``rollout`` as tensors, strings and numbers only (``torch.load`` with
-    ``weights_only=True`` reads it back: no pickled code); float64 keeps every log-prob and advantage exact."""
-    sequences = [
-        {
-            "prompt_ids": torch.tensor(list(s.prompt_ids), dtype=torch.int64),
-            "response_ids": torch.tensor(list(s.response_ids), dtype=torch.int64),
-            "advantage": float(s.advantage),
-            "rollout_logp": torch.tensor(list(s.rollout_logp), dtype=torch.float64),
-            "routed_experts": None if s.routed_experts is None else torch.from_numpy(s.routed_experts.copy()),
-            "sample_id": s.sample_id,
-        }
-        for s in rollout.sequences
-    ]
+    """``rollout`` as tensors, strings and numbers only (``torch.load`` with ``weights_only=True`` reads it back:
+    no pickled code). Every field of :class:`TrainSequence` is kept: lists as int64 / float64 tensors (every
+    log-prob and advantage exact), arrays (routes) in their own dtype."""
     state = {
         "format": _FORMAT,
         "step": rollout.step,
         "policy_version": rollout.policy_version,
         "metrics": {k: float(v) for k, v in rollout.metrics.items()},
         "prompt_state": rollout.prompt_state,
-        "sequences": sequences,
+        "sequences": [
+            {f.name: _pack(getattr(s, f.name)) for f in dataclasses.fields(TrainSequence)}
+            for s in rollout.sequences
+        ],
     }
     buffer = io.BytesIO()
     torch.save(state, buffer)
@@ -268,16 +263,23 @@ def rollout_from_file(path: Path, step: int) -> Rollout:
             "checkpoint",
         )
     sequences = [
-        TrainSequence(
-            s["prompt_ids"].tolist(),
-            s["response_ids"].tolist(),
-            s["advantage"],
-            s["rollout_logp"].tolist(),
-            routed_experts=None if s["routed_experts"] is None else s["routed_experts"].numpy(),
-            sample_id=s["sample_id"],
-        )
-        for s in state["sequences"]
+        TrainSequence(**{name: _unpack(value) for name, value in s.items()}) for s in state["sequences"]
     ]
     return Rollout(
         step, sequences, dict(state["metrics"]), dict(state["prompt_state"]), int(state["policy_version"])
     )
+
+
+def _pack(value: Any) -> Any:
+    """One field of a sequence in a form ``weights_only`` loading accepts (see :func:`_unpack`)."""
+    if isinstance(value, np.ndarray):
+        return {"array": torch.from_numpy(value.copy())}
+    if isinstance(value, (list, tuple)):  # Python ints -> int64, floats -> float64 (exact)
+        return {"list": torch.from_numpy(np.asarray(value))}
+    return value  # None, str, int, float
+
+
+def _unpack(value: Any) -> Any:
+    if isinstance(value, dict):
+        return value["array"].numpy() if "array" in value else value["list"].tolist()
+    return value

@@ -3,8 +3,8 @@ configured policy loss → weight sync → logging → checkpoint. Preceded by a
 followed by an HF export and ``summary.json``.
 
 With ``trainer.async_rollout`` each step's rollouts are generated in the background during the step before
-(:mod:`sapo_megatron.rollout_pipeline`). After every step of either phase, :func:`end_of_step` logs it, checkpoints when due, and stops the run cleanly
-(checkpoint first) when a signal asked for it.
+(:mod:`sapo_megatron.rollout_pipeline`). After every step of either phase, :func:`end_of_step` logs it,
+checkpoints when due, and stops the run cleanly (checkpoint first) when a signal asked for it.
 """
 
 from __future__ import annotations

@@ -171,7 +171,19 @@ def test_the_saved_batch_round_trips_exactly_and_belongs_to_one_step(tmp_path):
     logp = [-0.1234567890123456789, -2.5e-17]
     rollout = Rollout(
         step=7,
-        sequences=[TrainSequence([5, 6], [7, 8], -1.0 / 3.0, logp, routed_experts=routes, sample_id="g0 s0")],
+        sequences=[
+            TrainSequence(
+                [5, 6],
+                [7, 8],
+                -1.0 / 3.0,
+                logp,
+                routed_experts=routes,
+                sample_id="g0 s0",
+                teacher_logp=[-0.75, -1.0 / 7.0],
+                domain_id=3,
+            ),
+            TrainSequence([5], [9], 0.25, [-1.5], sample_id="g0 s1"),  # no routes, not scored by a teacher
+        ],
         metrics={"reward/mean": 0.1},
         prompt_state={"epoch": 1, "position": 4, "fingerprint": "ab"},
         policy_version=6,
@@ -179,9 +191,10 @@ def test_the_saved_batch_round_trips_exactly_and_belongs_to_one_step(tmp_path):
     path = tmp_path / IN_FLIGHT_FILE
     path.write_bytes(rollout_to_bytes(rollout))
     back = rollout_from_file(path, step=7)
-    (seq,) = back.sequences
-    assert seq == rollout.sequences[0]  # ids, advantage and log-probs bit for bit (float64)
+    assert back.sequences == rollout.sequences  # every field: ids, advantage, log-probs bit for bit (float64)
+    seq = back.sequences[0]
     assert seq.routed_experts.dtype == np.int32 and np.array_equal(seq.routed_experts, routes)
+    assert back.sequences[1].routed_experts is None and back.sequences[1].teacher_logp is None
     assert (back.prompt_state, back.policy_version, back.metrics) == (
         rollout.prompt_state,
         6,
