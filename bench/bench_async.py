@@ -3,15 +3,24 @@ trainer process against the CPU rollout server in another process (``sapo-megatr
 SGLang worker), one torch thread each (``launch.cpu_threads``, ``--threads``) so that generation and training can
 overlap on two cores.
 
-    python bench/bench_async.py [--steps 8] [--rounds 2] [--prompts 16] [--samples 8] [--max-new-tokens 24]
+    python bench/bench_async.py [--steps 10] [--rounds 2] [--prompts 8] [--samples 4] [--max-new-tokens 24]
+                                [--mini-batches 4] [--hidden 256] [--layers 2]
 
-The model is the demo's tiny Qwen3-MoE (``--hidden`` / ``--layers`` scale it) from random weights, without the
-supervised warm start: its responses run to ``--max-new-tokens``, so every step generates the same amount. The
-defaults make generation and training take about as long on the development machine. Weight sync is ``disk``
+The model is the demo's tiny Qwen3-MoE widened to ``--hidden`` (256: the matrix products, not Python overhead,
+dominate both sides), from random weights and without the supervised warm start: its responses run to
+``--max-new-tokens``, so every step generates the same amount. The defaults make generation and training take
+about as long on the development machine. Few samples with long responses keep the trainer process's share of
+generation small: the HTTP client runs in the trainer's background thread, one request per sample, and holds
+the interpreter lock the training thread needs. Weight sync is ``disk``
 (the server loads each version), inside the step for both arms. Prints per arm the medians over steps 2.. of
 the step time (``time/step_s``: from taking the batch to the end of the weight push), generation
 (``time/rollout_s``), training (``time/train_s``), the wait for rollouts and the weight sync, and the ratio of
 step times async / sync (lower is better; 0.5 is the bound when generation and training take equally long).
+Also printed: the ratio perfect overlap would reach, ``(max(gen, train) + sync) / (gen + train + sync)`` from
+the sync arm's medians (generation and training on separate hardware, as on a cluster), and how much slower
+generation and training ran in the async arm, where they overlap, than alone in the sync arm: two busy processes
+on a small shared machine slow each other down (caches, memory bandwidth, other jobs).
+
 The arms alternate (sync, async, sync, async for two ``--rounds``) so that a change in the machine's load
 during the run reaches both; the load average is printed with the result. The trainer runs in a session of its
 own: with Linux's autogroup scheduling, processes of one session share one slice of a busy machine, so a trainer
@@ -99,13 +108,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=8, help="RL steps per run")
+    parser.add_argument("--steps", type=int, default=10, help="RL steps per run")
     parser.add_argument("--rounds", type=int, default=2, help="runs per arm, alternating")
-    parser.add_argument("--prompts", type=int, default=16, help="prompts per step")
-    parser.add_argument("--samples", type=int, default=8, help="responses per prompt")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    parser.add_argument("--samples", type=int, default=4, help="responses per prompt")
     parser.add_argument("--max-new-tokens", type=int, default=24)
-    parser.add_argument("--mini-batches", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--mini-batches", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=2)
     args = parser.parse_args()
     from sapo_megatron.defaults import DEMO_MODEL
@@ -139,7 +148,16 @@ def main() -> None:
     for name, times in arms.items():
         print(f"{name:6s} " + " ".join(f"{times[key]:13.3f} s" for key in TIMES))
     ratio = arms["async"]["time/step_s"] / arms["sync"]["time/step_s"]
+    sync = arms["sync"]
+    gen, train, push = sync["time/rollout_s"], sync["time/train_s"], sync["time/weight_sync_s"]
+
+    overlapped = arms["async"]
     print(f"ratio async / sync step time: {ratio:.2f}")
+    print(
+        f"perfect overlap would give {(max(gen, train) + push) / (gen + train + push):.2f}; while overlapping, "
+        f"generation ran {overlapped['time/rollout_s'] / gen:.2f}x and training "
+        f"{overlapped['time/train_s'] / train:.2f}x as long as alone"
+    )
 
 
 if __name__ == "__main__":
