@@ -3,7 +3,7 @@ trainer process against the CPU rollout server in another process (``sapo-megatr
 SGLang worker), one torch thread each (``launch.cpu_threads``, ``--threads``) so that generation and training can
 overlap on two cores.
 
-    python bench/bench_async.py [--steps 10] [--rounds 2] [--prompts 8] [--samples 4] [--max-new-tokens 24]
+    python bench/bench_async.py [--steps 10] [--rounds 2] [--prompts 4] [--samples 4] [--max-new-tokens 48]
                                 [--mini-batches 4] [--hidden 256] [--layers 2]
 
 The model is the demo's tiny Qwen3-MoE widened to ``--hidden`` (256: the matrix products, not Python overhead,
@@ -110,9 +110,9 @@ def main() -> None:
     )
     parser.add_argument("--steps", type=int, default=10, help="RL steps per run")
     parser.add_argument("--rounds", type=int, default=2, help="runs per arm, alternating")
-    parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per step")
     parser.add_argument("--samples", type=int, default=4, help="responses per prompt")
-    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--mini-batches", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=2)
