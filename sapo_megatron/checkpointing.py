@@ -5,6 +5,7 @@ newest complete one)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,9 @@ class Checkpointer:
         self.session = session
         self.started = started
         self._saved_at: tuple[int, int] | None = None
+        self.attachments: dict[str, Callable[[], bytes | None]] = {}
+        """Extra files of a checkpoint, by name: what the main rank's callable returns (``None``: no file), e.g.
+        the rollout batch in flight (:mod:`sapo_megatron.rollout_pipeline`)."""
 
     def save(self, state: LoopState, *, phase: str) -> Path | None:
         """A checkpoint of this moment, named after the phase's step; nothing if this moment is saved already."""
@@ -47,11 +51,13 @@ class Checkpointer:
         extra["wall_seconds"] = state.wall_seconds + time.perf_counter() - self.started
         extra["lr_bounds"] = list(self.session.engine.lr_bounds())  # the schedule's, for loading it back
         name = f"sft_{state.sft_step:06d}" if phase == "sft" else f"step_{state.step:06d}"
+        files = {file: data for file, make in self.attachments.items() if (data := make()) is not None}
         path = save_train_state(
             self.session.engine,
             self.session.run_dir / "checkpoints" / name,
             extra,
             keep=self.session.cfg.trainer.keep_checkpoints,
+            files=files,
         )
         self._saved_at = moment
         return path

@@ -430,6 +430,11 @@ class TrainerConfig(Section):
         description="stop after this many optimizer steps in a row with a non-finite loss or gradient norm",
     )
     keep_checkpoints: int = Field(default=2, ge=1)
+    async_rollout: bool = Field(
+        default=False,
+        description="generate batch n+1 while training on batch n (one step off-policy; weights sync at step "
+        "boundaries, rollout/staleness 1); see docs/rl_loop.md",
+    )
     export_hf: bool = Field(default=True, description="write an HF checkpoint at the end")
 
 
@@ -467,6 +472,11 @@ class RunConfig(Section):
         check_distillation(
             self.teachers, self.algorithm.fusion, self.algorithm.loss, self.algorithm.correction.name
         )
+        if self.trainer.async_rollout and self.rollout.colocated:
+            raise ValueError(
+                "trainer.async_rollout overlaps generation with training, which needs servers on their own "
+                "GPUs; set rollout.colocated: false (servers on other GPUs) or trainer.async_rollout: false"
+            )
         batch = self.rollout.n_samples * self.trainer.prompts_per_step
         if batch % self.trainer.mini_batches:
             raise ValueError(

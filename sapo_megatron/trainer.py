@@ -2,8 +2,9 @@
 configured policy loss → weight sync → logging → checkpoint. Preceded by an optional supervised warm start and
 followed by an HF export and ``summary.json``.
 
-After every step of either phase, :func:`end_of_step` logs it, checkpoints when due, and stops the run cleanly
-(checkpoint first) when a signal asked for it.
+With ``trainer.async_rollout`` each step's rollouts are generated in the background during the step before
+(:mod:`sapo_megatron.rollout_pipeline`). After every step of either phase, :func:`end_of_step` logs it,
+checkpoints when due, and stops the run cleanly (checkpoint first) when a signal asked for it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from sapo_megatron.megatron.train_step import ReferenceModel, StepResult
 from sapo_megatron.replay import RoutingStep, route_layout
 from sapo_megatron.rollout.collect import CollectSettings, RolloutBatch, collect
 from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
+from sapo_megatron.rollout_pipeline import RolloutPipeline
 from sapo_megatron.session import Session, on_main_rank, open_session
 from sapo_megatron.tracking import write_json_atomic
 from sapo_megatron.weight_sync import export_hf
@@ -100,13 +102,21 @@ def run_rl(session: Session, state: LoopState, prompts: PromptIterator) -> None:
     hook = PolicyLossHook(cfg.algorithm.loss, correction, temperature=cfg.rollout.temperature)
     reference = _reference_policy(session, state)
     session.tracker.start_phase("rl", cfg.trainer.steps, initial=state.step)
-    while state.step < cfg.trainer.steps:
-        metrics = rl_step(session, hook, prompts, state.step, reference)
-        state.step += 1
-        state.prompts = prompts.state_dict()
-        if cfg.trainer.eval_every and state.step % cfg.trainer.eval_every == 0:
-            metrics["accuracy"] = evaluate(session)
-        end_of_step(session, state, "rl", metrics)
+    with RolloutPipeline(  # generates each batch now, or (trainer.async_rollout) during the previous step
+        session,
+        prompts,
+        lambda step: _rollout(session, prompts, step),
+        start_step=state.step,
+        total_steps=cfg.trainer.steps,
+        overlap=cfg.trainer.async_rollout,
+    ) as rollouts:
+        while state.step < cfg.trainer.steps:
+            metrics = rl_step(session, hook, rollouts, state.step, reference)
+            state.step += 1
+            state.prompts = prompts.state_dict()  # past the batch in flight, which a checkpoint holds
+            if cfg.trainer.eval_every and state.step % cfg.trainer.eval_every == 0:
+                metrics["accuracy"] = evaluate(session)
+            end_of_step(session, state, "rl", metrics)
     session.tracker.close_phase()
 
 
@@ -159,17 +169,13 @@ def _reference_policy(session: Session, state: LoopState) -> ReferenceModel | No
 def rl_step(
     session: Session,
     hook: PolicyLossHook,
-    prompts: PromptIterator,
+    rollouts: RolloutPipeline,
     step: int,
     reference: ReferenceModel | None,
 ) -> dict[str, float]:
     """One rollout batch and its ``mini_batches`` policy updates; returns the step's metrics."""
     cfg, engine = session.cfg, session.engine
-    rows = next(prompts)  # every rank advances the iterator; refills (main rank) are shared below
-    sequences, metrics, prompt_state = on_main_rank(
-        session.info, lambda: _rollout(session, rows, prompts, step)
-    )
-    prompts.load_state_dict(prompt_state)
+    sequences, metrics = rollouts.next_batch(step)  # the samples on every rank, from the main rank
     start = time.perf_counter()
     updates = _split(sequences, cfg.trainer.mini_batches)
     layout = route_layout(cfg)
@@ -189,7 +195,7 @@ def rl_step(
         metrics["lr"] = result.lr
     metrics.update(routing.metrics())
     train_s = time.perf_counter() - start
-    metrics.update(session.sync.push(engine.module))
+    metrics.update(rollouts.push_weights(engine.module))  # waits for a batch in flight first
     metrics["time/train_s"] = train_s
     tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in sequences)
     metrics["throughput/train_tokens_per_s"] = tokens / max(train_s, 1e-9)
@@ -208,10 +214,11 @@ def _attach_logp(model, updates: list[list[dict]], key: str, temperature: float)
             batch[key] = logp
 
 
-def _rollout(session: Session, rows: list[PromptRow], prompts: PromptIterator, step: int):
+def _rollout(session: Session, prompts: PromptIterator, step: int):
     """Generate and score on the main rank: the training sequences, the rollout metrics (with the reward
     function's error fraction, which stops the run past its budget) and where the prompt data now stands."""
     cfg = session.cfg
+    rows = next(prompts)
     settings = CollectSettings(
         n_samples=cfg.rollout.n_samples,
         sampling=_sampling(session, cfg.rollout.temperature),

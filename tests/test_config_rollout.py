@@ -46,3 +46,23 @@ def test_sglang_needs_somewhere_to_find_its_servers():
 def test_endpoints_file_excludes_explicit_urls():
     message = error_of(engine="sglang", endpoints_file="/shared/rollout.json", urls=["http://w:30000"])
     assert "already names the router and the workers" in message
+
+
+def test_async_rollouts_need_servers_on_their_own_gpus():
+    sglang = {"engine": "sglang", "urls": ["http://w:30000"], "weight_sync": "tensor", "colocated": True}
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(
+            {
+                "model": {"hf_config": tiny_hf_config("moe")},
+                "rollout": sglang,
+                "trainer": {"async_rollout": True},
+            }
+        )
+    message = str(info.value)
+    assert "trainer.async_rollout" in message and "rollout.colocated: false" in message
+    assert not cfg(**sglang).trainer.async_rollout  # off by default
+    remote = {**sglang, "colocated": False, "weight_sync": "distributed"}
+    tiny = {"hf_config": tiny_hf_config("moe")}
+    assert config_from_dict(
+        {"model": tiny, "rollout": remote, "trainer": {"async_rollout": True}}
+    ).trainer.async_rollout

@@ -262,9 +262,10 @@ def _save_atomically(
     hf_config: dict[str, Any] | None,
     info: dict[str, Any],
     point_latest: bool,
+    files: dict[str, bytes] | None = None,
 ) -> Path:
-    """All ranks: write ``state`` with Megatron into ``.<name>.partial``; rank 0 makes it durable and
-    renames it to ``directory``. Returns the final path."""
+    """All ranks: write ``state`` with Megatron into ``.<name>.partial``; rank 0 adds ``files``, makes it
+    durable and renames it to ``directory``. Returns the final path."""
     final = Path(directory).absolute()
     tmp = atomic.partial_path(final)
     if _is_rank0():
@@ -279,6 +280,8 @@ def _save_atomically(
     if _is_rank0():
         if hf_config is not None:
             (tmp / atomic.HF_CONFIG).write_text(json.dumps(hf_config, indent=2) + "\n")
+        for name, data in (files or {}).items():
+            (tmp / name).write_bytes(data)
         atomic.fsync_tree(tmp)
         atomic.write_marker(tmp, kind, megatron_core=_megatron_version(), **info)
         atomic.fsync_path(tmp)
@@ -446,7 +449,12 @@ def _train_state_dict(engine, *, is_loading: bool) -> dict[str, Any]:
 
 
 def save_train_state(
-    engine, directory: str | Path, extra: dict[str, Any], *, keep: int | None = None
+    engine,
+    directory: str | Path,
+    extra: dict[str, Any],
+    *,
+    keep: int | None = None,
+    files: dict[str, bytes] | None = None,
 ) -> Path:
     """Save a :class:`~sapo_megatron.megatron.train_step.TrainEngine`'s full state (every rank calls it).
 
@@ -454,7 +462,8 @@ def save_train_state(
     model's), the LR schedule as common state, the RNG states of every rank as one object per rank, and
     ``extra`` (JSON-able: step, data position, ...) into the completion marker. The parent folder's
     ``latest`` pointer moves to ``directory`` once it is complete; with ``keep``, only the newest ``keep``
-    training states of that folder are kept (the others are deleted after the new one is complete).
+    training states of that folder are kept (the others are deleted after the new one is complete). ``files``
+    (name -> contents; rank 0's are written) go into the checkpoint before it is published.
     """
     if keep is not None and keep < 1:
         raise ValueError(f"keep must be at least 1, got {keep}")
@@ -470,6 +479,7 @@ def save_train_state(
         hf_config=engine.cfg.model.arch.to_hf_dict(),
         info={"extra": extra_json, **_layout_info()},
         point_latest=True,
+        files=files,
     )
     if keep is not None and _is_rank0():
         _prune_train_states(final, keep)

@@ -21,7 +21,11 @@ def install() -> None:
         current = state.sft_step if at_phase == "sft" else state.step
         if at_phase == phase and current == int(step):
             os.kill(os.getpid(), signum)
-            time.sleep(0.5)  # the guard's watcher thread takes the signal; the step's stop decision sees it
+            # the guard's watcher thread takes the signal (late on a busy machine); this step's stop decision
+            # must see it
+            deadline = time.monotonic() + 60
+            while not session.guard.requested and time.monotonic() < deadline:
+                time.sleep(0.05)
         return end_of_step(session, state, at_phase, metrics)
 
     trainer.end_of_step = signalled_end_of_step

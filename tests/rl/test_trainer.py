@@ -100,10 +100,19 @@ def test_every_logged_quantity_is_there(learning_run):
         "time/rollout_s",
         "time/train_s",
         "time/weight_sync_s",
+        "time/rollout_wait_s",
+        "time/step_s",
         "throughput/train_tokens_per_s",
+        "rollout/staleness",
     ):
         assert key in row, key
-    assert row["mismatch/abs_delta_mean"] < 1e-4  # trainer and engine agree at the same weights
+    rl = metrics(
+        learning_run, "rl"
+    )  # synchronous rollouts: every batch sampled by the weights it trains from
+    assert all(r["rollout/staleness"] == 0.0 for r in rl)
+    assert (
+        max(r["mismatch/abs_delta_mean"] for r in rl) < 1e-4
+    )  # trainer and engine agree at the same weights
     sft = metrics(learning_run, "sft")
     assert sft[0]["lr"] == pytest.approx(1e-3) and row["lr"] == pytest.approx(3e-4)  # each phase's own rate
     for phase in ("sft", "rl"):
