@@ -9,23 +9,38 @@ MoE routes (R3 routing replay, routing metrics): an engine reports, per sample, 
 exactly the ``P + R - 1`` positions the model reads here, so row ``t`` lands on position ``t`` unchanged; padding
 positions get ``arange(k) % num_experts`` (distinct experts: a duplicated index would break the dispatcher's split
 sizes). Dense layers hold ``-1``.
+
+Two layouts, one source: :func:`position_values` gives a sequence's per-position tensors once (input ids, labels,
+loss mask, rollout log-probs, and every ``TrainSequence.token_values`` key – teacher log-probs, say – aligned like
+the rollout log-probs); :func:`to_tensors` puts sequence ``i`` in row ``i`` of a right-padded ``[b, s]`` rectangle,
+:func:`to_packed_tensors` puts the sequences back to back in one ``[1, T]`` row (see :mod:`sapo_megatron.packing`).
+A per-token key added in :func:`position_values` therefore follows both layouts, and so do the routes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import numpy as np
 import torch
 
 from sapo_megatron.arch import QwenArch
 from sapo_megatron.errors import UserError
+from sapo_megatron.packing import POSITION_IDS, SEGMENT_IDS, plan_packing, slot_length
 
 MicroBatch = dict[str, torch.Tensor]
+Item = TypeVar("Item")
 
 ENGINE_ROUTES = "engine_routes"
 """Micro-batch key of the engine's routes, int32 ``[b, s, L, k]``."""
+
+SEQUENCE_INDEX = "sequence_index"
+"""int64 ``[n]``: which of the sequences given to :func:`build_micro_batches` each row (padded) or segment
+(packed) of the micro-batch holds."""
+
+_TOKEN_KEYS = ("input_ids", "labels", "loss_mask", "rollout_logp")
 
 NO_ROUTE = -1
 """Route entry of a layer without a router (dense MLP), or of a layer another pipeline stage owns."""
@@ -41,7 +56,8 @@ class TrainSequence:
     """One sequence to train on. ``rollout_logp`` has one entry per response token (may be empty for SFT).
 
     ``routed_experts``: the engine's routes, int32 ``[P + R - 1, num_layers, top_k]`` (MoE, when requested);
-    ``sample_id`` names the sample in errors (e.g. ``"group 3 sample 1"``)."""
+    ``sample_id`` names the sample in errors (e.g. ``"group 3 sample 1"``); ``token_values``: more values per
+    response token, each becoming the ``[b, s]`` micro-batch key of its name, aligned like ``rollout_logp``."""
 
     prompt_ids: Sequence[int]
     response_ids: Sequence[int]
@@ -49,6 +65,7 @@ class TrainSequence:
     rollout_logp: Sequence[float] = ()
     routed_experts: np.ndarray | None = field(default=None, compare=False, repr=False)
     sample_id: str | None = None
+    token_values: Mapping[str, Sequence[float]] = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -135,43 +152,116 @@ def padded_length(sequences: Sequence[TrainSequence], multiple: int = 1) -> int:
     return round_up(max(longest - 1, 1), multiple)
 
 
+def position_values(seq: TrainSequence, name: str = "sequence") -> dict[str, torch.Tensor]:
+    """One sequence's values per model position ``[P + R - 1]``: ``input_ids`` / ``labels`` (int64),
+    ``loss_mask`` (1 where the label is a response token), ``rollout_logp`` and each ``token_values`` key
+    (float32, the value of response token ``j`` at position ``P - 1 + j``, 0 elsewhere)."""
+    tokens = torch.tensor([*seq.prompt_ids, *seq.response_ids], dtype=torch.long)
+    positions = len(tokens) - 1
+    start, count = len(seq.prompt_ids) - 1, len(seq.response_ids)
+    loss_mask = torch.zeros(positions, dtype=torch.float32)
+    loss_mask[start : start + count] = 1.0
+    values = {"input_ids": tokens[:-1], "labels": tokens[1:], "loss_mask": loss_mask}
+    for key, per_token in {"rollout_logp": seq.rollout_logp, **seq.token_values}.items():
+        if key in values or key in (SEGMENT_IDS, POSITION_IDS, SEQUENCE_INDEX, ENGINE_ROUTES):
+            raise ValueError(f"{name}: token_values key {key!r} is a reserved micro-batch key")
+        out = torch.zeros(positions, dtype=torch.float32)
+        if len(per_token):
+            if len(per_token) != count:
+                raise ValueError(f"{name}: {key} has {len(per_token)} values for {count} response tokens")
+            out[start : start + count] = torch.tensor(list(per_token), dtype=torch.float32)
+        values[key] = out
+    return values
+
+
+def _pad_value(key: str, pad_id: int) -> int | float:
+    return pad_id if key in ("input_ids", "labels") else 0
+
+
+def _keys(rows: Sequence[dict[str, torch.Tensor]]) -> list[str]:
+    extra = sorted({key for row in rows for key in row} - set(_TOKEN_KEYS))
+    return [*_TOKEN_KEYS, *extra]
+
+
 def to_tensors(
     sequences: Sequence[TrainSequence],
     length: int,
     pad_id: int,
     route_layout: RouteLayout | None = None,
 ) -> MicroBatch:
-    """``input_ids``, ``labels``, ``loss_mask``, ``rollout_logp`` [b, length] and ``advantages`` [b]; with
-    ``route_layout`` also ``engine_routes``, int32 ``[b, length, L, k]`` on the CPU (see the module docstring;
-    the sequences' routes must already be valid: :func:`check_routes`)."""
-    rows = len(sequences)
-    input_ids = torch.full((rows, length), pad_id, dtype=torch.long)
-    labels = torch.full((rows, length), pad_id, dtype=torch.long)
-    loss_mask = torch.zeros((rows, length), dtype=torch.float32)
-    rollout_logp = torch.zeros((rows, length), dtype=torch.float32)
-    for row, seq in enumerate(sequences):
-        tokens = torch.tensor([*seq.prompt_ids, *seq.response_ids], dtype=torch.long)
-        if len(tokens) - 1 > length:
-            raise ValueError(f"sequence of {len(tokens)} tokens does not fit the padded length {length} + 1")
-        start, count = len(seq.prompt_ids) - 1, len(seq.response_ids)
-        input_ids[row, : len(tokens) - 1] = tokens[:-1]
-        labels[row, : len(tokens) - 1] = tokens[1:]
-        loss_mask[row, start : start + count] = 1.0
-        if seq.rollout_logp:
-            rollout_logp[row, start : start + count] = torch.tensor(
-                list(seq.rollout_logp), dtype=torch.float32
-            )
-    advantages = torch.tensor([s.advantage for s in sequences], dtype=torch.float32)
-    batch = {
-        "input_ids": input_ids,
-        "labels": labels,
-        "loss_mask": loss_mask,
-        "rollout_logp": rollout_logp,
-        "advantages": advantages,
-    }
+    """``input_ids``, ``labels``, ``loss_mask``, ``rollout_logp`` (and any ``token_values`` keys) [b, length] and
+    ``advantages`` [b]; with ``route_layout`` also ``engine_routes``, int32 ``[b, length, L, k]`` on the CPU (see
+    the module docstring; the sequences' routes must already be valid: :func:`check_routes`)."""
+    rows = [position_values(seq, seq.sample_id or f"sequence {i}") for i, seq in enumerate(sequences)]
+    batch: MicroBatch = {}
+    for key in _keys(rows):
+        dtype = torch.long if key in ("input_ids", "labels") else torch.float32
+        out = torch.full((len(rows), length), _pad_value(key, pad_id), dtype=dtype)
+        for index, row in enumerate(rows):
+            if key not in row:
+                continue
+            if len(row[key]) > length:
+                raise ValueError(
+                    f"sequence of {len(row[key]) + 1} tokens does not fit the padded length {length} + 1"
+                )
+            out[index, : len(row[key])] = row[key]
+        batch[key] = out
+    batch["advantages"] = torch.tensor([s.advantage for s in sequences], dtype=torch.float32)
     if route_layout is not None:
         batch[ENGINE_ROUTES] = routes_tensor([s.routed_experts for s in sequences], length, route_layout)
     return batch
+
+
+def to_packed_tensors(
+    sequences: Sequence[TrainSequence],
+    length: int,
+    pad_id: int,
+    multiple: int = 1,
+    route_layout: RouteLayout | None = None,
+) -> MicroBatch:
+    """The sequences back to back in one row: every per-token key of :func:`to_tensors` as ``[1, length]``,
+    sequence ``i`` in a slot of :func:`~sapo_megatron.packing.slot_length` tokens (its values, then padding),
+    then tail padding; ``position_ids`` (restarting at each slot and at the tail), ``segment_ids`` (``i`` on slot
+    ``i``, -1 on the tail), ``advantages`` ``[n]``, and with ``route_layout`` ``engine_routes`` ``[1, length, L,
+    k]`` (padding rows at the padding positions)."""
+    rows = [position_values(seq, seq.sample_id or f"sequence {i}") for i, seq in enumerate(sequences)]
+    slots = [slot_length(len(row["input_ids"]), multiple) for row in rows]
+    if sum(slots) > length:
+        raise ValueError(
+            f"{len(rows)} sequences take {sum(slots)} tokens, more than the packed length {length}"
+        )
+    batch: MicroBatch = {}
+    for key in _keys(rows):
+        dtype = torch.long if key in ("input_ids", "labels") else torch.float32
+        out = torch.full((1, length), _pad_value(key, pad_id), dtype=dtype)
+        for row, start in zip(rows, _offsets(slots)):
+            if key in row:
+                out[0, start : start + len(row[key])] = row[key]
+        batch[key] = out
+    segment_ids = torch.full((1, length), -1, dtype=torch.long)
+    position_ids = torch.zeros((1, length), dtype=torch.long)
+    for index, (slot, start) in enumerate(zip(slots, _offsets(slots))):
+        segment_ids[0, start : start + slot] = index
+        position_ids[0, start : start + slot] = torch.arange(slot)
+    position_ids[0, sum(slots) :] = torch.arange(length - sum(slots))
+    batch[SEGMENT_IDS], batch[POSITION_IDS] = segment_ids, position_ids
+    batch["advantages"] = torch.tensor([s.advantage for s in sequences], dtype=torch.float32)
+    if route_layout is not None:
+        batch[ENGINE_ROUTES] = _packed_routes(sequences, slots, length, route_layout)
+    return batch
+
+
+def _offsets(slots: Sequence[int]) -> list[int]:
+    return np.concatenate([[0], np.cumsum(slots)[:-1]]).astype(int).tolist() if slots else []
+
+
+def _packed_routes(
+    sequences: Sequence[TrainSequence], slots: Sequence[int], length: int, layout: RouteLayout
+) -> torch.Tensor:
+    out = np.broadcast_to(layout.padding_row(), (1, length, layout.num_layers, layout.top_k)).copy()
+    for seq, start in zip(sequences, _offsets(slots)):
+        out[0, start : start + len(seq.routed_experts)] = seq.routed_experts
+    return torch.from_numpy(out)
 
 
 def routes_tensor(routes: Sequence[np.ndarray], length: int, layout: RouteLayout) -> torch.Tensor:
@@ -196,8 +286,8 @@ def check_routes(sequences: Sequence[TrainSequence], layout: RouteLayout) -> lis
 
 
 def split_for_rank(
-    sequences: Sequence[TrainSequence], *, dp_rank: int, dp_size: int, micro_batches: int
-) -> list[list[TrainSequence]]:
+    sequences: Sequence[Item], *, dp_rank: int, dp_size: int, micro_batches: int
+) -> list[list[Item]]:
     """This data-parallel rank's contiguous share of ``sequences``, cut into ``micro_batches`` equal parts."""
     rows = len(sequences)
     if rows % (dp_size * micro_batches):
@@ -219,15 +309,44 @@ def build_micro_batches(
     pad_id: int,
     length_multiple: int = 1,
     route_layout: RouteLayout | None = None,
+    max_tokens_per_micro_batch: int | None = None,
 ) -> list[MicroBatch]:
-    """This rank's micro-batches, all padded to one length computed over *all* ranks' sequences (pipeline
-    stages exchange fixed-shape activations, and every rank must agree).
+    """This rank's micro-batches, each holding ``sequence_index`` (which of ``sequences`` it holds).
+
+    ``max_tokens_per_micro_batch=None``: ``micro_batches`` equal contiguous shares, right-padded rectangles of
+    one length computed over *all* ranks' sequences (pipeline stages exchange fixed-shape activations, and every
+    rank must agree). Else packed (:mod:`sapo_megatron.packing`): as many ``[1, T]`` micro-batches of at most
+    that many tokens as the plan needs (the same count on every rank, at least ``micro_batches``), one ``T`` for
+    all; each sequence's slot is rounded up to ``length_multiple``.
 
     With ``route_layout`` (R3 replay or routing metrics), every sequence must carry valid ``routed_experts``
     and each micro-batch gets ``engine_routes`` int32 ``[b, s, L, k]`` (CPU). All sequences are checked on every
     rank, so a bad one raises the same error everywhere instead of leaving the other ranks in a collective."""
     if route_layout is not None:
         sequences = check_routes(sequences, route_layout)
-    length = padded_length(sequences, length_multiple)
-    parts = split_for_rank(sequences, dp_rank=dp_rank, dp_size=dp_size, micro_batches=micro_batches)
-    return [to_tensors(part, length, pad_id, route_layout) for part in parts]
+    if max_tokens_per_micro_batch is None:
+        length = padded_length(sequences, length_multiple)
+        indices = split_for_rank(
+            range(len(sequences)), dp_rank=dp_rank, dp_size=dp_size, micro_batches=micro_batches
+        )
+        build = [
+            (part, to_tensors([sequences[i] for i in part], length, pad_id, route_layout)) for part in indices
+        ]
+    else:
+        plan = plan_packing(
+            [slot_length(len(s.prompt_ids) + len(s.response_ids) - 1, length_multiple) for s in sequences],
+            max_tokens_per_micro_batch,
+            ranks=dp_size,
+            min_micro_batches=micro_batches,
+            names=[s.sample_id or f"sequence {i}" for i, s in enumerate(sequences)],
+        )
+        build = [
+            (
+                part,
+                to_packed_tensors(
+                    [sequences[i] for i in part], plan.length, pad_id, length_multiple, route_layout
+                ),
+            )
+            for part in plan.micro_batches[dp_rank]
+        ]
+    return [{**batch, SEQUENCE_INDEX: torch.tensor(list(part), dtype=torch.long)} for part, batch in build]

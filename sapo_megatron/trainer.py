@@ -276,6 +276,7 @@ def _micro_batches(session: Session, sequences: list[TrainSequence], routes: Rou
         pad_id=session.tokenizer.pad_id,
         length_multiple=par.tp if par.sequence_parallel else 1,
         route_layout=routes,
+        max_tokens_per_micro_batch=par.max_tokens_per_micro_batch,  # None: padded; else packed
     )
 
 
