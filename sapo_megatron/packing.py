@@ -12,11 +12,12 @@ agree without communicating:
 2. first-fit-decreasing sizes the packing: the fewest micro-batches it finds, rounded up to a multiple of the
    data-parallel size (every rank must run the same number of micro-batches: pipeline stages exchange them one
    by one, expert-parallel all-to-alls pair them across ranks) and at least ``micro_batches`` per rank;
-3. the sequences, longest first, then go to the least-loaded micro-batch they fit in (balanced loads: the step
-   takes as long as its longest micro-batch), one more micro-batch per rank whenever they do not all fit;
+3. the sequences, longest first, go onto that many micro-batches twice – first-fit, and onto the least-loaded
+   one – and the placement with the lighter heaviest micro-batch wins (first-fit always fits; least-loaded
+   usually balances better, and the step costs ``count × heaviest`` once every micro-batch is padded to it);
 4. micro-batches, heaviest first, go to the rank with the fewest tokens that still needs one (equal counts,
    balanced tokens per rank);
-5. every micro-batch of the update is padded to one length, the longest load (one activation shape per pipeline
+5. every micro-batch of the update is padded to one length, the heaviest load (one activation shape per pipeline
    schedule).
 
 A packed micro-batch is one row ``[1, T]``: the sequences' slots back to back (in the order they were given),
@@ -83,12 +84,11 @@ def plan_packing(
         raise ValueError("plan_packing needs at least one sequence")
     _check_fits(slots, budget, names)
     order = sorted(range(len(slots)), key=lambda i: (-slots[i], i))
-    count = _round_up(max(_first_fit_decreasing(order, slots, budget), ranks * min_micro_batches), ranks)
-    while (bins := _fill_least_loaded(order, slots, budget, count)) is None:
-        count += ranks  # terminates: with one micro-batch per sequence everything fits
+    count = _round_up(max(len(_first_fit(order, slots, budget)), ranks * min_micro_batches), ranks)
+    candidates = [_first_fit(order, slots, budget, count), _least_loaded(order, slots, budget, count)]
+    bins = min((c for c in candidates if c is not None), key=lambda c: _heaviest(c, slots))
     per_rank = _deal_to_ranks(bins, slots, ranks)
-    length = max(sum(slots[i] for i in mb) for mb in bins)
-    return PackingPlan([[sorted(mb) for mb in rank] for rank in per_rank], length)
+    return PackingPlan([[sorted(mb) for mb in rank] for rank in per_rank], _heaviest(bins, slots))
 
 
 def _check_fits(slots: Sequence[int], budget: int, names: Sequence[str] | None) -> None:
@@ -103,22 +103,28 @@ def _check_fits(slots: Sequence[int], budget: int, names: Sequence[str] | None) 
             )
 
 
-def _first_fit_decreasing(order: Sequence[int], slots: Sequence[int], budget: int) -> int:
-    """How many micro-batches first-fit-decreasing needs (``order``: longest first)."""
-    loads: list[int] = []
+def _first_fit(
+    order: Sequence[int], slots: Sequence[int], budget: int, count: int | None = None
+) -> list[list[int]]:
+    """First fit in ``order`` (longest first: first-fit-decreasing); opens micro-batches as needed, or starts
+    with ``count`` of them (never more needed when ``count`` ≥ the unconstrained result)."""
+    bins: list[list[int]] = [[] for _ in range(count or 0)]
+    loads = [0] * len(bins)
     for i in order:
         fit = next((b for b, load in enumerate(loads) if load + slots[i] <= budget), None)
         if fit is None:
-            loads.append(slots[i])
-        else:
-            loads[fit] += slots[i]
-    return len(loads)
+            bins.append([])
+            loads.append(0)
+            fit = len(bins) - 1
+        bins[fit].append(i)
+        loads[fit] += slots[i]
+    return bins
 
 
-def _fill_least_loaded(
+def _least_loaded(
     order: Sequence[int], slots: Sequence[int], budget: int, count: int
 ) -> list[list[int]] | None:
-    """Longest first onto the least-loaded of ``count`` micro-batches; None if one does not fit anywhere."""
+    """In ``order`` onto the least-loaded of ``count`` micro-batches; None if one does not fit there."""
     bins: list[list[int]] = [[] for _ in range(count)]
     loads = [0] * count
     for i in order:
@@ -128,6 +134,10 @@ def _fill_least_loaded(
         bins[target].append(i)
         loads[target] += slots[i]
     return bins
+
+
+def _heaviest(bins: list[list[int]], slots: Sequence[int]) -> int:
+    return max(sum(slots[i] for i in mb) for mb in bins)
 
 
 def _deal_to_ranks(bins: list[list[int]], slots: Sequence[int], ranks: int) -> list[list[list[int]]]:
