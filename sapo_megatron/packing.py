@@ -165,8 +165,9 @@ class SequenceView:
 
     Padded micro-batches: the identity (a row is a sequence). Packed ones: token ``t`` of sequence ``i`` (its
     ``position_ids`` value ``p``) goes to row ``i``, column ``p`` of a zero-filled ``[n, w]`` tensor (``w`` the
-    longest slot); the tail padding is dropped. Differentiable, so a loss computed on the view back-propagates
-    into the packed log-probs.
+    longest slot); the tail padding is dropped. A packed micro-batch without sequences (a rank can get one when
+    there are fewer sequences than micro-batches) is one empty row, as a padded row without tokens would be.
+    Differentiable, so a loss computed on the view back-propagates into the packed log-probs.
     """
 
     def __init__(self, batch: Mapping[str, torch.Tensor]) -> None:
@@ -178,7 +179,8 @@ class SequenceView:
         self._tokens = (segment >= 0).nonzero().squeeze(1)
         self._rows, self._cols = segment[self._tokens], position[self._tokens]
         empty = self._tokens.numel() == 0
-        self.shape = (0, 0) if empty else (int(self._rows.max()) + 1, int(self._cols.max()) + 1)
+        self.sequences = 0 if empty else int(self._rows.max()) + 1
+        self.shape = (1, 1) if empty else (self.sequences, int(self._cols.max()) + 1)
         self._index: dict[torch.device, tuple[torch.Tensor, ...]] = {}
 
     def __call__(self, x_bt: torch.Tensor) -> torch.Tensor:
@@ -189,6 +191,12 @@ class SequenceView:
         flat = x_bt.reshape(-1, *x_bt.shape[2:])[tokens]
         out = x_bt.new_zeros((*self.shape, *x_bt.shape[2:]))
         return out.index_put((rows, cols), flat)
+
+    def per_sequence(self, x_n: torch.Tensor) -> torch.Tensor:
+        """A per-sequence tensor ``[n, ...]`` aligned with the rows (the empty micro-batch's row gets zeros)."""
+        if not self.packed or self.sequences:
+            return x_n
+        return x_n.new_zeros((1, *x_n.shape[1:]))
 
     def _on(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         if device not in self._index:

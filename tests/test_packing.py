@@ -154,6 +154,11 @@ def test_sequence_view_of_a_packed_batch_is_the_padded_batch():
     torch.testing.assert_close(view(packed["engine_routes"]), padded["engine_routes"], rtol=0, atol=0)
     assert SequenceView(padded)(padded["labels"]) is padded["labels"]
     assert int(sequences_with_tokens(packed)) == int(sequences_with_tokens(padded)) == 2
+    empty = to_packed_tensors([], length=4, pad_id=0)  # a rank with fewer sequences than micro-batches
+    view = SequenceView(empty)
+    assert view(empty["loss_mask"]).tolist() == [[0.0]]  # one row without tokens, as padded would have
+    assert view.per_sequence(empty["advantages"]).tolist() == [0.0]
+    assert int(sequences_with_tokens(empty)) == 0
 
 
 def test_sequence_view_carries_the_gradient_back_to_packed_positions():
@@ -240,3 +245,20 @@ def test_config_refuses_a_budget_below_the_longest_response():
         config_from_dict(_config(max_tokens_per_micro_batch=32))
     with pytest.raises(ConfigError, match="max_tokens_per_micro_batch"):
         config_from_dict(_config(max_tokens_per_micro_batch=0))
+
+
+def test_the_trainer_packs_when_the_budget_is_set():
+    """``parallel.max_tokens_per_micro_batch`` reaches the trainer's micro-batches (and null keeps them padded)."""
+    from types import SimpleNamespace
+
+    from sapo_megatron.trainer import _micro_batches
+
+    seqs = [TrainSequence([1, 2, 3], [4] * n) for n in (3, 9, 5, 2)]
+    for budget, packed in ((None, False), (96, True)):
+        cfg = config_from_dict(_config(tp=1, micro_batches=2, max_tokens_per_micro_batch=budget))
+        session = SimpleNamespace(
+            cfg=cfg, info=SimpleNamespace(dp_rank=0, dp_size=1), tokenizer=SimpleNamespace(pad_id=0)
+        )
+        micro = _micro_batches(session, seqs)
+        assert all((SEGMENT_IDS in mb) == packed for mb in micro)
+        assert {mb["input_ids"].shape[0] for mb in micro} == ({1} if packed else {2})

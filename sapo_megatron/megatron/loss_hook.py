@@ -196,7 +196,8 @@ def add_global_normalisers(
 
 
 class _PerSequence:
-    """Micro-batch tensors on ``device``, per-token ones (shaped like ``labels``) as per-sequence rows."""
+    """Micro-batch tensors on ``device``: per-token ones (shaped like ``labels``) as per-sequence rows, per-sequence
+    ones (``[n]``) aligned with those rows."""
 
     def __init__(self, batch: MicroBatch, token_shape: torch.Size, device: torch.device) -> None:
         self.batch, self.token_shape, self.device = batch, token_shape, device
@@ -209,7 +210,9 @@ class _PerSequence:
         if optional and self.batch.get(key) is None:
             return None
         value = _get(self.batch, key, self.device)
-        return self.view(value) if value.shape == self.token_shape else value
+        if value.shape == self.token_shape:
+            return self.view(value)
+        return self.view.per_sequence(value) if value.dim() == 1 else value
 
 
 def _metric_weights(

@@ -20,11 +20,12 @@ import torch.distributed as dist
 
 from sapo_megatron.batching import SEQUENCE_INDEX, RouteLayout, TrainSequence, build_micro_batches
 from sapo_megatron.megatron.loss_hook import LogprobOutput, PolicyLossHook, add_global_normalisers
-from sapo_megatron.megatron.parallel import init_parallel, rank_info
+from sapo_megatron.megatron.parallel import data_parallel_group, rank_info
 from sapo_megatron.megatron.routing_replay import ENGINE_ROUTES, RECORDED_ROUTES, USED_ROUTES
 from sapo_megatron.megatron.sft import sft_loss
 from sapo_megatron.megatron.train_step import TrainEngine
 from sapo_megatron.packing import SequenceView
+from tests.loss.scenarios import setup_layout
 from tests.megatron.replay_scenarios import RouteSpy, match_calls
 from tests.megatron.scenarios import layout_config
 
@@ -36,6 +37,7 @@ LOSSES = {
         ENGINE_ROUTES,
     ),
     "gspo_live": ({"name": "gspo", "eps_low": 0.02, "eps_high": 0.03}, None, None),
+    "grpo_token_mean": ({"name": "grpo", "agg": "token-mean"}, None, None),
 }
 
 
@@ -66,23 +68,33 @@ def rl_sequences(layout: RouteLayout, count: int, seed: int) -> list[TrainSequen
     return out
 
 
-def packing_layouts(payload: dict[str, Any]) -> dict[str, Any]:
+def packing_cases(payload: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each of ``payload["cases"]`` (a layout and the updates to run) in turn, the parallel state rebuilt between
+    them: one spawn serves several layouts."""
+    return [packing_layout({**payload, **case}) for case in payload["cases"]]
+
+
+def packing_layout(payload: dict[str, Any]) -> dict[str, Any]:
+    """The padded and the packed run of one layout; ``payload["updates"]`` names the entries of ``LOSSES`` to run,
+    ``payload["sft"]`` adds an SFT step."""
+    setup_layout(payload)
     cfg = layout_config(payload)
-    init_parallel(cfg.parallel, seed=0, cfg=cfg)
     engine = TrainEngine(cfg, routing_replay=True, total_steps=8)
     initial = {k: v.clone() for k, v in engine.module.state_dict().items() if isinstance(v, torch.Tensor)}
     layout = RouteLayout.from_arch(cfg.model.arch)
     sequences = rl_sequences(layout, payload["sequences"], seed=7)
-    out: dict[str, Any] = {"rank": rank_info().__dict__, "layers": engine.routes.layers}
+    out: dict[str, Any] = {"rank": rank_info().__dict__}
     for name, budget in (("padded", None), ("packed", payload["budget"])):
         engine.module.load_state_dict(initial, strict=False)
         micro = _micro_batches(cfg, sequences, layout, budget)
         out[name] = {
             "shapes": _all_shapes(micro),
+            "sequences_per_micro_batch": [len(b[SEQUENCE_INDEX]) for b in micro],
             **_old_logp_pass(engine, micro),
-            **_updates(engine, micro, initial),
-            "sft": _sft(engine, micro, initial),
+            "updates": _updates(engine, micro, initial, payload["updates"]),
         }
+        if payload.get("sft"):
+            out[name]["updates"]["sft"] = _sft(engine, micro, initial)
     return out
 
 
@@ -121,8 +133,21 @@ def _per_sequence(micro: list[dict], values: list[torch.Tensor], mask_key: str =
 
 
 def _old_logp_pass(engine: TrainEngine, micro: list[dict]) -> dict[str, Any]:
-    current = engine.forward_only(micro, LogprobOutput(with_entropy=True), record_routes=True)
-    result: dict[str, Any] = {"routes": _per_sequence(micro, [b[RECORDED_ROUTES] for b in micro])}
+    queries: list[
+        torch.Tensor
+    ] = []  # what this stage's first attention sees: queries after RoPE [s, b, h, d]
+    attention = engine.module.decoder.layers[0].self_attention.core_attention
+    handle = attention.register_forward_pre_hook(
+        lambda module, args: queries.append(args[0].detach().clone())
+    )
+    try:
+        current = engine.forward_only(micro, LogprobOutput(with_entropy=True), record_routes=True)
+    finally:
+        handle.remove()
+    result: dict[str, Any] = {
+        "routes": _per_sequence(micro, [b[RECORDED_ROUTES] for b in micro]),
+        "queries": _per_sequence(micro, [q.transpose(0, 1) for q in queries]),
+    }
     result["agreement"] = engine.routing_agreement(micro, ENGINE_ROUTES, RECORDED_ROUTES)
     if current is None:  # not the last pipeline stage: the loss runs elsewhere
         return result
@@ -135,10 +160,11 @@ def _old_logp_pass(engine: TrainEngine, micro: list[dict]) -> dict[str, Any]:
     return result
 
 
-def _updates(engine: TrainEngine, micro: list[dict], initial: dict) -> dict[str, Any]:
+def _updates(engine: TrainEngine, micro: list[dict], initial: dict, names: list[str]) -> dict[str, Any]:
     out = {}
     spy = RouteSpy(engine.module, micro[0]["input_ids"].shape[0])
-    for name, (loss, correction, replay_key) in LOSSES.items():
+    for name in names:
+        loss, correction, replay_key = LOSSES[name]
         engine.module.load_state_dict(initial, strict=False)
         spy.take()
         step = engine.train_step(
@@ -160,8 +186,6 @@ def _updates(engine: TrainEngine, micro: list[dict], initial: dict) -> dict[str,
 def _sft(engine: TrainEngine, micro: list[dict], initial: dict) -> dict[str, float]:
     engine.module.load_state_dict(initial, strict=False)
     total = sum(b["loss_mask"].sum() for b in micro).double().reshape(1)
-    from sapo_megatron.megatron.parallel import data_parallel_group
-
     dist.all_reduce(total, group=data_parallel_group())
     step = engine.train_step([{**b, "num_tokens_global": total.float()[0]} for b in micro], sft_loss)
     return {"loss": step.loss, "grad_norm": step.grad_norm, "grads": _grads(engine)}
