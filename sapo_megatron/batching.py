@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import TypeVar
 
 import numpy as np
@@ -326,12 +327,10 @@ def build_micro_batches(
         sequences = check_routes(sequences, route_layout)
     if max_tokens_per_micro_batch is None:
         length = padded_length(sequences, length_multiple)
-        indices = split_for_rank(
+        parts = split_for_rank(
             range(len(sequences)), dp_rank=dp_rank, dp_size=dp_size, micro_batches=micro_batches
         )
-        build = [
-            (part, to_tensors([sequences[i] for i in part], length, pad_id, route_layout)) for part in indices
-        ]
+        layout = partial(to_tensors, length=length, pad_id=pad_id, route_layout=route_layout)
     else:
         plan = plan_packing(
             [slot_length(len(s.prompt_ids) + len(s.response_ids) - 1, length_multiple) for s in sequences],
@@ -340,13 +339,15 @@ def build_micro_batches(
             min_micro_batches=micro_batches,
             names=[s.sample_id or f"sequence {i}" for i, s in enumerate(sequences)],
         )
-        build = [
-            (
-                part,
-                to_packed_tensors(
-                    [sequences[i] for i in part], plan.length, pad_id, length_multiple, route_layout
-                ),
-            )
-            for part in plan.micro_batches[dp_rank]
-        ]
-    return [{**batch, SEQUENCE_INDEX: torch.tensor(list(part), dtype=torch.long)} for part, batch in build]
+        parts = plan.micro_batches[dp_rank]
+        layout = partial(
+            to_packed_tensors,
+            length=plan.length,
+            pad_id=pad_id,
+            multiple=length_multiple,
+            route_layout=route_layout,
+        )
+    return [
+        {**layout([sequences[i] for i in part]), SEQUENCE_INDEX: torch.tensor(list(part), dtype=torch.long)}
+        for part in parts
+    ]
