@@ -351,3 +351,13 @@ def build_micro_batches(
         {**layout([sequences[i] for i in part]), SEQUENCE_INDEX: torch.tensor(list(part), dtype=torch.long)}
         for part in parts
     ]
+
+
+def padding_fraction(
+    sequences: Sequence[TrainSequence], updates: Sequence[Sequence[MicroBatch]], dp_size: int
+) -> float:
+    """The fraction of the positions the model runs that hold no sequence token: ``sequences`` of the whole step
+    (all ranks), ``updates`` this rank's micro-batches per update (every rank runs the same shapes)."""
+    real = sum(len(s.prompt_ids) + len(s.response_ids) - 1 for s in sequences)
+    run = dp_size * sum(batch["input_ids"].numel() for update in updates for batch in update)
+    return 1.0 - real / max(run, 1)

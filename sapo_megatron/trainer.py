@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from sapo_megatron.batching import RouteLayout, TrainSequence, build_micro_batches
+from sapo_megatron.batching import RouteLayout, TrainSequence, build_micro_batches, padding_fraction
 from sapo_megatron.checkpointing import Checkpointer, LoopState
 from sapo_megatron.data.prompts import PromptIterator, PromptRow
 from sapo_megatron.errors import RunInterrupted
@@ -187,6 +187,7 @@ def rl_step(
     metrics["time/train_s"] = train_s
     tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in sequences)
     metrics["throughput/train_tokens_per_s"] = tokens / max(train_s, 1e-9)
+    metrics["train/padding_frac"] = padding_fraction(sequences, micro, session.info.dp_size)
     return metrics
 
 

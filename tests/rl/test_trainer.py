@@ -101,6 +101,7 @@ def test_every_logged_quantity_is_there(learning_run):
         "time/train_s",
         "time/weight_sync_s",
         "throughput/train_tokens_per_s",
+        "train/padding_frac",
     ):
         assert key in row, key
     assert row["mismatch/abs_delta_mean"] < 1e-4  # trainer and engine agree at the same weights
