@@ -14,6 +14,7 @@ from sapo_megatron.batching import (
     RoutingReplayError,
     TrainSequence,
     build_micro_batches,
+    padding_fraction,
     to_packed_tensors,
     to_tensors,
 )
@@ -262,3 +263,17 @@ def test_the_trainer_packs_when_the_budget_is_set():
         micro = _micro_batches(session, seqs)
         assert all((SEGMENT_IDS in mb) == packed for mb in micro)
         assert {mb["input_ids"].shape[0] for mb in micro} == ({1} if packed else {2})
+
+
+def test_padding_fraction_counts_the_positions_without_a_token():
+    seqs = [TrainSequence([1, 2], [3] * n) for n in (2, 9, 3, 6)]  # 3, 10, 4 and 7 model positions: 24
+    padded = build_micro_batches(seqs, dp_rank=0, dp_size=1, micro_batches=2, pad_id=0)
+    assert padding_fraction(seqs, [padded], dp_size=1) == pytest.approx(1 - 24 / 40)  # 2 × 2 rows of 10
+    # budget 14: least-loaded onto 2 micro-batches gives 10 + 3 | 7 + 4, so 2 rows of T = 13
+    packed = build_micro_batches(
+        seqs, dp_rank=0, dp_size=1, micro_batches=1, pad_id=0, max_tokens_per_micro_batch=14
+    )
+    assert [mb["sequence_index"].tolist() for mb in packed] == [[0, 1], [2, 3]]
+    assert padding_fraction(seqs, [packed], dp_size=1) == pytest.approx(1 - 24 / 26)
+    # per update, every rank's micro-batches count (they all have the same shapes)
+    assert padding_fraction(seqs * 2, [packed], dp_size=2) == pytest.approx(1 - 48 / 52)

@@ -1,6 +1,6 @@
 """Packing in the RL loop: with ``parallel.max_tokens_per_micro_batch`` the whole run (SFT warm start, old-log-prob
-pass, R3 replay of the fp8 engine's routes, routing and mismatch metrics, the policy updates) logs the same
-numbers as the padded run, step by step, while its micro-batches hold packed rows (``train/padding_frac``)."""
+pass, R3 replay of the engine's routes, routing and mismatch metrics, the policy updates) logs the same
+numbers as the padded run, step by step."""
 
 from __future__ import annotations
 
@@ -11,10 +11,9 @@ from tests.rl.test_trainer import data_files, train, write_config  # noqa: F401 
 
 RUN = {
     "rollout.routed_experts": True,
-    "rollout.precision": "fp8",
     "algorithm.routing_replay": "r3",
     "trainer.steps": 2,
-    "sft.steps": 10,
+    "sft.steps": 4,
 }
 COMPARED = (
     "reward/mean",
@@ -26,10 +25,10 @@ COMPARED = (
     "routing/agreement_used",
 )
 # The two runs part by summation order only, but Adam (which divides tiny gradient differences by tiny second
-# moments, through 10 SFT steps and each RL update) and the fp8 engine's rounding amplify that: step 1 is held to
-# 1e-5 relative (absolute 1e-8 for mismatch/k3, ~2e-5: a squared difference of nearly equal log-probs, relative
-# precision ~1e-4 in fp32), step 2, after one more update and new rollouts, to 1e-2 (measured: k3 1e-3 apart).
-RTOL = {1: 1e-5, 2: 1e-2}
+# moments, through the SFT steps and each RL update) amplifies that; step 1 is held to 1e-5 relative, step 2, after
+# one more update and new rollouts, to 1e-3 (absolute 1e-8: mismatch/k3 is a squared difference of nearly equal
+# log-probs).
+RTOL = {1: 1e-5, 2: 1e-3}
 
 
 def test_packed_run_logs_the_padded_run(tmp_path, data_files):  # noqa: F811
@@ -49,10 +48,8 @@ def test_packed_run_logs_the_padded_run(tmp_path, data_files):  # noqa: F811
                 padded["step"],
                 key,
             )
-    # and it did pack: another computation (not bitwise the padded one), other padding
+    # and it did pack: another computation, not bitwise the padded one (the demo's sequences all have about the
+    # same length, so train/padding_frac can come out equal: 64 sequences × 12 tokens = 16 packed rows × 48)
     assert any(
         p[k] != q[k] for p, q in zip(rows["padded"], rows["packed"]) for k in ("loss/total", "grad_norm")
-    )
-    assert any(
-        p["train/padding_frac"] != q["train/padding_frac"] for p, q in zip(rows["padded"], rows["packed"])
     )
