@@ -9,23 +9,39 @@ MoE routes (R3 routing replay, routing metrics): an engine reports, per sample, 
 exactly the ``P + R - 1`` positions the model reads here, so row ``t`` lands on position ``t`` unchanged; padding
 positions get ``arange(k) % num_experts`` (distinct experts: a duplicated index would break the dispatcher's split
 sizes). Dense layers hold ``-1``.
+
+Two layouts, one source: :func:`position_values` gives a sequence's per-position tensors once (input ids, labels,
+loss mask, rollout log-probs, and every ``TrainSequence.token_values`` key – teacher log-probs, say – aligned like
+the rollout log-probs); :func:`to_tensors` puts sequence ``i`` in row ``i`` of a right-padded ``[b, s]`` rectangle,
+:func:`to_packed_tensors` puts the sequences back to back in one ``[1, T]`` row (see :mod:`sapo_megatron.packing`).
+A per-token key added in :func:`position_values` therefore follows both layouts, and so do the routes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
+from typing import TypeVar
 
 import numpy as np
 import torch
 
 from sapo_megatron.arch import QwenArch
 from sapo_megatron.errors import UserError
+from sapo_megatron.packing import POSITION_IDS, SEGMENT_IDS, plan_packing, slot_length
 
 MicroBatch = dict[str, torch.Tensor]
+Item = TypeVar("Item")
 
 ENGINE_ROUTES = "engine_routes"
 """Micro-batch key of the engine's routes, int32 ``[b, s, L, k]``."""
+
+SEQUENCE_INDEX = "sequence_index"
+"""int64 ``[n]``: which of the sequences given to :func:`build_micro_batches` each row (padded) or segment
+(packed) of the micro-batch holds."""
+
+_TOKEN_KEYS = ("input_ids", "labels", "loss_mask", "rollout_logp")
 
 NO_ROUTE = -1
 """Route entry of a layer without a router (dense MLP), or of a layer another pipeline stage owns."""
@@ -43,7 +59,8 @@ class TrainSequence:
     ``routed_experts``: the engine's routes, int32 ``[P + R - 1, num_layers, top_k]`` (MoE, when requested);
     ``sample_id`` names the sample in errors (e.g. ``"group 3 sample 1"``). Distillation: ``teacher_logp``, the
     teacher's log-prob of each response token (None: not scored), and ``domain_id``, the prompt's domain as an
-    index the distillation step knows (-1: none)."""
+    index the distillation step knows (-1: none). ``token_values``: more values per response token, each becoming
+    the per-token micro-batch key of its name, aligned like ``rollout_logp``."""
 
     prompt_ids: Sequence[int]
     response_ids: Sequence[int]
@@ -53,12 +70,13 @@ class TrainSequence:
     sample_id: str | None = None
     teacher_logp: Sequence[float] | None = None
     domain_id: int = -1
+    token_values: Mapping[str, Sequence[float]] = field(default_factory=dict, compare=False, repr=False)
 
 
 TEACHER_LOGP = "teacher_logp"
-"""Micro-batch key of the teacher's log-probs, fp32 ``[b, s]`` aligned with ``labels`` (0 off the response)."""
+"""Micro-batch key of the teacher's log-probs, fp32 per token like ``labels`` (0 off the response)."""
 DOMAIN_IDS = "domain_ids"
-"""Micro-batch key of the rows' domain ids, int64 ``[b]``."""
+"""Micro-batch key of the sequences' domain ids, int64 per sequence like ``advantages``."""
 
 
 @dataclass(frozen=True)
@@ -145,68 +163,136 @@ def padded_length(sequences: Sequence[TrainSequence], multiple: int = 1) -> int:
     return round_up(max(longest - 1, 1), multiple)
 
 
+def position_values(seq: TrainSequence, name: str = "sequence") -> dict[str, torch.Tensor]:
+    """One sequence's values per model position ``[P + R - 1]``: ``input_ids`` / ``labels`` (int64),
+    ``loss_mask`` (1 where the label is a response token), ``rollout_logp``, ``teacher_logp`` (when scored) and
+    each ``token_values`` key (float32, the value of response token ``j`` at position ``P - 1 + j``, 0
+    elsewhere)."""
+    tokens = torch.tensor([*seq.prompt_ids, *seq.response_ids], dtype=torch.long)
+    positions = len(tokens) - 1
+    start, count = len(seq.prompt_ids) - 1, len(seq.response_ids)
+    loss_mask = torch.zeros(positions, dtype=torch.float32)
+    loss_mask[start : start + count] = 1.0
+    values = {"input_ids": tokens[:-1], "labels": tokens[1:], "loss_mask": loss_mask}
+    per_token_values = {"rollout_logp": seq.rollout_logp, **seq.token_values}
+    if seq.teacher_logp is not None:
+        if len(seq.teacher_logp) != count:
+            raise ValueError(f"{name}: {len(seq.teacher_logp)} teacher log-probs for {count} response tokens")
+        per_token_values[TEACHER_LOGP] = seq.teacher_logp
+    for key, per_token in per_token_values.items():
+        if key in values or key in (SEGMENT_IDS, POSITION_IDS, SEQUENCE_INDEX, ENGINE_ROUTES, DOMAIN_IDS):
+            raise ValueError(f"{name}: token_values key {key!r} is a reserved micro-batch key")
+        out = torch.zeros(positions, dtype=torch.float32)
+        if len(per_token):
+            if len(per_token) != count:
+                raise ValueError(f"{name}: {key} has {len(per_token)} values for {count} response tokens")
+            out[start : start + count] = torch.tensor(list(per_token), dtype=torch.float32)
+        values[key] = out
+    return values
+
+
+def per_sequence_values(sequences: Sequence[TrainSequence]) -> MicroBatch:
+    """``advantages`` fp32 ``[n]``, and ``domain_ids`` int64 ``[n]`` when the sequences were scored by a teacher
+    (then every one must have been: a half-scored micro-batch would distil on zeros)."""
+    values = {"advantages": torch.tensor([s.advantage for s in sequences], dtype=torch.float32)}
+    scored = [s.teacher_logp is not None for s in sequences]
+    if any(scored):
+        if not all(scored):
+            index = scored.index(False)
+            name = sequences[index].sample_id or f"sequence {index}"
+            raise ValueError(f"{name}: no teacher log-probs, while other sequences of its batch have them")
+        values[DOMAIN_IDS] = torch.tensor([s.domain_id for s in sequences], dtype=torch.long)
+    return values
+
+
+def _pad_value(key: str, pad_id: int) -> int | float:
+    return pad_id if key in ("input_ids", "labels") else 0
+
+
+def _keys(rows: Sequence[dict[str, torch.Tensor]]) -> list[str]:
+    extra = sorted({key for row in rows for key in row} - set(_TOKEN_KEYS))
+    return [*_TOKEN_KEYS, *extra]
+
+
 def to_tensors(
     sequences: Sequence[TrainSequence],
     length: int,
     pad_id: int,
     route_layout: RouteLayout | None = None,
 ) -> MicroBatch:
-    """``input_ids``, ``labels``, ``loss_mask``, ``rollout_logp`` [b, length] and ``advantages`` [b]; with
-    ``route_layout`` also ``engine_routes``, int32 ``[b, length, L, k]`` on the CPU (see the module docstring;
-    the sequences' routes must already be valid: :func:`check_routes`); when the sequences were scored by a
-    teacher, ``teacher_logp`` [b, length] and ``domain_ids`` [b] (:func:`teacher_tensors`)."""
-    rows = len(sequences)
-    input_ids = torch.full((rows, length), pad_id, dtype=torch.long)
-    labels = torch.full((rows, length), pad_id, dtype=torch.long)
-    loss_mask = torch.zeros((rows, length), dtype=torch.float32)
-    rollout_logp = torch.zeros((rows, length), dtype=torch.float32)
-    for row, seq in enumerate(sequences):
-        tokens = torch.tensor([*seq.prompt_ids, *seq.response_ids], dtype=torch.long)
-        if len(tokens) - 1 > length:
-            raise ValueError(f"sequence of {len(tokens)} tokens does not fit the padded length {length} + 1")
-        start, count = len(seq.prompt_ids) - 1, len(seq.response_ids)
-        input_ids[row, : len(tokens) - 1] = tokens[:-1]
-        labels[row, : len(tokens) - 1] = tokens[1:]
-        loss_mask[row, start : start + count] = 1.0
-        if seq.rollout_logp:
-            rollout_logp[row, start : start + count] = torch.tensor(
-                list(seq.rollout_logp), dtype=torch.float32
-            )
-    advantages = torch.tensor([s.advantage for s in sequences], dtype=torch.float32)
-    batch = {
-        "input_ids": input_ids,
-        "labels": labels,
-        "loss_mask": loss_mask,
-        "rollout_logp": rollout_logp,
-        "advantages": advantages,
-    }
+    """``input_ids``, ``labels``, ``loss_mask``, ``rollout_logp`` (and any ``token_values`` keys) [b, length] and
+    ``advantages`` [b]; with ``route_layout`` also ``engine_routes``, int32 ``[b, length, L, k]`` on the CPU (see
+    the module docstring; the sequences' routes must already be valid: :func:`check_routes`)."""
+    rows = [position_values(seq, seq.sample_id or f"sequence {i}") for i, seq in enumerate(sequences)]
+    batch: MicroBatch = {}
+    for key in _keys(rows):
+        dtype = torch.long if key in ("input_ids", "labels") else torch.float32
+        out = torch.full((len(rows), length), _pad_value(key, pad_id), dtype=dtype)
+        for index, row in enumerate(rows):
+            if key not in row:
+                continue
+            if len(row[key]) > length:
+                raise ValueError(
+                    f"sequence of {len(row[key]) + 1} tokens does not fit the padded length {length} + 1"
+                )
+            out[index, : len(row[key])] = row[key]
+        batch[key] = out
+    batch.update(per_sequence_values(sequences))
     if route_layout is not None:
         batch[ENGINE_ROUTES] = routes_tensor([s.routed_experts for s in sequences], length, route_layout)
-    if any(s.teacher_logp is not None for s in sequences):
-        batch.update(teacher_tensors(sequences, length))
     return batch
 
 
-def teacher_tensors(sequences: Sequence[TrainSequence], length: int) -> MicroBatch:
-    """``teacher_logp`` fp32 ``[b, length]`` (response token ``j`` at position ``P - 1 + j``, like
-    ``rollout_logp``; 0 elsewhere) and ``domain_ids`` int64 ``[b]``; every sequence must have been scored."""
-    teacher_logp = torch.zeros((len(sequences), length), dtype=torch.float32)
-    for row, seq in enumerate(sequences):
-        if seq.teacher_logp is None or len(seq.teacher_logp) != len(seq.response_ids):
-            got = (
-                "no teacher log-probs"
-                if seq.teacher_logp is None
-                else f"{len(seq.teacher_logp)} teacher log-probs"
-            )
-            raise ValueError(
-                f"{seq.sample_id or f'sequence {row}'}: {got} for {len(seq.response_ids)} response tokens"
-            )
-        start = len(seq.prompt_ids) - 1
-        teacher_logp[row, start : start + len(seq.response_ids)] = torch.tensor(
-            list(seq.teacher_logp), dtype=torch.float32
+def to_packed_tensors(
+    sequences: Sequence[TrainSequence],
+    length: int,
+    pad_id: int,
+    multiple: int = 1,
+    route_layout: RouteLayout | None = None,
+) -> MicroBatch:
+    """The sequences back to back in one row: every per-token key of :func:`to_tensors` as ``[1, length]``,
+    sequence ``i`` in a slot of :func:`~sapo_megatron.packing.slot_length` tokens (its values, then padding),
+    then tail padding; ``position_ids`` (restarting at each slot and at the tail), ``segment_ids`` (``i`` on slot
+    ``i``, -1 on the tail), ``advantages`` ``[n]``, and with ``route_layout`` ``engine_routes`` ``[1, length, L,
+    k]`` (padding rows at the padding positions)."""
+    rows = [position_values(seq, seq.sample_id or f"sequence {i}") for i, seq in enumerate(sequences)]
+    slots = [slot_length(len(row["input_ids"]), multiple) for row in rows]
+    if sum(slots) > length:
+        raise ValueError(
+            f"{len(rows)} sequences take {sum(slots)} tokens, more than the packed length {length}"
         )
-    domain_ids = torch.tensor([s.domain_id for s in sequences], dtype=torch.long)
-    return {TEACHER_LOGP: teacher_logp, DOMAIN_IDS: domain_ids}
+    batch: MicroBatch = {}
+    for key in _keys(rows):
+        dtype = torch.long if key in ("input_ids", "labels") else torch.float32
+        out = torch.full((1, length), _pad_value(key, pad_id), dtype=dtype)
+        for row, start in zip(rows, _offsets(slots)):
+            if key in row:
+                out[0, start : start + len(row[key])] = row[key]
+        batch[key] = out
+    segment_ids = torch.full((1, length), -1, dtype=torch.long)
+    position_ids = torch.zeros((1, length), dtype=torch.long)
+    for index, (slot, start) in enumerate(zip(slots, _offsets(slots))):
+        segment_ids[0, start : start + slot] = index
+        position_ids[0, start : start + slot] = torch.arange(slot)
+    position_ids[0, sum(slots) :] = torch.arange(length - sum(slots))
+    batch[SEGMENT_IDS], batch[POSITION_IDS] = segment_ids, position_ids
+    batch.update(per_sequence_values(sequences))
+    if route_layout is not None:
+        batch[ENGINE_ROUTES] = _packed_routes(sequences, slots, length, route_layout)
+    return batch
+
+
+def _offsets(slots: Sequence[int]) -> list[int]:
+    return np.concatenate([[0], np.cumsum(slots)[:-1]]).astype(int).tolist() if slots else []
+
+
+def _packed_routes(
+    sequences: Sequence[TrainSequence], slots: Sequence[int], length: int, layout: RouteLayout
+) -> torch.Tensor:
+    out = np.broadcast_to(layout.padding_row(), (1, length, layout.num_layers, layout.top_k)).copy()
+    for seq, start in zip(sequences, _offsets(slots)):
+        out[0, start : start + len(seq.routed_experts)] = seq.routed_experts
+    return torch.from_numpy(out)
 
 
 def routes_tensor(routes: Sequence[np.ndarray], length: int, layout: RouteLayout) -> torch.Tensor:
@@ -231,8 +317,8 @@ def check_routes(sequences: Sequence[TrainSequence], layout: RouteLayout) -> lis
 
 
 def split_for_rank(
-    sequences: Sequence[TrainSequence], *, dp_rank: int, dp_size: int, micro_batches: int
-) -> list[list[TrainSequence]]:
+    sequences: Sequence[Item], *, dp_rank: int, dp_size: int, micro_batches: int
+) -> list[list[Item]]:
     """This data-parallel rank's contiguous share of ``sequences``, cut into ``micro_batches`` equal parts."""
     rows = len(sequences)
     if rows % (dp_size * micro_batches):
@@ -254,15 +340,54 @@ def build_micro_batches(
     pad_id: int,
     length_multiple: int = 1,
     route_layout: RouteLayout | None = None,
+    max_tokens_per_micro_batch: int | None = None,
 ) -> list[MicroBatch]:
-    """This rank's micro-batches, all padded to one length computed over *all* ranks' sequences (pipeline
-    stages exchange fixed-shape activations, and every rank must agree).
+    """This rank's micro-batches, each holding ``sequence_index`` (which of ``sequences`` it holds).
+
+    ``max_tokens_per_micro_batch=None``: ``micro_batches`` equal contiguous shares, right-padded rectangles of
+    one length computed over *all* ranks' sequences (pipeline stages exchange fixed-shape activations, and every
+    rank must agree). Else packed (:mod:`sapo_megatron.packing`): as many ``[1, T]`` micro-batches of at most
+    that many tokens as the plan needs (the same count on every rank, at least ``micro_batches``), one ``T`` for
+    all; each sequence's slot is rounded up to ``length_multiple``.
 
     With ``route_layout`` (R3 replay or routing metrics), every sequence must carry valid ``routed_experts``
     and each micro-batch gets ``engine_routes`` int32 ``[b, s, L, k]`` (CPU). All sequences are checked on every
     rank, so a bad one raises the same error everywhere instead of leaving the other ranks in a collective."""
     if route_layout is not None:
         sequences = check_routes(sequences, route_layout)
-    length = padded_length(sequences, length_multiple)
-    parts = split_for_rank(sequences, dp_rank=dp_rank, dp_size=dp_size, micro_batches=micro_batches)
-    return [to_tensors(part, length, pad_id, route_layout) for part in parts]
+    if max_tokens_per_micro_batch is None:
+        length = padded_length(sequences, length_multiple)
+        parts = split_for_rank(
+            range(len(sequences)), dp_rank=dp_rank, dp_size=dp_size, micro_batches=micro_batches
+        )
+        layout = partial(to_tensors, length=length, pad_id=pad_id, route_layout=route_layout)
+    else:
+        plan = plan_packing(
+            [slot_length(len(s.prompt_ids) + len(s.response_ids) - 1, length_multiple) for s in sequences],
+            max_tokens_per_micro_batch,
+            ranks=dp_size,
+            min_micro_batches=micro_batches,
+            names=[s.sample_id or f"sequence {i}" for i, s in enumerate(sequences)],
+        )
+        parts = plan.micro_batches[dp_rank]
+        layout = partial(
+            to_packed_tensors,
+            length=plan.length,
+            pad_id=pad_id,
+            multiple=length_multiple,
+            route_layout=route_layout,
+        )
+    return [
+        {**layout([sequences[i] for i in part]), SEQUENCE_INDEX: torch.tensor(list(part), dtype=torch.long)}
+        for part in parts
+    ]
+
+
+def padding_fraction(
+    sequences: Sequence[TrainSequence], updates: Sequence[Sequence[MicroBatch]], dp_size: int
+) -> float:
+    """The fraction of the positions the model runs that hold no sequence token: ``sequences`` of the whole step
+    (all ranks), ``updates`` this rank's micro-batches per update (every rank runs the same shapes)."""
+    real = sum(len(s.prompt_ids) + len(s.response_ids) - 1 for s in sequences)
+    run = dp_size * sum(batch["input_ids"].numel() for update in updates for batch in update)
+    return 1.0 - real / max(run, 1)

@@ -113,7 +113,15 @@ class ParallelConfig(Section):
     )
     cp: int = Field(default=1, ge=1, description="context parallel size")
     sequence_parallel: bool = False
-    micro_batches: int = Field(default=1, ge=1, description="micro-batches per optimizer step and rank")
+    micro_batches: int = Field(
+        default=1, ge=1, description="micro-batches per optimizer step and rank (packed: at least this many)"
+    )
+    max_tokens_per_micro_batch: int | None = Field(
+        default=None,
+        ge=1,
+        description="pack sequences into micro-batches of at most this many tokens (sapo_megatron/packing.py); "
+        "null: one right-padded rectangle per micro-batch",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -645,6 +653,8 @@ def _routing_replay_problems(cfg: RunConfig) -> list[str]:
 def _batch_problems(cfg: RunConfig, world_size: int) -> list[str]:
     """Every optimizer step must split evenly into data-parallel ranks × micro-batches."""
     par = cfg.parallel
+    if par.max_tokens_per_micro_batch is not None:
+        return _packing_problems(cfg)  # packed micro-batches take any number of sequences
     if world_size % par.model_parallel_size:
         return []
     split = data_parallel_size(cfg, world_size) * par.micro_batches
@@ -661,6 +671,17 @@ def _batch_problems(cfg: RunConfig, world_size: int) -> list[str]:
             f"parallel.micro_batches = {split}"
         )
     return problems
+
+
+def _packing_problems(cfg: RunConfig) -> list[str]:
+    budget, longest = cfg.parallel.max_tokens_per_micro_batch, cfg.rollout.max_new_tokens
+    if cfg.trainer.steps and budget < longest:
+        return [
+            f"parallel.max_tokens_per_micro_batch={budget} is smaller than rollout.max_new_tokens={longest}: a "
+            "full-length response would not fit one micro-batch; raise it to at least the longest prompt + "
+            "rollout.max_new_tokens"
+        ]
+    return []
 
 
 def _head_problems(arch: QwenArch, par: ParallelConfig) -> list[str]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from sapo_megatron.batching import RouteLayout, TrainSequence, build_micro_batches
+from sapo_megatron.batching import RouteLayout, TrainSequence, build_micro_batches, padding_fraction
 from sapo_megatron.checkpointing import Checkpointer, LoopState
 from sapo_megatron.config import sequence_length_multiple
 from sapo_megatron.data.prompts import PromptIterator, PromptRow
@@ -199,6 +199,7 @@ def rl_step(
     metrics["time/train_s"] = train_s
     tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in sequences)
     metrics["throughput/train_tokens_per_s"] = tokens / max(train_s, 1e-9)
+    metrics["train/padding_frac"] = padding_fraction(sequences, micro, session.info.dp_size)
     return metrics
 
 
@@ -292,6 +293,7 @@ def _micro_batches(session: Session, sequences: list[TrainSequence], routes: Rou
         pad_id=session.tokenizer.pad_id,
         length_multiple=sequence_length_multiple(session.cfg),
         route_layout=routes,
+        max_tokens_per_micro_batch=par.max_tokens_per_micro_batch,  # None: padded; else packed
     )
 
 

@@ -3,8 +3,9 @@
 imports, else the local spec), check logit parity against HF transformers, run training steps (SFT, SAPO hook,
 bf16, FP8 with TE), run each FP8 recipe (delayed, tensorwise, blockwise, mxfp8) against bf16 on the same weights
 and tokens (loss and logit deltas, step time), report which fused kernels are active (TE, apex, flash-attn, or
-Megatron's torch fallbacks), compare the planner's activation estimate with the allocator, compare the chunked
-vocab-parallel log-probs with a naive log_softmax in memory and value, and print a table of what was verified.
+Megatron's torch fallbacks), compare the planner's activation estimate with the allocator, compare packed (THD
+with TE) with padded micro-batches, compare the chunked vocab-parallel log-probs with a naive log_softmax in
+memory and value, and print a table of what was verified.
 A recipe the GPU cannot run (mxfp8 before Blackwell) or that needs a missing TE is a SKIP with the reason.
 
     python tools/gpu_check.py                 # on a CUDA machine; exit code 1 if any check FAILs
@@ -145,6 +146,54 @@ class Checks:
         if not (torch.isfinite(torch.tensor(rl.loss)) and torch.isfinite(torch.tensor(rl.grad_norm))):
             raise AssertionError(f"SAPO step not finite: loss {rl.loss}, grad norm {rl.grad_norm}")
         return f"SFT loss {first.loss:.3f} -> {last.loss:.3f}; SAPO step loss {rl.loss:.4f}, {step_ms:.0f} ms"
+
+    def packing(self, kind: str) -> str:
+        """Packed micro-batches (THD through TE's attention when TE imports, else the block mask) against padded
+        ones: per-sequence log-probs of one forward-only pass, and its time per layout."""
+        from sapo_megatron.batching import SEQUENCE_INDEX, TrainSequence, build_micro_batches
+        from sapo_megatron.megatron.loss_hook import LogprobOutput
+        from sapo_megatron.megatron.train_step import TrainEngine
+        from sapo_megatron.packing import SequenceView
+
+        dtype = "bf16" if have("transformer_engine") else "fp32"  # TE's THD kernels are fp16/bf16 ones
+        engine = TrainEngine(self.config(kind, dtype))
+        gen = torch.Generator().manual_seed(2)
+        lengths = [(int(p), int(r)) for p, r in torch.randint(2, 40, (16, 2), generator=gen)]
+        seqs = [
+            TrainSequence(
+                torch.randint(3, 64, (p,), generator=gen).tolist(),
+                torch.randint(3, 64, (r,), generator=gen).tolist(),
+            )
+            for p, r in lengths
+        ]
+        logp, ms = {}, {}
+        for name, budget in (("padded", None), ("packed", 128)):
+            micro = [
+                _to(b, self.device)
+                for b in build_micro_batches(
+                    seqs, dp_rank=0, dp_size=1, micro_batches=2, pad_id=0, max_tokens_per_micro_batch=budget
+                )
+            ]
+            engine.forward_only(micro, LogprobOutput())  # warm-up
+            _sync(self.device)
+            start = time.perf_counter()
+            outputs = engine.forward_only(micro, LogprobOutput())
+            _sync(self.device)
+            ms[name] = (time.perf_counter() - start) * 1e3
+            for batch, value in zip(micro, outputs):
+                view = SequenceView(batch)
+                rows, mask = view(value), view(batch["loss_mask"]).bool()
+                for row, index in enumerate(batch[SEQUENCE_INDEX].tolist()):
+                    logp.setdefault(index, {})[name] = rows[row][mask[row]].float()
+        diff = max(float((v["padded"] - v["packed"]).abs().max()) for v in logp.values())
+        tolerance = 5e-2 if dtype == "bf16" else 1e-5
+        if diff > tolerance:
+            raise AssertionError(f"packed vs padded max |Δlogp| {diff:.3g} > {tolerance} ({dtype})")
+        path = "THD (TE)" if have("transformer_engine") else "block mask (local spec)"
+        return (
+            f"{path}, {dtype}: max |Δlogp| {diff:.2e} (tolerance {tolerance}); forward-only "
+            f"{ms['padded']:.1f} ms padded, {ms['packed']:.1f} ms packed"
+        )
 
     def logprob_memory(self) -> str:
         from sapo_megatron.megatron.logprobs import vocab_parallel_logprobs
@@ -354,6 +403,11 @@ def _version(module: str) -> str:
         return "?"
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def _to(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device) for k, v in batch.items()}
 
@@ -392,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{kind}: SFT + SAPO steps, {dtype}",
                     lambda k=kind, d=dtype: checks.train_steps(k, d),
                 )
+            run_check(results, f"{kind}: packed vs padded micro-batches", lambda k=kind: checks.packing(k))
         for recipe in FP8_RECIPES:
             run_check(
                 results,

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from sapo_megatron.algo import MismatchCorrection, SafFusion, fuse_advantages, opd_advantages
 from sapo_megatron.batching import DOMAIN_IDS, TEACHER_LOGP
 from sapo_megatron.distill.config import safe_metric_name
+from sapo_megatron.packing import SequenceView
 
 Updates = list[list[dict]]
 NO_DOMAIN = "none"
@@ -90,19 +91,23 @@ class DistillStep:
         return -float(adv_opd[mask].double().sum()), float(mask.sum())
 
     def _fuse_batch(self, batch: dict, adv_opd: torch.Tensor, multiplier: float | None) -> torch.Tensor:
-        """Fuse one micro-batch (in place); its ``(weighted sum, weight)`` per metric key."""
-        mask = batch["loss_mask"].bool()
-        names = self._row_domains(batch)
+        """Fuse one micro-batch (in place); its ``(weighted sum, weight)`` per metric key. Packed micro-batches
+        are fused on their per-sequence view and the token-level advantages written back in the packed layout."""
+        view = SequenceView(batch)
+        mask = view(batch["loss_mask"]).bool()
+        names = self._row_domains(batch, rows=mask.shape[0])
+        advantages = batch["advantages"].to(mask.device)
+        advantages = view.per_sequence(advantages) if advantages.dim() == 1 else view(advantages)
         adv_bt, metrics = fuse_advantages(
             self.fusion,
-            batch["advantages"].to(mask.device),
-            adv_opd,
+            advantages,
+            view(adv_opd),
             mask,
             multiplier=multiplier,
             domains=names if self.per_domain else None,
         )
         if self.fusion.mode != "rl":
-            batch["advantages"] = adv_bt
+            batch["advantages"] = view.to_batch(adv_bt, batch["loss_mask"])
         tokens = float(mask.sum())
         weights = {NO_DOMAIN: tokens}
         for domain in set(names):
@@ -116,8 +121,10 @@ class DistillStep:
             sums[index] = torch.tensor([metrics[key] * weight, weight], dtype=torch.float64)
         return sums
 
-    def _row_domains(self, batch: dict) -> list[str]:
-        ids = batch[DOMAIN_IDS].tolist() if DOMAIN_IDS in batch else [-1] * batch["loss_mask"].shape[0]
+    def _row_domains(self, batch: dict, rows: int) -> list[str]:
+        """The domain name of each of the ``rows`` sequences (an empty packed micro-batch's one row: none)."""
+        ids = batch[DOMAIN_IDS].tolist() if DOMAIN_IDS in batch else []
+        ids = ids if len(ids) == rows else [-1] * rows
         return [self.domains[i] if 0 <= i < len(self.domains) else NO_DOMAIN for i in ids]
 
     def _metric_keys(self) -> list[str]:

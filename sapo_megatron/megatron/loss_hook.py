@@ -15,6 +15,12 @@ Micro-batch keys the hook reads (all ``[b, s]`` unless noted, aligned with ``lab
 With the global normalisers each micro-batch returns its exact share of the full-batch loss, so the step does
 not depend on the micro-batch split or the data/pipeline layout (tests/loss prove it). A sequence must stay
 within one micro-batch, and context parallelism (which splits sequences) is refused.
+
+Packed micro-batches (one row ``[1, T]`` holding several sequences, ``segment_ids``; :mod:`sapo_megatron.packing`):
+log-probs and entropy are computed on the packed logits, then every per-token tensor (any key shaped like
+``labels``) is viewed as per-sequence rows ``[n, w]`` (:class:`~sapo_megatron.packing.SequenceView`) before the
+loss, so sequence means, sequence-level ratios and sequence counts are per sequence, not per row; per-sequence
+keys (``advantages`` ``[n]``) already are.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from sapo_megatron.megatron.logprobs import (
     vocab_parallel_logprobs,
 )
 from sapo_megatron.megatron.train_step import Metrics, MicroBatch
+from sapo_megatron.packing import SequenceView, sequences_with_tokens
 
 NORMALISER_KEYS = ("num_sequences_global", "num_tokens_global")
 
@@ -91,10 +98,10 @@ class PolicyLossHook:
     def __call__(self, logits: torch.Tensor, batch: MicroBatch) -> tuple[torch.Tensor, Metrics]:
         _refuse_context_parallel()
         device = logits.device
-        mask_bt = _get(batch, "loss_mask", device).bool()
+        labels = _get(batch, "labels", device)
         logp_bt, entropy_bt = vocab_parallel_logprobs(
             logits,
-            _get(batch, "labels", device),
+            labels,
             tp_group=self.tp_group,
             temperature=self.temperature,
             with_entropy=self.with_entropy,
@@ -103,16 +110,18 @@ class PolicyLossHook:
         )
         if entropy_bt is not None and self.loss.entropy_coef == 0:
             entropy_bt = entropy_bt.detach()  # logged only: backward then skips the entropy term
+        view = _PerSequence(batch, labels.shape, device)  # packed rows → one row per sequence; else as is
+        mask_bt = view.get("loss_mask").bool()
         num_sequences, num_tokens = (_get(batch, key, device) for key in NORMALISER_KEYS)
-        adv = _get(batch, "advantages", device)
+        adv = view.get("advantages")
         loss, metrics = self.loss.compute(
-            logp_bt,
-            _get(batch, "old_logp", device),
+            view(logp_bt),
+            view.get("old_logp"),
             adv,
             mask_bt,
-            rollout_logp_bt=_get_optional(batch, "rollout_logp", device),
-            ref_logp_bt=_get_optional(batch, "ref_logp", device),
-            entropy_bt=entropy_bt,
+            rollout_logp_bt=view.get("rollout_logp", optional=True),
+            ref_logp_bt=view.get("ref_logp", optional=True),
+            entropy_bt=None if entropy_bt is None else view(entropy_bt),
             correction=self.correction,
             num_sequences=num_sequences,
             num_tokens=num_tokens,
@@ -166,9 +175,8 @@ def global_normalisers(
     device = micro_batches[0]["loss_mask"].device
     counts = torch.zeros(2, dtype=torch.float64, device=device)
     for batch in micro_batches:
-        mask_bt = batch["loss_mask"].bool()
-        counts[0] += mask_bt.any(dim=-1).sum()
-        counts[1] += mask_bt.sum()
+        counts[0] += sequences_with_tokens(batch)  # packed: sequences, not rows
+        counts[1] += batch["loss_mask"].bool().sum()
     group = _resolve_dp_group(dp_group)
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(counts, group=group)
@@ -185,6 +193,26 @@ def add_global_normalisers(
         {**batch, "num_sequences_global": num_sequences, "num_tokens_global": num_tokens}
         for batch in micro_batches
     ]
+
+
+class _PerSequence:
+    """Micro-batch tensors on ``device``: per-token ones (shaped like ``labels``) as per-sequence rows, per-sequence
+    ones (``[n]``) aligned with those rows."""
+
+    def __init__(self, batch: MicroBatch, token_shape: torch.Size, device: torch.device) -> None:
+        self.batch, self.token_shape, self.device = batch, token_shape, device
+        self.view = SequenceView(batch)
+
+    def __call__(self, x_bt: torch.Tensor) -> torch.Tensor:
+        return self.view(x_bt)
+
+    def get(self, key: str, *, optional: bool = False) -> torch.Tensor | None:
+        if optional and self.batch.get(key) is None:
+            return None
+        value = _get(self.batch, key, self.device)
+        if value.shape == self.token_shape:
+            return self.view(value)
+        return self.view.per_sequence(value) if value.dim() == 1 else value
 
 
 def _metric_weights(
@@ -238,10 +266,6 @@ def _get(batch: MicroBatch, key: str, device: torch.device) -> torch.Tensor:
         raise KeyError(f"the policy loss hook needs micro-batch key {key!r}{hint}; got {sorted(batch)}")
     value = batch[key]
     return value.to(device) if isinstance(value, torch.Tensor) else torch.as_tensor(value, device=device)
-
-
-def _get_optional(batch: MicroBatch, key: str, device: torch.device) -> torch.Tensor | None:
-    return _get(batch, key, device) if batch.get(key) is not None else None
 
 
 def _resolve_dp_group(dp_group: GroupArg) -> dist.ProcessGroup | None:

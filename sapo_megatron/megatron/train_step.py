@@ -30,6 +30,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from sapo_megatron.checkpoint.hf_io import HFCheckpointReader
 from sapo_megatron.config import OptimizerConfig, RunConfig
 from sapo_megatron.megatron.model import BuildOptions, build_gpt_model, fp8_ddp_fields, fp8_optimizer_fields
+from sapo_megatron.megatron.packed_seq import model_inputs
 from sapo_megatron.megatron.routing import reduce_agreement
 from sapo_megatron.megatron.routing_replay import (
     RECORDED_ROUTES,
@@ -43,7 +44,9 @@ from sapo_megatron.megatron.weights import load_hf_weights
 MicroBatch = dict[str, torch.Tensor]
 """One micro-batch: ``input_ids`` [b, s] (right-padded), optional ``position_ids`` [b, s], plus whatever
 tensors the loss function reads (labels, masks, advantages, ...), and MoE routes int32 [b, s, L, k]
-(``engine_routes``, ``recorded_routes``, ``used_routes``: see :mod:`sapo_megatron.megatron.routing_replay`)."""
+(``engine_routes``, ``recorded_routes``, ``used_routes``: see :mod:`sapo_megatron.megatron.routing_replay`).
+Packed micro-batches (``segment_ids``; one row [1, T], :mod:`sapo_megatron.packing`) run as THD or with a block
+mask (:mod:`sapo_megatron.megatron.packed_seq`)."""
 
 Metrics = dict[str, torch.Tensor]
 """Metric name → 2-element tensor ``(weighted_sum, weight)``; the engine sums both over micro-batches and
@@ -304,13 +307,10 @@ def _forward_step(loss_fn, routes: RoutingReplay | None, data_iterator: Iterator
     """One micro-batch's forward, in schedule order: the routers get this micro-batch's routes just before it
     (and switch to recomputation replay right after)."""
     batch = next(data_iterator)
-    input_ids = batch["input_ids"]
-    position_ids = batch.get("position_ids")
-    if position_ids is None:
-        position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
     if routes is not None:
         routes.before_forward(batch)
-    logits = model(input_ids, position_ids, attention_mask=None)
+    with model_inputs(model, batch) as inputs:  # packed micro-batches: THD or block mask + per-sequence RoPE
+        logits = model(batch["input_ids"], **inputs)
     if routes is not None:
         routes.after_forward(batch)
     return logits, partial(loss_fn, batch)

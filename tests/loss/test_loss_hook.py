@@ -171,3 +171,65 @@ def test_missing_inputs_are_named():
     del batch["rollout_logp"]
     with pytest.raises(ValueError, match="rollout_logp"):
         PolicyLossHook({"name": "sapo"}, {"name": "icepop"}, tp_group=None)(logits, batch)
+
+
+def pack_rows(logits, data, groups, tail=3):
+    """Packed micro-batches ``[1, T]`` holding the rows of ``groups`` back to back (each row a slot, positions
+    restarting), then ``tail`` tokens of padding (random logits, NaN inputs); an empty group is all tail."""
+    seq = logits.shape[1]
+    packed = []
+    for group in groups:
+        length = len(group) * seq + tail
+        lg = torch.randn(1, length, logits.shape[-1], generator=torch.Generator().manual_seed(len(packed)))
+        batch = {k: torch.full((1, length), float("nan")) for k in ("old_logp", "rollout_logp", "ref_logp")}
+        batch["labels"] = torch.zeros(1, length, dtype=torch.long)
+        batch["loss_mask"] = torch.zeros(1, length, dtype=torch.long)
+        batch["segment_ids"] = torch.full((1, length), -1, dtype=torch.long)
+        batch["position_ids"] = torch.arange(length).remainder(seq)[None]
+        batch["position_ids"][0, len(group) * seq :] = torch.arange(tail)
+        for slot, row in enumerate(group):
+            cols = slice(slot * seq, (slot + 1) * seq)
+            lg[0, cols] = logits[row]
+            for key in ("old_logp", "rollout_logp", "ref_logp", "labels", "loss_mask"):
+                batch[key][0, cols] = data[key][row]
+            batch["segment_ids"][0, cols] = slot
+        batch["advantages"] = data["advantages"][list(group)]
+        packed.append((lg, batch))
+    return packed
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_packed_micro_batches_give_the_padded_loss_metrics_and_gradient(name):
+    """Rows packed three to a micro-batch (and one micro-batch of nothing but padding): the same loss, metrics,
+    normalisers (sequences, not rows, are counted) and logits gradient as the padded micro-batches."""
+    logits, data = make_batch()
+    hook = PolicyLossHook(
+        build_policy_loss(LOSSES[name]), {"name": "tis", "cap": 2.0}, tp_group=None, chunk_tokens=7
+    )
+    want_total, want_metrics, want_grad = run_hook(hook, logits, data, [3, 3])
+    groups = [[0, 1, 2], [3, 4, 5], []]
+    packed = pack_rows(logits, data, groups)
+    batches = add_global_normalisers([b for _, b in packed], dp_group=None)
+    assert float(batches[0]["num_sequences_global"]) == 5  # the last row is all prompt
+    total, sums, grads = 0.0, {}, []
+    for (lg, _), batch in zip(packed, batches):
+        leaf = lg.clone().requires_grad_()
+        loss, metrics = hook(leaf * 1.0, batch)
+        loss.backward()
+        total += float(loss.detach())
+        grads.append(leaf.grad[0])
+        for metric, pair in metrics.items():
+            sums[metric] = sums.get(metric, 0) + pair.double()
+    assert total == pytest.approx(want_total, rel=1e-6, abs=1e-8)
+    assert set(sums) == set(want_metrics)
+    for metric, pair in sums.items():
+        assert float(pair[0] / pair[1].clamp(min=1e-12)) == pytest.approx(
+            want_metrics[metric], rel=1e-6, abs=1e-7
+        )
+    seq = logits.shape[1]
+    for grad, group in zip(grads, groups):
+        for slot, row in enumerate(group):
+            torch.testing.assert_close(
+                grad[slot * seq : (slot + 1) * seq], want_grad[row], atol=1e-8, rtol=1e-6
+            )
+        assert (grad[len(group) * seq :] == 0).all()  # padding gets no gradient

@@ -104,6 +104,7 @@ def test_every_logged_quantity_is_there(learning_run):
         "time/step_s",
         "throughput/train_tokens_per_s",
         "rollout/staleness",
+        "train/padding_frac",
     ):
         assert key in row, key
     rl = metrics(
