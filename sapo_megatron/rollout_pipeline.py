@@ -40,7 +40,7 @@ import io
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -276,10 +276,14 @@ def _pack(value: Any) -> Any:
         return {"array": torch.from_numpy(value.copy())}
     if isinstance(value, (list, tuple)):  # Python ints -> int64, floats -> float64 (exact)
         return {"list": torch.from_numpy(np.asarray(value))}
+    if isinstance(value, Mapping):  # token_values: name -> per-token values
+        return {"mapping": {str(key): _pack(item) for key, item in value.items()}}
     return value  # None, str, int, float
 
 
 def _unpack(value: Any) -> Any:
-    if isinstance(value, dict):
-        return value["array"].numpy() if "array" in value else value["list"].tolist()
-    return value
+    if not isinstance(value, dict):
+        return value
+    if "mapping" in value:
+        return {key: _unpack(item) for key, item in value["mapping"].items()}
+    return value["array"].numpy() if "array" in value else value["list"].tolist()

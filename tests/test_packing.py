@@ -112,7 +112,8 @@ SEQS = [
         advantage=0.5,
         rollout_logp=[-0.1, -0.2],
         routed_experts=_routes(4, 0),
-        token_values={"teacher_logp": [-1.0, -2.0]},
+        teacher_logp=[-1.0, -2.0],
+        domain_id=1,
     ),
     TrainSequence(
         [3],
@@ -120,7 +121,8 @@ SEQS = [
         advantage=-1.0,
         rollout_logp=[-0.3, -0.4],
         routed_experts=_routes(2, 2),
-        token_values={"teacher_logp": [-3.0, -4.0]},
+        teacher_logp=[-3.0, -4.0],
+        domain_id=0,
     ),
 ]
 
@@ -136,6 +138,7 @@ def test_packed_layout_value_by_value():
     assert batch[POSITION_IDS].tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 0, 1]]
     assert batch[SEGMENT_IDS].tolist() == [[0, 0, 0, 0, 1, 1, 1, 1, -1, -1]]
     assert batch["advantages"].tolist() == [0.5, -1.0]
+    assert batch["domain_ids"].tolist() == [1, 0]
     routes = batch["engine_routes"]
     assert routes.shape == (1, 10, 2, 2)
     assert routes[0, :4, 0].tolist() == _routes(4, 0)[:, 0].tolist()
@@ -213,11 +216,21 @@ def test_packed_micro_batches_check_routes_and_token_values():
             route_layout=LAYOUT,
             max_tokens_per_micro_batch=8,
         )
-    short = TrainSequence([1, 2], [3, 4], token_values={"teacher_logp": [-1.0]}, sample_id="s3")
-    with pytest.raises(ValueError, match="s3: teacher_logp has 1 values for 2 response tokens"):
+    short = TrainSequence([1, 2], [3, 4], token_values={"noise": [-1.0]}, sample_id="s3")
+    with pytest.raises(ValueError, match="s3: noise has 1 values for 2 response tokens"):
         build_micro_batches(
             [short], dp_rank=0, dp_size=1, micro_batches=1, pad_id=0, max_tokens_per_micro_batch=8
         )
+    short_teacher = TrainSequence([1, 2], [3, 4], teacher_logp=[-1.0], sample_id="s4")
+    with pytest.raises(ValueError, match="s4: 1 teacher log-probs for 2 response tokens"):
+        build_micro_batches(
+            [short_teacher], dp_rank=0, dp_size=1, micro_batches=1, pad_id=0, max_tokens_per_micro_batch=8
+        )
+    unscored = TrainSequence([1, 2], [3], sample_id="s5")
+    with pytest.raises(
+        ValueError, match="s5: no teacher log-probs, while other sequences of its batch have them"
+    ):
+        to_packed_tensors([SEQS[0], unscored], length=16, pad_id=0)
     reserved = TrainSequence([1, 2], [3], token_values={"labels": [0.0]})
     with pytest.raises(ValueError, match="reserved"):
         to_tensors([reserved], length=2, pad_id=0)

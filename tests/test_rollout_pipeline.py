@@ -181,6 +181,7 @@ def test_the_saved_batch_round_trips_exactly_and_belongs_to_one_step(tmp_path):
                 sample_id="g0 s0",
                 teacher_logp=[-0.75, -1.0 / 7.0],
                 domain_id=3,
+                token_values={"noise": [0.5, -1.0 / 9.0]},
             ),
             TrainSequence([5], [9], 0.25, [-1.5], sample_id="g0 s1"),  # no routes, not scored by a teacher
         ],
@@ -194,6 +195,7 @@ def test_the_saved_batch_round_trips_exactly_and_belongs_to_one_step(tmp_path):
     assert back.sequences == rollout.sequences  # every field: ids, advantage, log-probs bit for bit (float64)
     seq = back.sequences[0]
     assert seq.routed_experts.dtype == np.int32 and np.array_equal(seq.routed_experts, routes)
+    assert seq.token_values == {"noise": [0.5, -1.0 / 9.0]}  # not part of ==: checked on its own
     assert back.sequences[1].routed_experts is None and back.sequences[1].teacher_logp is None
     assert (back.prompt_state, back.policy_version, back.metrics) == (
         rollout.prompt_state,

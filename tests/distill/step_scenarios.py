@@ -119,15 +119,22 @@ def alignment(payload: dict[str, Any]) -> dict[str, float]:
     shifted = [replace(seq, teacher_logp=[*seq.teacher_logp[1:], seq.teacher_logp[0]]) for seq in sequences]
     trainer = TrainEngine(cfg)
     out = {}
-    for name, seqs in (("aligned", sequences), ("shifted", shifted)):
-        batches = build_micro_batches(
-            seqs, dp_rank=info.dp_rank, dp_size=info.dp_size, micro_batches=1, pad_id=0
-        )
-        (batches[0]["old_logp"],) = trainer.forward_only(batches, LogprobOutput())
-        metrics = DistillStep(cfg).fuse([batches])
-        mask = batches[0]["loss_mask"].bool()
-        out[f"{name}_max_abs"] = float(batches[0]["advantages"][mask].abs().max())
-        out[f"{name}_min_abs"] = float(batches[0]["advantages"][mask].abs().min())
-        out[f"{name}_kl"] = metrics["opd/reverse_kl"]
-        out["tokens"] = int(mask.sum())
+    for layout, budget in (("", None), ("packed_", 16)):  # packed: several [1, T] micro-batches per rank
+        for name, seqs in (("aligned", sequences), ("shifted", shifted)):
+            batches = build_micro_batches(
+                seqs,
+                dp_rank=info.dp_rank,
+                dp_size=info.dp_size,
+                micro_batches=1,
+                pad_id=0,
+                max_tokens_per_micro_batch=budget,
+            )
+            for batch in batches:
+                (batch["old_logp"],) = trainer.forward_only([batch], LogprobOutput())
+            metrics = DistillStep(cfg).fuse([batches])
+            fused = torch.cat([b["advantages"][b["loss_mask"].bool()] for b in batches])
+            out[f"{layout}{name}_max_abs"] = float(fused.abs().max())
+            out[f"{layout}{name}_min_abs"] = float(fused.abs().min())
+            out[f"{layout}{name}_kl"] = metrics["opd/reverse_kl"]
+            out[f"{layout}tokens"] = int(fused.numel())
     return out

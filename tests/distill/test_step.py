@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from sapo_megatron.algo import IcePop, NoCorrection, fuse_advantages, opd_advantages
+from sapo_megatron.batching import SEQUENCE_INDEX, TrainSequence, build_micro_batches
 from sapo_megatron.distill.step import DistillStep
+from sapo_megatron.packing import SequenceView
 from tests.distill.step_scenarios import DOMAINS, SAF, distill_config, make_batches
 from tests.distributed import run_distributed
 
@@ -95,6 +97,67 @@ def test_saf_schedule_steps_once_per_rl_step_with_the_steps_reverse_kl_and_resum
     assert fresh.fuse([make_batches(2)])["saf/multiplier"] == 0.25 != multipliers[0]
 
 
+def _scored_sequences(seed: int = 0, count: int = 12) -> list[TrainSequence]:
+    """Sequences as a teacher returns them; their trainer log-probs ride along as the ``old_logp`` token key."""
+    gen = torch.Generator().manual_seed(seed)
+    sequences = []
+    for index in range(count):
+        prompt, response = (
+            int(torch.randint(2, 6, (1,), generator=gen)),
+            int(torch.randint(1, 12, (1,), generator=gen)),
+        )
+
+        def values(scale: float, n: int = response) -> list[float]:
+            return (-torch.rand(n, generator=gen) * scale).tolist()
+
+        sequences.append(
+            TrainSequence(
+                [1] * prompt,
+                [2] * response,
+                advantage=float(torch.randn(1, generator=gen)),
+                rollout_logp=values(2.0),
+                teacher_logp=values(3.0),
+                domain_id=index % 2,
+                sample_id=f"s{index}",
+                token_values={"old_logp": values(2.0)},
+            )
+        )
+    return sequences
+
+
+def _fused_per_sequence(batches: list[dict]) -> dict[int, torch.Tensor]:
+    """Each sequence's fused advantages on its response tokens, by its index in the batch."""
+    out = {}
+    for batch in batches:
+        view = SequenceView(batch)
+        advantages, mask = view(batch["advantages"]), view(batch["loss_mask"]).bool()
+        for row, index in enumerate(batch[SEQUENCE_INDEX].tolist()):
+            out[index] = advantages[row][mask[row]]
+    return out
+
+
+@pytest.mark.parametrize("fusion", [{"mode": "mopd", "eps_low": 0.3, "eps_high": 3.0}, SAF])
+def test_packed_micro_batches_fuse_like_padded_ones(fusion):
+    """Teacher log-probs and domain ids follow the packed layout: the same fused advantages per sequence and
+    the same metrics (summation order aside) as right-padded micro-batches."""
+    sequences = _scored_sequences()
+    build = dict(dp_rank=0, dp_size=1, micro_batches=2, pad_id=0)
+    padded = build_micro_batches(sequences, **build)
+    packed = build_micro_batches(sequences, **build, max_tokens_per_micro_batch=24)
+    assert len(packed) > 2 and all(b["input_ids"].shape[0] == 1 for b in packed)
+    metrics = {}
+    for name, batches in (("padded", padded), ("packed", packed)):
+        metrics[name] = DistillStep(distill_config(fusion), DOMAINS).fuse([batches])
+    assert metrics["packed"].keys() == metrics["padded"].keys()
+    assert metrics["packed"] == pytest.approx(metrics["padded"], rel=1e-6, abs=1e-9)
+    assert metrics["packed"]["opd/reverse_kl/multiplication"] != metrics["packed"]["opd/reverse_kl/addition"]
+    expected, got = _fused_per_sequence(padded), _fused_per_sequence(packed)
+    assert got.keys() == expected.keys() == set(range(len(sequences)))
+    for index, advantages in expected.items():
+        assert len(advantages) == len(sequences[index].response_ids)
+        torch.testing.assert_close(got[index], advantages, rtol=1e-6, atol=1e-7)
+
+
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     from sapo_megatron.tiny import make_tiny_hf_checkpoint
@@ -136,4 +199,6 @@ def test_a_teacher_identical_to_the_student_gives_zero_advantage_on_every_respon
         assert result["tokens"] >= 12
         assert result["aligned_max_abs"] < ALIGNED_TOLERANCE and abs(result["aligned_kl"]) < ALIGNED_TOLERANCE
         assert result["shifted_max_abs"] > 100 * ALIGNED_TOLERANCE  # one position off: the span shows it
+        assert result["packed_aligned_max_abs"] < ALIGNED_TOLERANCE  # packed: teacher values follow the slots
+        assert result["packed_shifted_kl"] == pytest.approx(result["shifted_kl"], rel=1e-5)
     assert two_ranks[0]["alignment"]["shifted_kl"] == two_ranks[1]["alignment"]["shifted_kl"]  # global mean
