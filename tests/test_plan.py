@@ -107,8 +107,7 @@ def test_micro_batch_is_the_rank_share_padded_to_the_multiple():
 
 
 def test_packing_budget_replaces_the_padded_rectangle():
-    cfg = tiny(precision={"dtype": "fp8"})
-    object.__setattr__(cfg.parallel, "max_tokens_per_micro_batch", 1000)  # the field packing adds
+    cfg = tiny(precision={"dtype": "fp8"}, parallel={"max_tokens_per_micro_batch": 1000})
     shape = micro_batch_shape(cfg, 1, prompt_tokens=64)
     assert (shape.sequences, shape.seq_len, shape.packed) == (1, 1008, True)
 

@@ -46,7 +46,7 @@ def micro_batch_shape(cfg: RunConfig, world_size: int, prompt_tokens: int) -> Mi
     else this rank's sequences per micro-batch, each padded to prompt + ``rollout.max_new_tokens`` (a response
     that runs to the limit pads the whole micro-batch to it), rounded up to :func:`sequence_length_multiple`."""
     multiple = sequence_length_multiple(cfg)
-    budget = getattr(cfg.parallel, "max_tokens_per_micro_batch", None)  # packing (another change adds it)
+    budget = cfg.parallel.max_tokens_per_micro_batch
     if budget:
         return MicroBatchShape(1, round_up(budget, multiple), packed=True)
     per_update = cfg.rollout.n_samples * cfg.trainer.prompts_per_step // cfg.trainer.mini_batches

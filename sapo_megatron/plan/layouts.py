@@ -93,7 +93,7 @@ def _recompute_choices(cfg: RunConfig) -> list[dict]:
 def _with_layout(cfg: RunConfig, world: int, *, tp: int, pp: int, ep: int, etp: int, recompute: dict):
     dp = world // (tp * pp)
     per_update = cfg.rollout.n_samples * cfg.trainer.prompts_per_step // cfg.trainer.mini_batches
-    packed = bool(getattr(cfg.parallel, "max_tokens_per_micro_batch", None))
+    packed = cfg.parallel.max_tokens_per_micro_batch is not None
     if not packed and per_update % dp:
         return None
     micro_batches = cfg.parallel.micro_batches if packed else per_update // dp
