@@ -18,15 +18,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from sapo_megatron.batching import SEQUENCE_INDEX, RouteLayout, TrainSequence, build_micro_batches
-from sapo_megatron.megatron.loss_hook import LogprobOutput, PolicyLossHook, add_global_normalisers
+from sapo_megatron.batching import SEQUENCE_INDEX, RouteLayout, TrainSequence
+from sapo_megatron.megatron.loss_hook import LogprobOutput, PolicyLossHook
 from sapo_megatron.megatron.parallel import data_parallel_group, rank_info
 from sapo_megatron.megatron.routing_replay import ENGINE_ROUTES, RECORDED_ROUTES, USED_ROUTES
 from sapo_megatron.megatron.sft import sft_loss
 from sapo_megatron.megatron.train_step import TrainEngine
 from sapo_megatron.packing import SequenceView
 from tests.loss.scenarios import setup_layout
-from tests.megatron.replay_scenarios import RouteSpy, match_calls
+from tests.megatron.replay_scenarios import RouteSpy, match_calls, rank_micro_batches
 from tests.megatron.scenarios import layout_config
 
 NOISE_KEYS = {"old_logp": "logp_noise", "ref_logp": "ref_noise", "rollout_logp": "rollout_noise"}
@@ -86,7 +86,7 @@ def packing_layout(payload: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"rank": rank_info().__dict__}
     for name, budget in (("padded", None), ("packed", payload["budget"])):
         engine.module.load_state_dict(initial, strict=False)
-        micro = _micro_batches(cfg, sequences, layout, budget)
+        micro = rank_micro_batches(cfg, sequences, layout, budget)
         out[name] = {
             "shapes": _all_shapes(micro),
             "sequences_per_micro_batch": [len(b[SEQUENCE_INDEX]) for b in micro],
@@ -96,21 +96,6 @@ def packing_layout(payload: dict[str, Any]) -> dict[str, Any]:
         if payload.get("sft"):
             out[name]["updates"]["sft"] = _sft(engine, micro, initial)
     return out
-
-
-def _micro_batches(cfg, sequences, layout, budget) -> list[dict]:
-    info, par = rank_info(), cfg.parallel
-    micro = build_micro_batches(
-        sequences,
-        dp_rank=info.dp_rank,
-        dp_size=info.dp_size,
-        micro_batches=par.micro_batches,
-        pad_id=0,
-        length_multiple=par.tp if par.sequence_parallel else 1,
-        route_layout=layout,
-        max_tokens_per_micro_batch=budget,
-    )
-    return add_global_normalisers(micro)
 
 
 def _all_shapes(micro: list[dict]) -> list[list[tuple[int, ...]]]:

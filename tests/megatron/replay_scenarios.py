@@ -22,7 +22,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay
 
 from sapo_megatron.batching import RouteLayout, RoutingReplayError, TrainSequence, build_micro_batches
-from sapo_megatron.megatron.loss_hook import LogprobOutput
+from sapo_megatron.megatron.loss_hook import LogprobOutput, add_global_normalisers
 from sapo_megatron.megatron.parallel import data_parallel_group, init_parallel, rank_info
 from sapo_megatron.megatron.routing import agreement_counts, agreement_from_counts
 from sapo_megatron.megatron.routing_replay import check_supported
@@ -124,6 +124,25 @@ def add_normaliser(micro: list[MicroBatch]) -> list[MicroBatch]:
     return micro
 
 
+def rank_micro_batches(
+    cfg, sequences: list[TrainSequence], layout: RouteLayout, budget: int | None = None
+) -> list[MicroBatch]:
+    """This rank's micro-batches of ``sequences`` in the configured layout (padded, or packed to ``budget``
+    tokens), with the engine's routes and the global normalisers."""
+    info, par = rank_info(), cfg.parallel
+    micro = build_micro_batches(
+        sequences,
+        dp_rank=info.dp_rank,
+        dp_size=info.dp_size,
+        micro_batches=par.micro_batches,
+        pad_id=0,
+        length_multiple=par.tp if par.sequence_parallel else 1,
+        route_layout=layout,
+        max_tokens_per_micro_batch=budget,
+    )
+    return add_global_normalisers(micro)
+
+
 def perturb_routers(module: torch.nn.Module, scale: float) -> None:
     """Add the same seeded noise (per global layer) to every router weight on every rank: live routing moves."""
     for layer in module.decoder.layers:
@@ -168,21 +187,10 @@ def replay_layouts(payload: dict[str, Any]) -> dict[str, Any]:
     """Record (R2) → perturb → replay recorded → replay engine routes (R3), observing every router call."""
     cfg = layout_config(payload)
     init_parallel(cfg.parallel, seed=0, cfg=cfg)
-    info = rank_info()
     engine = TrainEngine(cfg, routing_replay=True, total_steps=4)
     recompute_layers = enable_moe_recompute(engine.module) if payload.get("recompute") else 0
     layout = RouteLayout.from_arch(cfg.model.arch)
-    par = cfg.parallel
-    micro = build_micro_batches(
-        tiny_sequences(layout, payload["sequences"], seed=5),
-        dp_rank=info.dp_rank,
-        dp_size=info.dp_size,
-        micro_batches=par.micro_batches,
-        pad_id=0,
-        length_multiple=par.tp if par.sequence_parallel else 1,
-        route_layout=layout,
-    )
-    add_normaliser(micro)
+    micro = rank_micro_batches(cfg, tiny_sequences(layout, payload["sequences"], seed=5), layout)
     spy = RouteSpy(engine.module, micro[0]["input_ids"].shape[0])
     result: dict[str, Any] = {"layers": engine.routes.layers, "recompute_layers": recompute_layers}
     fp8_micro = _fp8_engine_micro_batches(payload, cfg, layout)
@@ -265,17 +273,7 @@ def _fp8_engine_micro_batches(payload: dict[str, Any], cfg, layout: RouteLayout)
         return None
     with open(payload["fp8_sequences"], "rb") as handle:
         sequences = pickle.load(handle)
-    info, par = rank_info(), cfg.parallel
-    micro = build_micro_batches(
-        sequences,
-        dp_rank=info.dp_rank,
-        dp_size=info.dp_size,
-        micro_batches=par.micro_batches,
-        pad_id=0,
-        length_multiple=par.tp if par.sequence_parallel else 1,
-        route_layout=layout,
-    )
-    return add_normaliser(micro)
+    return rank_micro_batches(cfg, sequences, layout)
 
 
 class RouterTap:
