@@ -78,5 +78,6 @@ class Checkpointer:
             total_steps=cfg.trainer.steps * cfg.trainer.mini_batches,
             done=state.step * cfg.trainer.mini_batches,
         )
+        self.session.sync.version = state.step  # weight versions continue: one push before RL, one per step
         self._saved_at = (state.sft_step, state.step)
         return state

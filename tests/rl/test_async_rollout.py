@@ -1,6 +1,7 @@
 """``trainer.async_rollout`` end to end (real ``sapo-megatron train`` processes, in-process fp32 CPU engine): every
 batch after the first is one weight version stale and the engine's log-probs show it, held-out accuracy still
-rises, SIGINT with a batch in flight then ``--resume`` equals the uninterrupted run bitwise, and a rollout that
+rises, SIGINT with a batch in flight then ``--resume`` equals the uninterrupted run (the trainer's numbers bitwise,
+the engine's log-probs to 1e-6), and a rollout that
 fails in the background thread stops the run with its own message."""
 
 from __future__ import annotations
@@ -27,11 +28,14 @@ COMPARED = (
     "entropy",
     "ratio/mean",
     "sapo/w_mean",
-    "mismatch/abs_delta_mean",
-    "mismatch/k3",
     "rollout/staleness",
+    "weight_sync/version",
     "accuracy",
 )
+ENGINE_SIDE = ("mismatch/abs_delta_mean", "mismatch/k3")
+"""Metrics of the engine's own log-probs, computed in the generation thread while the trainer trains. Their
+float rounding is not bitwise across processes: CI once saw 4e-8 relative at the first step after the resume
+(same tokens, same training numbers). Compared to 1e-6 relative; everything the trainer computes, bitwise."""
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +71,8 @@ def straight(tmp_path_factory, problems) -> Path:
     return config.parent / "run"
 
 
-def compared(run_dir: Path) -> dict[int, dict]:
-    return {row["step"]: {key: row.get(key) for key in COMPARED} for row in metrics(run_dir, "rl")}
+def compared(run_dir: Path, keys: tuple[str, ...] = COMPARED) -> dict[int, dict]:
+    return {row["step"]: {key: row.get(key) for key in keys} for row in metrics(run_dir, "rl")}
 
 
 def test_every_batch_after_the_first_is_one_version_stale(straight):
@@ -104,7 +108,11 @@ def test_sigint_with_a_batch_in_flight_then_resume_is_exact(tmp_path, problems, 
     assert (run / "checkpoints" / "latest").read_text().strip() == checkpoint.name
     assert (checkpoint / IN_FLIGHT_FILE).is_file()  # the batch of step 11, generated during step 10
     train(config, "--resume")
-    assert compared(run) == compared(straight)  # bitwise, staleness and the engine's log-probs included
+    assert compared(run) == compared(straight)  # bitwise, staleness and weight versions included
+    resumed, uninterrupted = compared(run, ENGINE_SIDE), compared(straight, ENGINE_SIDE)
+    assert resumed.keys() == uninterrupted.keys()
+    for step, values in uninterrupted.items():
+        assert resumed[step] == pytest.approx(values, rel=1e-6), step
     assert compared(run)[11]["rollout/staleness"] == 1.0  # the resumed run trained the saved batch
 
 
