@@ -331,7 +331,7 @@ def _add_serve_parser(commands) -> None:
 
 
 def _add_convert_parser(commands) -> None:
-    from sapo_megatron.checkpoint.cli import add_convert_parser
+    from sapo_megatron.conversion.cli import add_convert_parser
 
     add_convert_parser(commands)
 

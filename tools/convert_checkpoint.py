@@ -7,7 +7,7 @@ python tools/convert_checkpoint.py verify --hf Qwen3-30B-A3B --megatron ckpt/qwe
 
 import sys
 
-from sapo_megatron.checkpoint.cli import main
+from sapo_megatron.conversion.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["convert", *sys.argv[1:]]))

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from sapo_megatron.checkpoint.atomic import IncompleteCheckpointError
-from sapo_megatron.checkpoint.convert import verify
 from sapo_megatron.config import RunConfig, config_from_dict
+from sapo_megatron.conversion.convert import verify
 from sapo_megatron.megatron import dist_ckpt
 from sapo_megatron.megatron.model import BuildOptions, build_gpt_model
 from sapo_megatron.megatron.parallel import init_parallel, rank_info

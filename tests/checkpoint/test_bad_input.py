@@ -17,9 +17,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from sapo_megatron.checkpoint import atomic, cli, convert
+from sapo_megatron.checkpoint import atomic
 from sapo_megatron.checkpoint.atomic import IncompleteCheckpointError
-from sapo_megatron.checkpoint.convert import ConversionError, hf_to_megatron, megatron_to_hf
+from sapo_megatron.conversion import cli, convert
+from sapo_megatron.conversion.convert import ConversionError, hf_to_megatron, megatron_to_hf
 from sapo_megatron.data.tokenizer import CharTokenizer
 from tests.checkpoint.conftest import assert_bitwise_equal, read_hf_tensors
 from tests.distributed import run_distributed
@@ -123,7 +124,7 @@ def test_error_inside_conversion_leaves_nothing(hf_checkpoints, tmp_path, monkey
 
 _SLOW_CONVERSION = """
 import sys, time
-from sapo_megatron.checkpoint import convert
+from sapo_megatron.conversion import convert
 build = convert._Materializer._build
 def slow_build(self, p_idx):
     if p_idx == 10:

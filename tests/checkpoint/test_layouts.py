@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sapo_megatron.checkpoint.convert import megatron_to_hf
 from sapo_megatron.checkpoint.mapping import RULES
+from sapo_megatron.conversion.convert import megatron_to_hf
 from tests.checkpoint.conftest import assert_bitwise_equal, read_hf_tensors
 from tests.distributed import run_distributed
 
@@ -161,7 +161,7 @@ def test_cli_verify_single_process(hf_checkpoints, converted):
     cmd = [
         sys.executable,
         "-m",
-        "sapo_megatron.checkpoint.cli",
+        "sapo_megatron.conversion.cli",
         "convert",
         "verify",
         "--hf",

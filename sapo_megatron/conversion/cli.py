@@ -101,7 +101,7 @@ _INPUT_ERRORS = (UserError, ValueError, MappingError, FileExistsError, Incomplet
 
 
 def run_hf_to_megatron(args: argparse.Namespace) -> int:
-    from sapo_megatron.checkpoint.convert import hf_to_megatron
+    from sapo_megatron.conversion.convert import hf_to_megatron
 
     try:
         out = hf_to_megatron(
@@ -114,7 +114,7 @@ def run_hf_to_megatron(args: argparse.Namespace) -> int:
 
 
 def run_megatron_to_hf(args: argparse.Namespace) -> int:
-    from sapo_megatron.checkpoint.convert import megatron_to_hf
+    from sapo_megatron.conversion.convert import megatron_to_hf
 
     reference = args.hf_reference or run_tokenizer_reference(Path(args.megatron), Path(args.out))
     if reference is not None and args.hf_reference is None:
@@ -138,7 +138,7 @@ def run_megatron_to_hf(args: argparse.Namespace) -> int:
 def run_tokenizer_reference(run_dir: Path, out: Path) -> Path | None:
     """For a training run's output_dir: the folder holding its tokenizer files (its final HF export, else the
     rollout weights), so that the export is complete without ``--hf-reference``; None for other inputs."""
-    from sapo_megatron.checkpoint.convert import TOKENIZER_FILES
+    from sapo_megatron.conversion.convert import TOKENIZER_FILES
 
     if not (run_dir / atomic.RUN_CHECKPOINTS).is_dir():
         return None
@@ -150,7 +150,7 @@ def run_tokenizer_reference(run_dir: Path, out: Path) -> Path | None:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    from sapo_megatron.checkpoint.convert import verify
+    from sapo_megatron.conversion.convert import verify
 
     parallel = {k: getattr(args, k) for k in ("tp", "pp", "ep", "etp") if getattr(args, k) is not None}
     if args.sequence_parallel:
@@ -172,7 +172,7 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry: ``python -m sapo_megatron.checkpoint.cli convert …``."""
+    """Stand-alone entry: ``python -m sapo_megatron.conversion.cli convert …``."""
     parser = argparse.ArgumentParser(prog="sapo-megatron")
     add_convert_parser(parser.add_subparsers(dest="command", required=True, metavar="COMMAND"))
     args = parser.parse_args(argv)
