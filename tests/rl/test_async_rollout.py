@@ -34,8 +34,9 @@ COMPARED = (
 )
 ENGINE_SIDE = ("mismatch/abs_delta_mean", "mismatch/k3")
 """Metrics of the engine's own log-probs, computed in the generation thread while the trainer trains. Their
-float rounding is not bitwise across processes: CI once saw 4e-8 relative at the first step after the resume
-(same tokens, same training numbers). Compared to 1e-6 relative; everything the trainer computes, bitwise."""
+float rounding is not bitwise across processes: a full clean run of the suite once saw 4e-8 relative at the
+first step after the resume (same tokens, same training numbers). Compared to 1e-6 relative; everything the
+trainer computes, bitwise."""
 
 
 @pytest.fixture(scope="module")
