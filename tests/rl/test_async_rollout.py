@@ -7,9 +7,6 @@ fails in the background thread stops the run with its own message."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +15,7 @@ from sapo_megatron.data.prompts import save_jsonl
 from sapo_megatron.data.synthetic import make_addition_rows
 from sapo_megatron.rollout_pipeline import IN_FLIGHT_FILE
 from tests.rl.test_interrupt_resume import interrupted
-from tests.rl.test_trainer import metrics, train, write_config
+from tests.rl.test_trainer import metrics, run_cli, train, write_config
 
 FAILER = Path(__file__).with_name("failing_rollout.py")
 COMPARED = (
@@ -119,15 +116,7 @@ def test_sigint_with_a_batch_in_flight_then_resume_is_exact(tmp_path, problems, 
 
 def test_a_rollout_failing_in_the_background_stops_the_run_with_its_message(tmp_path, problems):
     config = config_for(tmp_path, problems, **{"sft.steps": 2, "trainer.steps": 4, "trainer.eval_every": 0})
-    proc = subprocess.run(
-        [sys.executable, str(FAILER), "train", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "SAPO_TEST_ROLLOUT_FAIL_AT": "2"},
-        check=False,
-    )
-    assert proc.returncode == 1, proc.stderr[-3000:]
+    proc = run_cli([str(FAILER)], "train", str(config), env={"SAPO_TEST_ROLLOUT_FAIL_AT": "2"}, exit_code=1)
     assert "sapo-megatron: injected: the rollout engine went away generating step 2" in proc.stderr
     assert "hint: restart it" in proc.stderr and "Traceback" not in proc.stderr
     # the rollout for (0-based) step 2 ran in the background during step 1, whose end waits for it: the run

@@ -5,14 +5,12 @@ interruption, exit code 130."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.rl.test_trainer import data_files, train, write_config  # noqa: F401 - fixture reused
+from tests.rl.test_trainer import data_files, run_cli, train, write_config  # noqa: F401 - fixture reused
 
 SIGNALLER = Path(__file__).with_name("signal_at_step.py")
 COMPARED = {
@@ -38,16 +36,9 @@ def compared(run_dir: Path) -> dict[tuple[str, int], dict]:
 
 
 def interrupted(config: Path, at: str, *extra: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, str(SIGNALLER), "train", str(config), *extra],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "SAPO_TEST_SIGNAL_AT": at},
-        check=False,
+    return run_cli(
+        [str(SIGNALLER)], "train", str(config), *extra, env={"SAPO_TEST_SIGNAL_AT": at}, exit_code=130
     )
-    assert proc.returncode == 130, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return proc
 
 
 @pytest.fixture(scope="module")

@@ -4,12 +4,9 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.rl.test_trainer import data_files, train, write_config  # noqa: F401 - fixture reused
+from tests.rl.test_trainer import data_files, run_cli, train, write_config  # noqa: F401 - fixture reused
 
 POISONER = Path(__file__).with_name("nan_loss.py")
 
@@ -25,15 +22,7 @@ def test_nonfinite_steps_are_skipped_counted_and_stop_the_run(tmp_path, data_fil
         data_files,
         **{"sft.steps": 10, "sft.log_every": 1, "trainer.steps": 2, "trainer.max_bad_steps": 3},
     )
-    proc = subprocess.run(
-        [sys.executable, str(POISONER), "train", str(config)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "SAPO_TEST_NAN_FROM": "5"},
-        check=False,
-    )
-    assert proc.returncode == 1, proc.stderr[-3000:]
+    proc = run_cli([str(POISONER)], "train", str(config), env={"SAPO_TEST_NAN_FROM": "5"}, exit_code=1)
     assert (
         "3 optimizer steps in a row had a non-finite loss or gradient norm (last at sft step 7" in proc.stderr
     )

@@ -4,6 +4,7 @@ sync, and a 2-process layout. Each run is a real `sapo-megatron train` subproces
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -47,16 +48,25 @@ def write_config(path: Path, data_files: dict[str, str], **overrides) -> Path:
     return path
 
 
-def train(config: Path, *extra: str, timeout: int = 600) -> subprocess.CompletedProcess:
+def run_cli(
+    entry: list[str], *args: str, env: dict[str, str] | None = None, exit_code: int = 0, timeout: int = 600
+) -> subprocess.CompletedProcess:
+    """``python ENTRY ARGS`` (the CLI, or a test wrapper script around it) with ``env`` added; asserts its exit
+    code and returns the finished process (output captured)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "sapo_megatron.cli", "train", str(config), *extra],
+        [sys.executable, *entry, *args],
         capture_output=True,
         text=True,
         timeout=timeout,
+        env={**os.environ, **(env or {})},
         check=False,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == exit_code, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
+
+
+def train(config: Path, *extra: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return run_cli(["-m", "sapo_megatron.cli"], "train", str(config), *extra, timeout=timeout)
 
 
 def metrics(run_dir: Path, phase: str) -> list[dict]:
