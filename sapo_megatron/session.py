@@ -23,6 +23,8 @@ from sapo_megatron.data.tokenizer import load_tokenizer
 from sapo_megatron.distill.config import check_domains_served, prompt_domains
 from sapo_megatron.distill.step import DistillStep
 from sapo_megatron.errors import UserError
+from sapo_megatron.eval.runner import EvalSuite
+from sapo_megatron.eval.training import build_training_suite
 from sapo_megatron.inputs import check_input_files
 from sapo_megatron.interrupts import InterruptGuard, print_line
 from sapo_megatron.megatron.parallel import RankInfo, init_parallel
@@ -49,7 +51,7 @@ class Session:
     start: RunStart
     tokenizer: object
     train_rows: list[PromptRow]
-    heldout_rows: list[PromptRow]
+    eval_suite: EvalSuite
     engine: TrainEngine
     rollout: RolloutEngine | None
     sync: WeightSync
@@ -109,9 +111,9 @@ def build_session(cfg: RunConfig, info: RankInfo, start: RunStart, guard: Interr
     if info.is_main:
         cfg.save_resolved(run_dir / "config.yaml")
     tokenizer = build_tokenizer(cfg)
-    train_rows, heldout_rows = build_prompts(cfg)
-    for rows, source in ((train_rows, cfg.data.train), (heldout_rows, cfg.data.heldout)):
-        check_encodable(rows, tokenizer, source, template=cfg.data.prompt_template)
+    train_rows = build_prompts(cfg)
+    check_encodable(train_rows, tokenizer, cfg.data.train, template=cfg.data.prompt_template)
+    eval_suite = build_training_suite(cfg, tokenizer)
     check_domains_served(cfg.teachers, train_rows, cfg.data.train)
     teachers = build_teachers_on_main(cfg, info, tokenizer)  # before the model: a bad teacher fails fast
     engine = TrainEngine(
@@ -129,7 +131,7 @@ def build_session(cfg: RunConfig, info: RankInfo, start: RunStart, guard: Interr
         start,
         tokenizer,
         train_rows,
-        heldout_rows,
+        eval_suite,
         engine,
         rollout,
         sync,
@@ -167,7 +169,7 @@ def build_tokenizer(cfg: RunConfig):
     return tokenizer
 
 
-def build_prompts(cfg: RunConfig) -> tuple[list[PromptRow], list[PromptRow]]:
+def build_prompts(cfg: RunConfig) -> list[PromptRow]:
     data = cfg.data
 
     def rows(source: str | None, split: str, size: int) -> list[PromptRow]:
@@ -184,7 +186,7 @@ def build_prompts(cfg: RunConfig) -> tuple[list[PromptRow], list[PromptRow]]:
             return make_mixed_rows(tasks, size, digits=data.digits, split=split, seed=cfg.seed)
         return load_prompts(source)
 
-    return rows(data.train, "train", data.train_size), rows(data.heldout, "heldout", data.heldout_size)
+    return rows(data.train, "train", data.train_size)
 
 
 def build_rollout(cfg: RunConfig, info: RankInfo, engine: TrainEngine, tokenizer, run_dir: Path):
