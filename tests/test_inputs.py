@@ -40,9 +40,7 @@ def test_every_missing_input_is_listed_with_its_field(tmp_path, monkeypatch):
 def test_present_inputs_pass_and_wrong_kinds_are_named(tmp_path):
     (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "ground_truth": "2"}\n')
     (tmp_path / "tok").mkdir()
-    good = config(
-        data={"train": str(tmp_path / "train.jsonl"), "tokenizer": str(tmp_path / "tok")}
-    )
+    good = config(data={"train": str(tmp_path / "train.jsonl"), "tokenizer": str(tmp_path / "tok")})
     check_input_files(good)
     swapped = config(data={"train": str(tmp_path / "tok"), "tokenizer": str(tmp_path / "train.jsonl")})
     with pytest.raises(ConfigError) as err:

@@ -173,15 +173,17 @@ def eval_json(model: str, seed: int, result: EvalResult) -> dict[str, Any]:
 
 def write_outputs(out_dir: str | Path, model: str, seed: int, result: EvalResult) -> tuple[Path, Path]:
     """Write ``eval.json`` and ``samples.jsonl`` into ``out_dir``; returns both paths."""
-    from sapo_megatron.tracking import write_json_atomic
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    summary = write_json_atomic(out_dir / EVAL_FILE, eval_json(model, seed, result))
-    samples = out_dir / SAMPLES_FILE
-    tmp = samples.with_name(f".{samples.name}.tmp")
-    with tmp.open("w") as handle:
-        for row in result.samples:
-            handle.write(json.dumps(row) + "\n")
-    tmp.replace(samples)
+    summary = _write_atomic(out_dir / EVAL_FILE, [json.dumps(eval_json(model, seed, result), indent=2)])
+    samples = _write_atomic(out_dir / SAMPLES_FILE, (json.dumps(row) for row in result.samples))
     return summary, samples
+
+
+def _write_atomic(path: Path, lines) -> Path:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w") as handle:
+        for line in lines:
+            handle.write(line + "\n")
+    tmp.replace(path)
+    return path
