@@ -66,7 +66,9 @@ class Scored:
 def _number_answer(response: str) -> str | None:
     answer = extract_final_answer(response)
     number = None if answer is None else extract_last_number(answer)
-    return None if number is None else repr(number)  # "46" and "46.0" vote together
+    if number is None:
+        return None
+    return str(int(number)) if number.is_integer() else repr(number)  # "46" and "46.0" vote together
 
 
 ANSWER_RULES: dict[str, Callable[[str], str | None]] = {
