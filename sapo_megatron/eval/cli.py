@@ -89,7 +89,13 @@ def run_eval_command(args: argparse.Namespace) -> int:
     datasets = resolve_datasets(cfg)
     if not datasets:
         raise EvalError("nothing to evaluate: give --data NAME=PATH, or a CONFIG with eval.datasets")
-    suite = build_suite(datasets, tokenizer, digits=cfg.data.digits, seed=seed)  # before loading the model
+    suite = build_suite(  # before loading the model
+        datasets,
+        tokenizer,
+        digits=cfg.data.digits,
+        seed=seed,
+        max_reward_error_frac=cfg.algorithm.max_reward_error_frac,
+    )
     engine = build_engine(args, cfg, hf_dir, tokenizer, seed)
     try:
         result = _run_with_bar(

@@ -82,7 +82,7 @@ class EvalReward:
     """Scores responses of one eval dataset with its reward (counted apart from the training reward, so that
     evaluation never spends the training step's error budget)."""
 
-    def __init__(self, name: str, *, field: str) -> None:
+    def __init__(self, name: str, *, field: str, dataset: str) -> None:
         from sapo_megatron.config import ConfigError
         from sapo_megatron.rewards.registry import SafeReward, check_reward_available, get_reward
 
@@ -90,13 +90,15 @@ class EvalReward:
             check_reward_available(name)
         except ConfigError as err:
             raise ConfigError(str(err).replace("algorithm.reward", field, 1)) from None
-        self.reward = SafeReward(get_reward(name), name)
+        self.reward = SafeReward(get_reward(name), f"{name} (eval dataset {dataset})")
         self._answer = ANSWER_RULES.get(name)
 
     def __call__(self, response: str, row: PromptRow) -> Scored:
         score = self.reward(response, row.ground_truth)
         return Scored(score, self._answer(response) if self._answer else None)
 
-    @property
-    def errors(self) -> int:
-        return self.reward.errors
+    def check_errors(self, max_frac: float) -> None:
+        """Raise :class:`~sapo_megatron.rewards.registry.RewardError` when more than ``max_frac`` of the calls
+        since the last check raised (``algorithm.max_reward_error_frac``, as in training); then start again."""
+        self.reward.check_error_budget(max_frac)
+        self.reward.take_step_metrics()

@@ -40,6 +40,8 @@ class EvalSuite:
     datasets: list[EvalDataset]
     rows: dict[str, list[PromptRow]]
     rewards: dict[str, EvalReward]
+    max_reward_error_frac: float = 0.1
+    """A dataset whose reward raised on more than this share of its samples stops the evaluation."""
 
     @property
     def num_samples(self) -> int:
@@ -70,14 +72,22 @@ class EvalResult:
         return len(self.samples) / max(self.seconds, 1e-9)
 
 
-def build_suite(datasets: Sequence[EvalDataset], tokenizer: Any, *, digits: int, seed: int) -> EvalSuite:
+def build_suite(
+    datasets: Sequence[EvalDataset],
+    tokenizer: Any,
+    *,
+    digits: int,
+    seed: int,
+    max_reward_error_frac: float = 0.1,
+) -> EvalSuite:
     """Load every dataset's rows (checked against the tokenizer) and its reward."""
     rows, rewards = {}, {}
     for index, dataset in enumerate(datasets):
         rows[dataset.name] = load_eval_rows(dataset, digits=digits, seed=seed)
         check_rows(rows[dataset.name], tokenizer, dataset)
-        rewards[dataset.name] = EvalReward(dataset.reward, field=f"eval.datasets[{index}].reward")
-    return EvalSuite(list(datasets), rows, rewards)
+        field = f"eval.datasets[{index}].reward"
+        rewards[dataset.name] = EvalReward(dataset.reward, field=field, dataset=dataset.name)
+    return EvalSuite(list(datasets), rows, rewards, max_reward_error_frac)
 
 
 def eval_seed(seed: int, name: str) -> int:
@@ -136,6 +146,7 @@ def _run_dataset(engine, tokenizer, suite: EvalSuite, dataset: EvalDataset, seed
             out += [_sample_row(tokenizer, dataset, rows[index], index, s, reward) for s in group]
         if progress is not None:
             progress(sum(len(g) for g in groups))
+    reward.check_errors(suite.max_reward_error_frac)
     return out
 
 

@@ -23,7 +23,13 @@ When = Literal["before", "step", "after"]
 
 def build_training_suite(cfg: Any, tokenizer: Any) -> EvalSuite:
     """The run's eval suite (rows loaded and checked, rewards found): built with the session, before the model."""
-    return build_suite(resolve_datasets(cfg), tokenizer, digits=cfg.data.digits, seed=cfg.seed)
+    return build_suite(
+        resolve_datasets(cfg),
+        tokenizer,
+        digits=cfg.data.digits,
+        seed=cfg.seed,
+        max_reward_error_frac=cfg.algorithm.max_reward_error_frac,
+    )
 
 
 def evaluate(session: Any, state: Any, when: When) -> dict[str, float]:
