@@ -105,6 +105,7 @@ def test_the_run_logs_evaluations_and_writes_its_report(run_dir):
     rl = {r["step"]: r for r in rows if r["phase"] == "rl"}
     assert rl[2]["accuracy"] == evals[2]["eval/sums/avg@4"]
     assert (run_dir / "eval" / "step_000002" / "samples.jsonl").is_file()
+    assert list((run_dir / "tensorboard" / "eval").glob("events.out.tfevents.*"))
     report = (run_dir / "report" / "report.md").read_text()
     assert "| sums | 4 |" in report
     for stem in ("reward", "eval", "entropy", "response_length", "mismatch_k3", "grad_norm"):
