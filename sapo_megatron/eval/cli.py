@@ -29,7 +29,12 @@ def add_eval_parser(commands) -> None:
     parser = commands.add_parser(
         "eval",
         help="evaluate a model on eval datasets (avg@n, pass@k, maj@n per dataset and source)",
-        description=__doc__.split("\n\n")[1],
+        description="Evaluate a model on eval datasets: n samples per prompt, scored by each dataset's reward, "
+        "summarised as avg@n, pass@k and maj@n per dataset and source. --model is an HF folder, a run folder (its "
+        "hf export, else its newest checkpoint; its config.yaml is the default CONFIG) or a Megatron checkpoint "
+        "(converted under OUTPUT_DIR/hf_model first). The datasets are --data when given, else CONFIG's "
+        "eval.datasets. Runs on the in-process CPU engine, or on the servers of --urls / --endpoints-file. "
+        "Writes OUTPUT_DIR/eval.json and OUTPUT_DIR/samples.jsonl (docs/evaluation.md).",
     )
     parser.add_argument("config", nargs="?", help="YAML run config for the eval section, tokenizer and seed")
     parser.add_argument("--model", help="HF folder, run folder or Megatron checkpoint (optional with --urls)")

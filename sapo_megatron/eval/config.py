@@ -11,6 +11,7 @@ the settings each dataset is evaluated with. The section replaces ``data.heldout
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 import yaml
@@ -138,9 +139,12 @@ def refuse_old_eval_keys(raw: dict[str, Any]) -> None:
     }
     if not found:
         return
+    has_eval = isinstance(raw.get("eval"), dict)  # e.g. the embedded demo's, with an old key --set over it
+    replacement: dict[str, Any] = {}
+    if "trainer.eval_every" in found or not has_eval:
+        replacement["every"] = found.get("trainer.eval_every", 0)
     heldout = found.get("data.heldout", "synthetic:addition")
-    replacement: dict[str, Any] = {"every": found.get("trainer.eval_every", 0)}
-    if heldout is not None:
+    if heldout is not None and (not has_eval or "data.heldout" in found or "data.heldout_size" in found):
         dataset: dict[str, Any] = {"name": "heldout", "path": heldout, "n": 1, "temperature": 0}
         if "data.heldout_size" in found:
             dataset["size"] = found["data.heldout_size"]
@@ -148,6 +152,6 @@ def refuse_old_eval_keys(raw: dict[str, Any]) -> None:
     written = yaml.safe_dump({"eval": replacement}, default_flow_style=None, sort_keys=False).strip()
     raise ConfigError(
         f"{', '.join(found)}: replaced by the eval section (docs/evaluation.md); write instead:\n{written}",
-        hint="with --set: --set 'eval.datasets=[{name: heldout, path: synthetic:addition, size: 200}]' "
-        "--set eval.every=50",
+        hint=" ".join(f"--set 'eval.{key}={json.dumps(value)}'" for key, value in replacement.items())
+        + " does it on the command line",
     )

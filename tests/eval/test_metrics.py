@@ -131,3 +131,7 @@ def test_eval_section_resolves_over_defaults_and_refuses_old_keys():
         "  datasets:",
         "  - {name: heldout, path: h.jsonl, n: 1, temperature: 0, size: 50}",
     ]
+    assert err.value.hint.startswith('--set \'eval.every=10\' --set \'eval.datasets=[{"name": "heldout"')
+    with pytest.raises(ConfigError) as err:  # an old key --set over a config that has an eval section
+        config(eval={"datasets": [{"name": "a", "path": "x"}]}, trainer={"eval_every": 5})
+    assert str(err.value).splitlines()[1:] == ["eval: {every: 5}"]
