@@ -20,6 +20,7 @@ from sapo_megatron.config import RunConfig
 from sapo_megatron.data.loading import RunData, build_run_data
 from sapo_megatron.data.prompts import PromptRow
 from sapo_megatron.data.render import PromptRenderer
+from sapo_megatron.data.samples import SampleLog
 from sapo_megatron.distill.config import check_domains_served, prompt_domains
 from sapo_megatron.distill.step import DistillStep
 from sapo_megatron.errors import UserError
@@ -62,6 +63,7 @@ class Session:
     distill: DistillStep | None = None
     teachers: Any = None  # distill.teachers.Teachers on the main rank of a run with teachers, else None
     renderer: PromptRenderer | None = None  # prompt rows -> the ids the engine receives (data/render.py)
+    samples: SampleLog | None = None  # samples.jsonl (data/samples.py)
 
     @property
     def run_dir(self) -> Path:
@@ -124,6 +126,14 @@ def build_session(
     sync = build_weight_sync(cfg, info, rollout, topology, tokenizer, run_dir)
     reward = SafeReward(get_reward(cfg.algorithm.reward), cfg.algorithm.reward)
     tracker = Tracker(run_dir, enabled=info.is_main, resume_at=start.resume_at)
+    samples = SampleLog(
+        run_dir,
+        every=cfg.trainer.log_samples_every,
+        tokenizer=tokenizer,
+        enabled=info.is_main,
+        tracker=tracker,
+        resume_at=start.resume_at,
+    )
     return Session(
         cfg,
         info,
@@ -142,6 +152,7 @@ def build_session(
         distill=DistillStep(cfg, prompt_domains(train_rows)),
         teachers=teachers,
         renderer=data.renderer,
+        samples=samples,
     )
 
 

@@ -109,6 +109,13 @@ class Tracker:
             self._bar.update(step - self._bar.n)  # the bar counts steps, not calls
         return nonfinite
 
+    def text(self, phase: str, tag: str, text: str, step: int) -> None:
+        """A text entry in TensorBoard (e.g. generated samples); nothing in ``metrics.jsonl``."""
+        if self.enabled and self.tensorboard:
+            writer = self._writer(phase)
+            writer.add_text(tag, text, step)
+            writer.flush()
+
     def message(self, text: str) -> None:
         """Print a line on the console without breaking the progress bar."""
         if self.enabled:

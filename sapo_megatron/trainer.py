@@ -236,6 +236,7 @@ def _rollout(session: Session, prompts: PromptIterator, step: int):
     )
     session.reward.check_error_budget(cfg.algorithm.max_reward_error_frac)
     batch.metrics.update(session.reward.take_step_metrics())
+    session.samples.record(step + 1, batch)  # samples.jsonl every trainer.log_samples_every steps
     sequences = teacher.attach(_train_sequences(batch), batch)
     return sequences, batch.metrics, prompts.state_dict()
 

@@ -186,7 +186,7 @@ def read_dataset(path: str | Path, keys: DatasetKeys) -> Dataset:
         records = list(_records(file))
         if not records:
             raise DatasetError(f"{file}: no rows (the file is empty or holds only blank lines)")
-        fmt, why = _choose_format(keys, records[0][1], file)
+        fmt, why = _choose_format(keys, *records[0])
         resolved = keys.resolved(fmt)
         rows.extend(_row(record, where, resolved) for where, record in records)
         reports.append(FileReport(file, fmt, why, len(records)))
@@ -259,7 +259,7 @@ def _parquet_records(path: Path) -> list[dict[str, Any]]:
         raise DatasetError(f"{path}: cannot read parquet: {exc}") from exc
 
 
-def _choose_format(keys: DatasetKeys, first: Any, path: Path) -> tuple[str, str]:
+def _choose_format(keys: DatasetKeys, where: str, first: Any) -> tuple[str, str]:
     """The format of a file and why (``auto`` looks at its first row)."""
     if keys.format != "auto":
         return keys.format, "data.format"
@@ -274,7 +274,7 @@ def _choose_format(keys: DatasetKeys, first: Any, path: Path) -> tuple[str, str]
         ", ".join(sorted(first)) if isinstance(first, dict) else f"a {type(first).__name__}, not an object"
     )
     raise DatasetError(
-        f"{path}: cannot tell its format (first row's fields: {columns or 'none'}); auto knows verl "
+        f"{where}: cannot tell the file's format (first row's fields: {columns or 'none'}); auto knows verl "
         "(reward_model.ground_truth, data_source) and plain (prompt, ground_truth)",
         hint="set data.format (plain, verl, slime) or the keys data.prompt_key and data.label_key",
     )
