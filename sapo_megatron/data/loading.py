@@ -85,6 +85,12 @@ def _context_limit(cfg: Any) -> tuple[int, str | None]:
     context = cfg.model.arch.max_position_embeddings
     new_tokens = cfg.rollout.max_new_tokens
     limit = context - new_tokens
+    if limit < 1:
+        raise ConfigError(
+            f"rollout.max_new_tokens={new_tokens} leaves no room for a prompt in the model's context "
+            f"(max_position_embeddings={context})",
+            hint="lower rollout.max_new_tokens",
+        )
     asked = cfg.data.max_prompt_tokens
     if asked is not None and asked > limit:
         raise ConfigError(
