@@ -87,7 +87,11 @@ def open_session(cfg: RunConfig, *, mode: str) -> Iterator[Session]:
     first SIGINT/SIGTERM/SIGUSR1 makes the loop stop after its current step (``session.guard``)."""
     check_input_files(cfg)
     check_reward_available(cfg.algorithm.reward)
-    data = build_run_data(cfg)  # every row checked, the length policy applied: before any process group
+    data, data_error = None, None
+    try:  # every row checked, the length policy applied: before any process group forms
+        data = build_run_data(cfg)
+    except UserError as exc:  # raised once the run's train.log is open (below), so the log records it
+        data_error = exc
     info = init_parallel(
         cfg.parallel,
         seed=cfg.seed,
@@ -100,6 +104,8 @@ def open_session(cfg: RunConfig, *, mode: str) -> Iterator[Session]:
         cleanup_failed_start(start, enabled=info.is_main),
         InterruptGuard(announce=print_line if info.is_main else None) as guard,
     ):
+        if data_error is not None:
+            raise data_error
         session = build_session(cfg, info, start, guard, data)
         try:
             yield session
