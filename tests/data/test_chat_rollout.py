@@ -26,6 +26,7 @@ from sapo_megatron.rollout.cpu_server import CPUServer, serve
 from sapo_megatron.rollout.sglang_client import SGLangClient
 from sapo_megatron.rollout.types import SamplingParams
 from sapo_megatron.tiny import make_tiny_hf_checkpoint
+from sapo_megatron.tracking import Tracker
 from tests.data.chat_fixtures import (
     make_chat_tokenizer,
     plain_records,
@@ -161,9 +162,12 @@ def test_samples_file_every_n_steps_and_resume_truncation(tmp_path, run_data, mo
     data = run_data["verl"]
     engine = CPUEngine.from_pretrained(model_dir, seed=0, num_threads=1)
     batch = rollout(engine, data)
-    log = SampleLog(tmp_path, every=2, tokenizer=data.tokenizer, enabled=True)
+    tracker = Tracker(tmp_path, enabled=True)
+    log = SampleLog(tmp_path, every=2, tokenizer=data.tokenizer, enabled=True, tracker=tracker)
     for step in range(1, 7):
         log.record(step, batch)
+    tracker.close()
+    assert list((tmp_path / "tensorboard" / "rl").glob("events.out.tfevents.*"))  # a few as TensorBoard text
     rows = [json.loads(line) for line in (tmp_path / SAMPLES_FILE).read_text().splitlines()]
     assert [r["step"] for r in rows] == [2] * 4 + [4] * 4 + [6] * 4
     assert {r["source"] for r in rows} == {"deepmath", "aime"}
