@@ -20,7 +20,7 @@ from sapo_megatron.config import RunConfig
 from sapo_megatron.data.loading import RunData, build_run_data
 from sapo_megatron.data.prompts import PromptRow
 from sapo_megatron.data.render import PromptRenderer
-from sapo_megatron.data.samples import SampleLog
+from sapo_megatron.data.samples import SampleLog, resume_point
 from sapo_megatron.distill.config import check_domains_served, prompt_domains
 from sapo_megatron.distill.step import DistillStep
 from sapo_megatron.errors import UserError
@@ -138,7 +138,7 @@ def build_session(
         tokenizer=tokenizer,
         enabled=info.is_main,
         tracker=tracker,
-        resume_at=start.resume_at,
+        resume_at=resume_point(start.checkpoint),
     )
     return Session(
         cfg,

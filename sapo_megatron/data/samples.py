@@ -4,7 +4,8 @@ Each logged step writes the first sample of each of its first :data:`SAMPLES_PER
 line: ``phase`` ("rl"), ``step``, ``prompt`` (the prompt ids the engine received, decoded with special tokens
 kept, so a chat template shows as the model saw it), ``response``, ``reward`` and the reward's extra fields
 (``answer``, ...), ``source``, ``finish_reason``, ``response_tokens``. The first :data:`TENSORBOARD_SAMPLES` of them also go to
-TensorBoard as text (tag ``samples``). A resumed run drops the rows after its checkpoint, as ``metrics.jsonl``.
+TensorBoard as text (tag ``samples``). A resumed run drops the rows after its checkpoint (:func:`resume_point`), as
+``metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,20 @@ from sapo_megatron.tracking import Tracker, truncate_metrics
 SAMPLES_FILE = "samples.jsonl"
 SAMPLES_PER_STEP = 4
 TENSORBOARD_SAMPLES = 2
+
+
+def resume_point(checkpoint: Any) -> dict[str, int] | None:
+    """The last step whose samples a run resumed from ``checkpoint`` keeps (``None``: a fresh start): the
+    checkpoint's, or one more RL step when it holds the batch in flight (async rollout), whose samples were
+    written and which the resumed run trains on without generating it again."""
+    if checkpoint is None:
+        return None
+    from sapo_megatron.rollout_pipeline import IN_FLIGHT_FILE
+
+    steps = dict(checkpoint.steps)
+    if (Path(checkpoint.path) / IN_FLIGHT_FILE).is_file():
+        steps["rl"] = steps.get("rl", 0) + 1
+    return steps
 
 
 class SampleLog:

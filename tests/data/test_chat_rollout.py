@@ -6,6 +6,7 @@ Also: MOPD domains come from ``data_source``; ``serve`` loads the model folder's
 from __future__ import annotations
 
 import json
+import types
 
 import httpx
 import pytest
@@ -13,7 +14,7 @@ import pytest
 from sapo_megatron.algo import AdvantageConfig
 from sapo_megatron.config import config_from_dict
 from sapo_megatron.data.loading import build_run_data
-from sapo_megatron.data.samples import SAMPLES_FILE, SampleLog
+from sapo_megatron.data.samples import SAMPLES_FILE, SampleLog, resume_point
 from sapo_megatron.distill.config import (
     DistillConfigError,
     TeacherConfig,
@@ -25,6 +26,7 @@ from sapo_megatron.rollout.cpu_engine import CPUEngine
 from sapo_megatron.rollout.cpu_server import CPUServer, serve
 from sapo_megatron.rollout.sglang_client import SGLangClient
 from sapo_megatron.rollout.types import SamplingParams
+from sapo_megatron.rollout_pipeline import IN_FLIGHT_FILE
 from sapo_megatron.tiny import make_tiny_hf_checkpoint
 from sapo_megatron.tracking import Tracker
 from tests.data.chat_fixtures import (
@@ -183,6 +185,12 @@ def test_samples_file_every_n_steps_and_resume_truncation(tmp_path, run_data, mo
     SampleLog(tmp_path, every=2, tokenizer=data.tokenizer, enabled=True, resume_at={"rl": 4})
     rows = [json.loads(line) for line in (tmp_path / SAMPLES_FILE).read_text().splitlines()]
     assert [r["step"] for r in rows] == [2] * 4 + [4] * 4  # a resume from step 4 drops what came after
+    with_batch = tmp_path / "ckpt"  # a checkpoint that holds the batch in flight keeps that step's samples
+    with_batch.mkdir()
+    checkpoint = types.SimpleNamespace(path=with_batch, steps={"sft": 0, "rl": 2})
+    assert resume_point(checkpoint) == {"sft": 0, "rl": 2} and resume_point(None) is None
+    (with_batch / IN_FLIGHT_FILE).write_bytes(b"")
+    assert resume_point(checkpoint) == {"sft": 0, "rl": 3}
     off = SampleLog(tmp_path / "off", every=0, tokenizer=data.tokenizer, enabled=True)
     assert off.record(10, batch) == [] and not (tmp_path / "off" / SAMPLES_FILE).exists()
 
