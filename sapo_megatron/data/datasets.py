@@ -166,7 +166,11 @@ class Dataset:
 
     def describe(self) -> list[str]:
         """Lines for the console: each file's format (and why), rows per source, the time taken."""
-        lines = [f"  {r.path}: {r.rows} rows, format {r.format} ({r.why})" for r in self.files]
+        if len(self.files) <= 4:
+            lines = [f"  {r.path}: {r.rows} rows, format {r.format} ({r.why})" for r in self.files]
+        else:  # many shards: one line per format
+            kinds = Counter((r.format, r.why) for r in self.files)
+            lines = [f"  {n} files, format {fmt} ({why})" for (fmt, why), n in kinds.items()]
         counts = ", ".join(f"{name}: {n}" for name, n in self.counts_by_source().items())
         lines.append(f"  {len(self.rows)} rows in {self.seconds:.2f} s; per source: {counts}")
         return lines

@@ -34,7 +34,8 @@ class RunData:
 
 def build_run_data(cfg: Any, *, verbose: bool = False, log: Any = None) -> RunData:
     """Tokenizer, renderer and rows of ``cfg`` (a :class:`~sapo_megatron.config.RunConfig`). Prints the report
-    on rank 0 (``log``, default ``print``); ``verbose`` adds each file's format and rows per source (dry run)."""
+    on rank 0 (``log``, default ``print``): rows kept, filtered and truncated, each file's format; ``verbose`` (the
+    dry run) adds rows per source and the time taken."""
     data = cfg.data
     tokenizer = build_tokenizer(cfg)
     renderer = PromptRenderer(tokenizer, data)
@@ -133,9 +134,9 @@ def _report(
         f"{field_name} {source}: {counts['kept']} prompts{dropped}{cut}, longest prompt {counts['longest']} "
         f"tokens"
     ]
+    if dataset is not None:  # which format each file was read as (auto says why)
+        lines.extend(dataset.describe() if verbose else dataset.describe()[:-1])
     if verbose:
-        if dataset is not None:
-            lines.extend(dataset.describe())
         lines.append(
             f"  read and checked every row's schema in {read_s:.2f} s, prompt lengths in {lengths_s:.2f} s"
         )

@@ -53,6 +53,10 @@ def test_verl_parquet_shards_and_auto_format(tmp_path):
     assert dataset.counts_by_source() == {"aime": 2, "code": 3, "deepmath": 3}
     assert "per source: aime: 2, code: 3, deepmath: 3" in dataset.describe()[-1]
     assert load_dataset(str(tmp_path / "train-*.parquet"), DatasetKeys()) == dataset.rows  # a glob
+    for shard in range(2, 5):
+        write_verl_parquet(tmp_path / f"train-{shard:05d}.parquet", 1)
+    many = read_dataset(tmp_path, DatasetKeys()).describe()  # one line per format, not per shard
+    assert many[0] == "  5 files, format verl (auto: it has reward_model.ground_truth and data_source)"
 
 
 def test_slime_and_plain_jsonl_with_keys(tmp_path):
