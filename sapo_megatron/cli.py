@@ -424,6 +424,15 @@ def _dry_run(cfg: RunConfig, args: argparse.Namespace) -> int:
         err.hint = "the layout above is valid; these paths must exist on the machine where the job runs"
         raise
     print("inputs OK: every input file exists")
+    from sapo_megatron.data.loading import build_run_data
+
+    data = build_run_data(
+        cfg, verbose=True
+    )  # every row's schema, the prompt lengths; prints counts and times
+    from sapo_megatron.eval.training import describe_training_suite
+
+    print("\n".join(describe_training_suite(cfg, data.tokenizer)))  # the eval datasets, read and checked
+    print("data OK: every row of the prompt data is usable")
     return 0
 
 

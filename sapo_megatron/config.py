@@ -24,6 +24,7 @@ from sapo_megatron.algo import (
     SapoLoss,
 )
 from sapo_megatron.arch import ArchError, QwenArch
+from sapo_megatron.data.datasets import DatasetKeys
 from sapo_megatron.distill.config import TeacherConfig, check_distillation
 from sapo_megatron.errors import UserError
 from sapo_megatron.eval.config import EvalConfig, refuse_old_eval_keys
@@ -372,14 +373,23 @@ class RolloutConfig(Section):
         return self
 
 
-class DataConfig(Section):
-    """Prompt data: jsonl/parquet files, or the built-in synthetic addition task (``synthetic:addition``)."""
+class DataConfig(DatasetKeys):
+    """Prompt data: jsonl / parquet files (a directory or glob of shards; verl, slime or own keys, see
+    docs/data.md), or the built-in synthetic addition task (``synthetic:addition``); how prompts become ids."""
 
     train: str = "synthetic:addition"
     tokenizer: str = Field(default="char", description="'char' (demo) or an HF tokenizer directory")
     digits: int = Field(default=2, ge=1, description="operand digits of the synthetic task")
     train_size: int = Field(default=4000, ge=1, description="synthetic training prompts")
-    prompt_template: str = Field(default="{prompt}", description="formats each prompt before tokenisation")
+
+    @model_validator(mode="after")
+    def _check_chat_tokenizer(self) -> DataConfig:
+        if self.apply_chat_template and self.tokenizer == "char":
+            raise ValueError(
+                "data.apply_chat_template needs an HF tokenizer with a chat template; the char tokenizer has none "
+                "(set data.tokenizer to the model's tokenizer directory)"
+            )
+        return self
 
 
 class AlgorithmConfig(Section):
@@ -440,6 +450,9 @@ class TrainerConfig(Section):
         "boundaries, rollout/staleness 1); see docs/rl_loop.md",
     )
     export_hf: bool = Field(default=True, description="write an HF checkpoint at the end")
+    log_samples_every: int = Field(
+        default=10, ge=0, description="write a few samples to samples.jsonl every N RL steps (0: never)"
+    )
 
 
 class RunConfig(Section):

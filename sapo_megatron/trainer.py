@@ -83,16 +83,8 @@ def run_sft(session: Session, state: LoopState) -> None:
 
 
 def _sft_micro_batches(session: Session, rows: list[PromptRow]):
-    tok = session.tokenizer
-    sequences = [
-        TrainSequence(encode_prompt(session, row), tok.encode(row.ground_truth, add_eos=True)) for row in rows
-    ]
+    sequences = [TrainSequence(*session.renderer.sft_ids(row)) for row in rows]  # loss on the target only
     return add_global_normalisers(_micro_batches(session, sequences))
-
-
-def encode_prompt(session: Session, row: PromptRow) -> list[int]:
-    text = session.cfg.data.prompt_template.format(prompt=row.prompt)
-    return session.tokenizer.encode(text, add_bos=session.tokenizer.bos_id is not None)
 
 
 def run_rl(session: Session, state: LoopState, prompts: PromptIterator) -> None:
@@ -232,7 +224,7 @@ def _rollout(session: Session, prompts: PromptIterator, step: int):
         session.rollout,
         rows,
         refill=prompts.take,
-        encode=lambda row: encode_prompt(session, row),
+        encode=session.renderer.encode,
         score=lambda sample, row: session.reward(
             session.tokenizer.decode(sample.response_ids), row.ground_truth
         ),
@@ -242,6 +234,7 @@ def _rollout(session: Session, prompts: PromptIterator, step: int):
     )
     session.reward.check_error_budget(cfg.algorithm.max_reward_error_frac)
     batch.metrics.update(session.reward.take_step_metrics())
+    session.samples.record(step + 1, batch)  # samples.jsonl every trainer.log_samples_every steps
     sequences = teacher.attach(_train_sequences(batch), batch)
     return sequences, batch.metrics, prompts.state_dict()
 

@@ -99,6 +99,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
         tokenizer,
         digits=cfg.data.digits,
         seed=seed,
+        context=cfg.model.arch.max_position_embeddings,
         max_reward_error_frac=cfg.algorithm.max_reward_error_frac,
     )
     engine = build_engine(args, cfg, hf_dir, tokenizer, seed)

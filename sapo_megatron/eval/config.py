@@ -2,7 +2,9 @@
 shape), evaluated before RL (``before_training``), every ``every`` RL steps and after the last one.
 
 A dataset's unset field takes ``eval.defaults``' value, and an unset default the training run's (``max_new_tokens``
-from ``rollout``, ``reward`` from ``algorithm``, ``prompt_template`` from ``data``). :func:`resolve_datasets` gives
+from ``rollout``, ``reward`` from ``algorithm``, and the dataset keys – ``format``, ``prompt_key``, ``label_key``,
+``source_key``, the chat template, ``prompt_template``, the length policy – from ``data``, so that an eval prompt
+is rendered as the training prompts are). :func:`resolve_datasets` gives
 the settings each dataset is evaluated with. The section replaces ``data.heldout`` / ``data.heldout_size`` /
 ``trainer.eval_every``: a config that still has them is refused with the equivalent ``eval`` section
 (:func:`refuse_old_eval_keys`).
@@ -15,7 +17,9 @@ import json
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from sapo_megatron.data.datasets import DatasetKeys
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 """Eval dataset names appear in metric names (``eval/<name>/avg@8``): no slashes or spaces."""
@@ -27,8 +31,13 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-class EvalDefaults(_Section):
-    """Settings of every eval dataset that does not set its own. Greedy (n 1, temperature 0) by default."""
+KEY_FIELDS = tuple(DatasetKeys.model_fields)
+"""The dataset keys (docs/data.md) an eval dataset may set; unset, they are ``data``'s."""
+
+
+class EvalDefaults(DatasetKeys):
+    """Settings of every eval dataset that does not set its own (and the dataset keys of ``data``, which unset
+    keys take). Greedy (n 1, temperature 0) by default."""
 
     n: int = Field(default=1, ge=1, description="samples per prompt (avg@n, pass@k for k up to n, maj@n)")
     temperature: float = Field(default=0.0, ge=0.0, description="0: greedy")
@@ -36,7 +45,6 @@ class EvalDefaults(_Section):
     top_k: int = Field(default=-1, description="-1: the whole vocabulary")
     max_new_tokens: int | None = Field(default=None, ge=1, description="default: rollout.max_new_tokens")
     reward: str | None = Field(default=None, description="reward name; default: algorithm.reward")
-    prompt_template: str | None = Field(default=None, description="default: data.prompt_template")
     size: int | None = Field(
         default=None,
         ge=1,
@@ -98,18 +106,15 @@ class EvalDataset:
     top_k: int
     max_new_tokens: int
     reward: str
-    prompt_template: str
     size: int | None
+    keys: DatasetKeys
+    """Where the fields are and how prompts become ids (data/datasets.py, data/render.py)."""
 
 
 def resolve_datasets(cfg: Any) -> list[EvalDataset]:
     """The resolved eval datasets of a :class:`~sapo_megatron.config.RunConfig`."""
     defaults = cfg.eval.defaults
-    fallback = {
-        "max_new_tokens": cfg.rollout.max_new_tokens,
-        "reward": cfg.algorithm.reward,
-        "prompt_template": cfg.data.prompt_template,
-    }
+    fallback = {"max_new_tokens": cfg.rollout.max_new_tokens, "reward": cfg.algorithm.reward}
 
     def pick(dataset: EvalDatasetConfig, key: str) -> Any:
         for value in (getattr(dataset, key), getattr(defaults, key), fallback.get(key)):
@@ -117,11 +122,28 @@ def resolve_datasets(cfg: Any) -> list[EvalDataset]:
                 return value
         return None
 
-    fields = [f.name for f in dataclasses.fields(EvalDataset) if f.name not in ("name", "path")]
+    fields = [f.name for f in dataclasses.fields(EvalDataset) if f.name not in ("name", "path", "keys")]
     return [
-        EvalDataset(name=d.name, path=d.path, **{key: pick(d, key) for key in fields})
-        for d in cfg.eval.datasets
+        EvalDataset(name=d.name, path=d.path, keys=_keys(cfg, d, i), **{key: pick(d, key) for key in fields})
+        for i, d in enumerate(cfg.eval.datasets)
     ]
+
+
+def _keys(cfg: Any, dataset: EvalDatasetConfig, index: int) -> DatasetKeys:
+    """The dataset's keys: its own where set, else ``eval.defaults``', else ``data``'s."""
+    from sapo_megatron.config import ConfigError
+
+    def pick(key: str) -> Any:
+        for source in (dataset, cfg.eval.defaults):
+            if key in source.model_fields_set:
+                return getattr(source, key)
+        return getattr(cfg.data, key)
+
+    try:
+        return DatasetKeys(**{key: pick(key) for key in KEY_FIELDS})
+    except ValidationError as err:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
+        raise ConfigError(f"eval.datasets[{index}] ({dataset.name}): {problems}") from None
 
 
 OLD_KEYS = (("data", "heldout"), ("data", "heldout_size"), ("trainer", "eval_every"))

@@ -1,28 +1,31 @@
 """What evaluation takes from the data and reward packages, in one place: an eval dataset's rows, the prompt
 ids the engine receives, and a sample's score and extracted answer.
 
-Written over today's reader (:func:`~sapo_megatron.data.prompts.load_prompts`, ``synthetic:`` tasks, the
-``prompt_template`` encoding the trainer uses) and reward registry (:class:`~sapo_megatron.rewards.registry.
-SafeReward`). The answer majority voting counts comes from the reward's own extraction rule
-(:mod:`sapo_megatron.rewards.answers`) for the rewards that have one; other rewards give no answer (no maj@n).
-When the dataset reader (``load_dataset`` / ``PromptRenderer``) and the reward runner (``RewardOutput.fields
-["answer"]``) land, only this module changes.
+Rows: :func:`~sapo_megatron.data.datasets.load_dataset` with the dataset's keys (verl / slime / plain layouts),
+or a ``synthetic:`` task's held-out split; every row checked and the prompt-length policy applied as for training
+(:func:`~sapo_megatron.data.render.apply_length_policy`). Prompt ids: :class:`~sapo_megatron.data.render.
+PromptRenderer` (chat template, ``prompt_template``), so the engine receives what it receives in training.
+Scores: the reward registry's :class:`~sapo_megatron.rewards.registry.SafeReward`; the answer majority voting
+counts comes from the reward's own extraction rule (:mod:`sapo_megatron.rewards.answers`) for the rewards that have
+one; other rewards give no answer (no maj@n).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-from sapo_megatron.data.prompts import PromptRow, check_encodable, load_prompts
+from sapo_megatron.data.datasets import load_dataset
+from sapo_megatron.data.prompts import PromptRow, check_encodable
+from sapo_megatron.data.render import PromptRenderer, apply_length_policy
 from sapo_megatron.eval.config import SYNTHETIC_SIZE, EvalDataset
 from sapo_megatron.rewards.answers import extract_final_answer, extract_last_number
 
 
 def load_eval_rows(dataset: EvalDataset, *, digits: int, seed: int) -> list[PromptRow]:
     """The dataset's prompt rows: a ``synthetic:`` task's held-out split (``size`` of them, default
-    :data:`SYNTHETIC_SIZE`), or a file's first ``size`` rows (all by default)."""
+    :data:`SYNTHETIC_SIZE`), or a file's (directory's, glob's) first ``size`` rows (all by default)."""
     from sapo_megatron.config import ConfigError
     from sapo_megatron.data.synthetic import TASKS, make_mixed_rows
 
@@ -37,24 +40,42 @@ def load_eval_rows(dataset: EvalDataset, *, digits: int, seed: int) -> list[Prom
         return make_mixed_rows(
             tasks, dataset.size or SYNTHETIC_SIZE, digits=digits, split="heldout", seed=seed
         )
-    rows = load_prompts(dataset.path)
+    rows = load_dataset(dataset.path, dataset.keys)
     return rows[: dataset.size] if dataset.size else rows
 
 
-def check_rows(rows: Sequence[PromptRow], tokenizer: Any, dataset: EvalDataset) -> None:
-    """Refuse a row the tokenizer cannot encode, naming the file and line (before any model is built)."""
-    check_encodable(rows, tokenizer, dataset.path, template=dataset.prompt_template)
+class EvalPrompts:
+    """The prompts of one eval dataset as the engine receives them (the training renderer, with the dataset's
+    keys)."""
 
+    def __init__(self, tokenizer: Any, dataset: EvalDataset) -> None:
+        self.dataset = dataset
+        self.tokenizer = tokenizer
+        self.renderer = PromptRenderer(tokenizer, dataset.keys)
 
-def prompt_text(row: PromptRow, dataset: EvalDataset) -> str:
-    """The prompt as rendered for the model."""
-    return dataset.prompt_template.format(prompt=row.prompt)
+    def check(self, rows: list[PromptRow], *, context: int | None) -> list[PromptRow]:
+        """Refuse a row the tokenizer cannot encode (naming file and line), then apply the length policy
+        (``context``: the model's positions, leaving room for the dataset's ``max_new_tokens``)."""
+        keys, dataset = self.dataset.keys, self.dataset
+        check_encodable(rows, self.tokenizer, dataset.path, template=keys.prompt_template)
+        limit = None if context is None else context - dataset.max_new_tokens
+        reason = (
+            None
+            if limit is None
+            else f"the model's context for a prompt: max_position_embeddings={context} - the eval dataset's "
+            f"max_new_tokens={dataset.max_new_tokens}"
+        )
+        kept, _ = apply_length_policy(
+            rows, self.renderer, keys, dataset.path, limit=limit, limit_reason=reason
+        )
+        return kept
 
+    def encode(self, row: PromptRow) -> list[int]:
+        return self.renderer.encode(row)
 
-def encode_prompt(tokenizer: Any, row: PromptRow, dataset: EvalDataset) -> list[int]:
-    """The prompt ids the engine receives (the trainer's encoding: template, then BOS when the tokenizer has
-    one)."""
-    return tokenizer.encode(prompt_text(row, dataset), add_bos=tokenizer.bos_id is not None)
+    def text(self, row: PromptRow) -> str:
+        """The prompt as rendered for the model (chat template included)."""
+        return self.renderer.text(row)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,7 @@ from typing import Any
 
 from sapo_megatron.data.prompts import PromptRow
 from sapo_megatron.eval.config import EvalDataset
-from sapo_megatron.eval.inputs import EvalReward, check_rows, encode_prompt, load_eval_rows, prompt_text
+from sapo_megatron.eval.inputs import EvalPrompts, EvalReward, load_eval_rows
 from sapo_megatron.eval.metrics import ScoredSample, dataset_metrics, flat_metrics, headline
 from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
 
@@ -39,6 +39,7 @@ class EvalSuite:
 
     datasets: list[EvalDataset]
     rows: dict[str, list[PromptRow]]
+    prompts: dict[str, EvalPrompts]
     rewards: dict[str, EvalReward]
     max_reward_error_frac: float = 0.1
     """A dataset whose reward raised on more than this share of its samples stops the evaluation."""
@@ -78,16 +79,19 @@ def build_suite(
     *,
     digits: int,
     seed: int,
+    context: int | None = None,
     max_reward_error_frac: float = 0.1,
 ) -> EvalSuite:
-    """Load every dataset's rows (checked against the tokenizer) and its reward."""
-    rows, rewards = {}, {}
+    """Load every dataset's rows (checked against the tokenizer, the length policy applied with the model's
+    ``context``) and its reward."""
+    rows, prompts, rewards = {}, {}, {}
     for index, dataset in enumerate(datasets):
-        rows[dataset.name] = load_eval_rows(dataset, digits=digits, seed=seed)
-        check_rows(rows[dataset.name], tokenizer, dataset)
+        prompts[dataset.name] = EvalPrompts(tokenizer, dataset)
+        loaded = load_eval_rows(dataset, digits=digits, seed=seed)
+        rows[dataset.name] = prompts[dataset.name].check(loaded, context=context)
         field = f"eval.datasets[{index}].reward"
         rewards[dataset.name] = EvalReward(dataset.reward, field=field, dataset=dataset.name)
-    return EvalSuite(list(datasets), rows, rewards, max_reward_error_frac)
+    return EvalSuite(list(datasets), rows, prompts, rewards, max_reward_error_frac)
 
 
 def eval_seed(seed: int, name: str) -> int:
@@ -127,11 +131,12 @@ def run_suite(
 
 def _run_dataset(engine, tokenizer, suite: EvalSuite, dataset: EvalDataset, seed: int, progress):
     rows, reward, n = suite.rows[dataset.name], suite.rewards[dataset.name], dataset.n
+    prompts = suite.prompts[dataset.name]
     sampling = sampling_params(dataset, [tokenizer.eos_id])
     first_seed = eval_seed(seed, dataset.name)
     requests = [
         GenerationRequest(
-            prompt_ids=encode_prompt(tokenizer, row, dataset),
+            prompt_ids=prompts.encode(row),
             n=n,
             sampling=dataclasses.replace(sampling, seed=first_seed + index * n),
             group_id=index,
@@ -143,7 +148,7 @@ def _run_dataset(engine, tokenizer, suite: EvalSuite, dataset: EvalDataset, seed
     for start in range(0, len(requests), per_chunk):
         groups = engine.generate(requests[start : start + per_chunk])
         for index, group in enumerate(groups, start=start):
-            out += [_sample_row(tokenizer, dataset, rows[index], index, s, reward) for s in group]
+            out += [_sample_row(tokenizer, prompts, rows[index], index, s, reward) for s in group]
         if progress is not None:
             progress(sum(len(g) for g in groups))
     reward.check_errors(suite.max_reward_error_frac)
@@ -151,16 +156,16 @@ def _run_dataset(engine, tokenizer, suite: EvalSuite, dataset: EvalDataset, seed
 
 
 def _sample_row(
-    tokenizer, dataset: EvalDataset, row: PromptRow, index: int, sample, reward
+    tokenizer, prompts: EvalPrompts, row: PromptRow, index: int, sample, reward
 ) -> dict[str, Any]:
     response = tokenizer.decode(sample.response_ids)
     scored = reward(response, row)
     return {
-        "dataset": dataset.name,
+        "dataset": prompts.dataset.name,
         "index": index,
         "sample": sample.sample_index,
         "source": row.domain,
-        "prompt": prompt_text(row, dataset),
+        "prompt": prompts.text(row),
         "response": response,
         "score": scored.score,
         "answer": scored.answer,

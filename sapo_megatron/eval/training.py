@@ -28,8 +28,26 @@ def build_training_suite(cfg: Any, tokenizer: Any) -> EvalSuite:
         tokenizer,
         digits=cfg.data.digits,
         seed=cfg.seed,
+        context=cfg.model.arch.max_position_embeddings,
         max_reward_error_frac=cfg.algorithm.max_reward_error_frac,
     )
+
+
+def describe_training_suite(cfg: Any, tokenizer: Any) -> list[str]:
+    """The dry run's lines about the eval datasets (read, checked and length-filtered as the run will)."""
+    from collections import Counter
+
+    suite = build_training_suite(cfg, tokenizer)
+    lines = []
+    for dataset in suite.datasets:
+        rows = suite.rows[dataset.name]
+        sources = Counter(row.domain or "-" for row in rows)
+        lines.append(
+            f"eval {dataset.name} {dataset.path}: {len(rows)} prompts × n {dataset.n} at temperature "
+            f"{dataset.temperature:g}, reward {dataset.reward}; per source: "
+            + ", ".join(f"{source}: {count}" for source, count in sorted(sources.items()))
+        )
+    return lines
 
 
 def evaluate(session: Any, state: Any, when: When) -> dict[str, float]:
