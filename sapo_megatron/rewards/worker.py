@@ -1,0 +1,69 @@
+"""A reward worker process: ``python -m sapo_megatron.rewards.worker``, started by :mod:`.pool`.
+
+A fresh interpreter (not a fork of the trainer, which has torch threads) that imports the reward and no torch.
+It talks to the trainer over its stdin / stdout with length-prefixed pickle frames; the reward's own prints go
+to stderr. Requests: ``("init", spec, kwargs)`` then ``("task", task_id, inputs)``; replies: ``("ready",)`` or
+``("init_error", message)``, and ``("done", task_id, outputs)``. The reward runs in the main thread, so
+math-verify's ``signal.alarm`` timeouts work.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import struct
+import sys
+from typing import Any, BinaryIO
+
+HEADER = struct.Struct(">Q")
+
+
+def write_frame(stream: BinaryIO, message: Any) -> None:
+    payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(HEADER.pack(len(payload)) + payload)
+    stream.flush()
+
+
+def read_exact(fd: int, size: int) -> bytes | None:
+    """``size`` bytes from ``fd``, or None at end of file."""
+    chunks, left = [], size
+    while left:
+        chunk = os.read(fd, min(left, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def read_frame(fd: int) -> Any | None:
+    header = read_exact(fd, HEADER.size)
+    if header is None:
+        return None
+    payload = read_exact(fd, HEADER.unpack(header)[0])
+    return None if payload is None else pickle.loads(payload)
+
+
+def main() -> None:
+    reply = os.fdopen(os.dup(1), "wb")  # the protocol's channel; fd 1 becomes stderr for the reward's prints
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    from sapo_megatron.rewards.calling import BoundReward
+
+    message = read_frame(0)
+    if message is None:
+        return
+    _, spec, kwargs = message
+    try:
+        bound = BoundReward.from_spec(spec, kwargs)
+    except Exception as exc:
+        write_frame(reply, ("init_error", f"{type(exc).__name__}: {exc}"))
+        return
+    write_frame(reply, ("ready",))
+    while (message := read_frame(0)) is not None:
+        _, task_id, inputs = message
+        write_frame(reply, ("done", task_id, bound.run(inputs)))
+
+
+if __name__ == "__main__":
+    main()
