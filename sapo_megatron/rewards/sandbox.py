@@ -18,7 +18,8 @@ What contains what (see ``sandbox_boot.py`` for the order):
 Without the privileges for namespaces (not root, or a container without CAP_SYS_ADMIN) the code still runs with
 the rlimits, its own session and the wall timeout, but **with the machine's network and file system** (as the
 trainer's user): :func:`isolation` says what is available and a warning is logged once; ``require_isolation=True``
-makes that an error instead.
+makes that an error instead. ``SAPO_SANDBOX_NAMESPACES=0`` forces that fallback (for tests, or a kernel whose
+namespaces misbehave).
 """
 
 from __future__ import annotations
@@ -90,8 +91,13 @@ def sandbox_python() -> str:
     return sys.executable
 
 
+def _namespaces_wanted() -> bool:
+    """``SAPO_SANDBOX_NAMESPACES=0`` runs without namespaces or uid change (as where the kernel refuses them)."""
+    return os.environ.get("SAPO_SANDBOX_NAMESPACES", "1") != "0"
+
+
 def _sandbox_uid() -> int:
-    return 60000 + os.getpid() % 5000 if os.geteuid() == 0 else 0
+    return 60000 + os.getpid() % 5000 if os.geteuid() == 0 and _namespaces_wanted() else 0
 
 
 def _settings(workdir: Path, argv: list[str], limits: SandboxLimits, *, probe: bool = False) -> str:
@@ -111,6 +117,7 @@ def _settings(workdir: Path, argv: list[str], limits: SandboxLimits, *, probe: b
             "limits": rlimits,
             "tmpfs_mb": limits.tmpfs_mb,
             "probe": probe,
+            "namespaces": _namespaces_wanted(),
         }
     )
 

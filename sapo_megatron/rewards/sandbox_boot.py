@@ -29,7 +29,7 @@ def main() -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     isolation = {
-        name: libc.unshare(flag) == 0
+        name: settings["namespaces"] and libc.unshare(flag) == 0
         for name, flag in (("net", CLONE_NEWNET), ("pid", CLONE_NEWPID), ("mount", CLONE_NEWNS))
     }
     isolation["private_tmp"] = False
@@ -70,7 +70,7 @@ def _child(settings: dict, libc, isolation: dict, report_fd: int) -> None:
             raise OSError(ctypes.get_errno(), "cannot bind the work dir to " + VISIBLE_WORKDIR)
         os.chdir(VISIBLE_WORKDIR)
     uid = settings["uid"]
-    if os.geteuid() == 0 and uid:
+    if os.geteuid() == 0 and uid and settings["namespaces"]:
         os.setgroups([])
         os.setgid(uid)
         os.setuid(uid)
