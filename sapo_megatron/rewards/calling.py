@@ -44,14 +44,15 @@ class BoundReward:
         """Outputs for one unit: a group reward's group (one call) or a single sample."""
         if self.group:
             return self._run_group(inputs)
-        return [self._run_one(item) for item in inputs]
+        return [self.run_one(item) for item in inputs]
 
-    def _run_one(self, item: RewardInput) -> RewardOutput:
-        args = {"response": item.response, "label": item.label}
-        for name in self.optional:
-            args[name] = getattr(item, name)
+    def run_one(self, item: RewardInput) -> RewardOutput:
+        extra = {name: getattr(item, name) for name in self.optional} if self.optional else {}
         try:
-            return to_output(self.fn(**args, **self.kwargs))
+            value = self.fn(response=item.response, label=item.label, **extra, **self.kwargs)
+            if type(value) is float and math.isfinite(value):  # the common case, kept cheap
+                return RewardOutput(value)
+            return to_output(value)
         except Exception as exc:
             return error_output(exc)
 

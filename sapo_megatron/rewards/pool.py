@@ -21,8 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from sapo_megatron.rewards.framing import read_frame, write_frame
 from sapo_megatron.rewards.types import RewardInput, RewardOutput
-from sapo_megatron.rewards.worker import read_frame, write_frame
 
 STARTUP_TIMEOUT_S = 120.0
 

@@ -120,7 +120,10 @@ class RewardRunner:
         if not inputs:
             return []
         start = time.perf_counter()
-        outputs = [out for unit in self.backend.run(self._units(inputs)) for out in unit]
+        if isinstance(self.backend, _Inline) and not self.group:  # the demo's path: no per-sample wrapping
+            outputs = [self.backend.bound.run_one(item) for item in inputs]
+        else:
+            outputs = [out for unit in self.backend.run(self._units(inputs)) for out in unit]
         self._count(outputs, time.perf_counter() - start)
         return outputs
 
@@ -136,7 +139,7 @@ class RewardRunner:
         return units
 
     def _count(self, outputs: list[RewardOutput], seconds: float) -> None:
-        errors = [out.error for out in outputs if out.error is not None]
+        errors = [out.error for out in outputs if out.error is not None] if outputs else []
         with self._lock:
             first_of_run = self.errors == 0 and bool(errors)
             self.calls += len(outputs)
