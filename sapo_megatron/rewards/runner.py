@@ -69,7 +69,10 @@ def check_reward_spec(
     from sapo_megatron.config import ConfigError
     from sapo_megatron.rewards.registry import check_reward_available
 
-    remote = _remote_settings(spec)
+    try:
+        remote = _remote_settings(spec)
+    except TypeError as exc:
+        raise ConfigError(f"{field}: a reward server is {{url: ..., api_key_env: ...}}: {exc}") from None
     if remote is not None:
         if not remote.url.startswith(("http://", "https://")):
             raise ConfigError(f"{field}.url={remote.url!r} must start with http:// or https://")
@@ -114,6 +117,7 @@ class RewardRunner:
         self._step_first_error: str | None = None
         self._step_seconds = 0.0
         self._lock = threading.Lock()
+        self._backend_lock = threading.Lock()  # the async rollout thread and the evaluation may both score
 
     def score(self, inputs: list[RewardInput]) -> list[RewardOutput]:
         """One output per input, in order; never raises for a failing reward (errors are counted instead)."""
@@ -123,7 +127,8 @@ class RewardRunner:
         if isinstance(self.backend, _Inline) and not self.group:  # the demo's path: no per-sample wrapping
             outputs = [self.backend.bound.run_one(item) for item in inputs]
         else:
-            outputs = [out for unit in self.backend.run(self._units(inputs)) for out in unit]
+            with self._backend_lock:
+                outputs = [out for unit in self.backend.run(self._units(inputs)) for out in unit]
         self._count(outputs, time.perf_counter() - start)
         return outputs
 
