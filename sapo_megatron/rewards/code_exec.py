@@ -2,14 +2,15 @@
 
 The code: ``<think>...</think>`` spans are dropped, then the last fenced block marked ``python`` / ``py`` /
 ``python3`` is taken (as verl's ``prime_code`` does: the text after the last ```` ```python ```` up to the next
-fence); else the last fenced block of any language; else the whole response.
+fence; slime's ``rm_hub/code_verifier.py`` the same); else the last fenced block of any language; else the whole
+response.
 
 The tests come from ``metadata`` (a dict, or a JSON string of one), else from the label when it is a JSON string
 (verl's Eurus-2-RL-Code parquet keeps them in ``reward_model.ground_truth``). Accepted shapes:
 
 - ``{"inputs": [stdin, ...], "outputs": [stdout, ...]}``: each pair is one test: the program reads ``stdin`` and
-  passes when its stdout equals ``stdout`` token by token (whitespace-insensitive, as the APPS checker
-  compares). With ``"fn_name": "f"`` the tests call ``f(*args)`` (or ``Solution().f(*args)``) with each input a
+  passes when its stdout equals ``stdout`` token by token (whitespace-insensitive, numbers within 1e-6, as
+  the APPS checker and slime's ``code_verifier`` compare). With ``"fn_name": "f"`` the tests call ``f(*args)`` (or ``Solution().f(*args)``) with each input a
   JSON list of arguments (or a string of JSON lines, one argument each) and compare the return value with the
   output (JSON; an output wrapped in a one-element list also matches);
 - ``{"test": "assert ..."}`` (one test: the code, then this script) or ``{"tests": ["assert ...", ...]}`` (one
@@ -23,6 +24,7 @@ without code or a label/metadata without tests scores 0.0 with ``error``-free fi
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any, Literal
 
@@ -121,7 +123,7 @@ def _stdio_case(stdin: Any, expected: Any):
         result = run_python(
             {"solution.py": code}, "solution.py", _text(stdin), limits, require_isolation=require
         )
-        return result.returncode == 0 and result.stdout.split() == _text(expected).split()
+        return result.returncode == 0 and same_output(result.stdout, _text(expected))
 
     return run
 
@@ -155,6 +157,20 @@ def _assert_case(script: str):
         )
 
     return run
+
+
+def same_output(actual: str, expected: str) -> bool:
+    """Token by token (whitespace-insensitive); numeric tokens may differ by 1e-6 (as slime's
+    ``rm_hub/code_verifier.py`` compares)."""
+    got, want = actual.split(), expected.split()
+    if got == want:
+        return True
+    if len(got) != len(want):
+        return False
+    try:
+        return all(math.isclose(float(a), float(b), rel_tol=1e-6, abs_tol=1e-6) for a, b in zip(got, want))
+    except ValueError:
+        return False
 
 
 def _arguments(args: Any) -> list:

@@ -123,3 +123,10 @@ def test_without_namespaces_the_limits_still_hold_and_a_warning_says_so(monkeypa
             run_python({"s.py": "pass"}, "s.py", limits=FAST, require_isolation=True)
     finally:
         isolation.cache_clear()
+
+
+def test_output_comparison():
+    from sapo_megatron.rewards.code_exec import same_output
+
+    assert same_output("1 2\n3\n", "1 2 3") and same_output("0.3333333", "0.33333331")
+    assert not same_output("1 2", "1 2 3") and not same_output("abc", "abd") and not same_output("0.3", "0.4")
