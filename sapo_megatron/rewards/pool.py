@@ -22,13 +22,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sapo_megatron.rewards.framing import read_frame, write_frame
+from sapo_megatron.rewards.registry import RewardError
 from sapo_megatron.rewards.types import RewardInput, RewardOutput
 
 STARTUP_TIMEOUT_S = 120.0
 
 
-class PoolError(RuntimeError):
+class PoolError(RewardError):
     """The workers cannot start (the reward does not import in a fresh process)."""
+
+    hint = (
+        "the reward must import in a fresh `python -m sapo_megatron.rewards.worker` (no state from the trainer); "
+        "or set algorithm.reward_workers: 0 to score inline"
+    )
 
 
 @dataclass

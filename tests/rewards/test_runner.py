@@ -178,3 +178,22 @@ def test_group_reward_gets_each_prompts_group(reward_dir, workers):
     with build_reward_runner(f"{reward_dir}/group.py:short", workers=0) as runner:
         out = runner.score(items[:2])
         assert [o.error for o in out] == ["group reward returned 1 scores for 2 samples"] * 2
+
+
+def test_a_reward_that_only_breaks_in_a_fresh_process_stops_with_a_user_error(tmp_path):
+    from sapo_megatron.errors import UserError
+    from sapo_megatron.rewards.pool import PoolError
+
+    for body, expected in [
+        ("raise ImportError('only in workers')", "does not load in a worker process: RewardSpecError"),
+        ("os._exit(5)", "died while starting (its reward worker died (exit code 5))"),
+    ]:
+        path = tmp_path / f"fragile_{len(body)}.py"
+        path.write_text(
+            f"import os, sys\nif sys.argv[0].endswith('worker.py'):\n    {body}\n"
+            "def reward(response, label):\n    return 1.0\n"
+        )
+        runner = build_reward_runner(f"{path}:reward", workers=1, timeout_s=5)
+        with runner, pytest.raises(PoolError) as err:
+            runner.score(inputs("ok"))
+        assert isinstance(err.value, UserError) and expected in str(err.value), str(err.value)
