@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from typing import Any, Literal
 
 from sapo_megatron.rewards.sandbox import SandboxLimits, run_python
@@ -81,23 +82,29 @@ def code_exec(
     metadata: Any = None,
     *,
     mode: Literal["all", "fraction"] = "all",
-    wall_s: float = 10.0,
-    cpu_s: int = 10,
+    wall_s: float = 5.0,
+    cpu_s: int = 5,
+    total_wall_s: float = 20.0,
     memory_mb: int = 1024,
     max_tests: int | None = None,
     require_isolation: bool = False,
 ) -> dict[str, Any]:
-    """``{"score", "passed", "total"}`` for the response's code on the tests (module docstring)."""
+    """``{"score", "passed", "total"}`` for the response's code on the tests (module docstring). Tests still
+    unrun after ``total_wall_s`` fail (keep it below ``algorithm.reward_timeout_s``: slow code is then a wrong
+    answer, not a reward error)."""
     if mode not in ("all", "fraction"):
         raise ValueError(f"code_exec mode must be 'all' or 'fraction', got {mode!r}")
     tests = parse_tests(label, metadata)
     if tests is None:
         return {"score": 0.0, "passed": 0, "total": 0, "reason": "no test cases in metadata or label"}
     code = extract_code(response)
-    limits = SandboxLimits(wall_s=wall_s, cpu_s=cpu_s, memory_mb=memory_mb)
     cases = _cases(tests)[:max_tests]
-    passed = 0
+    passed, deadline = 0, time.monotonic() + total_wall_s
     for run in cases:
+        left = deadline - time.monotonic()
+        if left <= 0.05:
+            break
+        limits = SandboxLimits(wall_s=min(wall_s, left), cpu_s=cpu_s, memory_mb=memory_mb)
         if run(code, limits, require_isolation):
             passed += 1
         elif mode == "all":

@@ -130,3 +130,11 @@ def test_output_comparison():
 
     assert same_output("1 2\n3\n", "1 2 3") and same_output("0.3333333", "0.33333331")
     assert not same_output("1 2", "1 2 3") and not same_output("abc", "abd") and not same_output("0.3", "0.4")
+
+
+def test_slow_code_fails_its_tests_within_the_total_budget():
+    slow = fenced("import time\ntime.sleep(30)")
+    tests = {"inputs": ["1", "2", "3"], "outputs": ["1", "2", "3"]}
+    start = time.monotonic()
+    out = code_exec(slow, "", tests, mode="fraction", wall_s=1.0, total_wall_s=1.5)
+    assert out == {"score": 0.0, "passed": 0, "total": 3} and time.monotonic() - start < 4
