@@ -1,5 +1,6 @@
 """A user's reward file drives a real (tiny) training run through the worker pool: the trainer scores each
-round in one call, the held-out evaluation uses the same runner, and the reward never sees torch."""
+round in one call (from the async rollout thread), the held-out evaluation uses the same runner, and the reward
+never sees torch."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ def test_custom_reward_file_in_the_pool_trains(tmp_path, monkeypatch):
             "algorithm.reward": f"{tmp_path}/my_reward.py:reward",
             "algorithm.reward_workers": 1,
             "algorithm.reward_timeout_s": 20,
+            "trainer.async_rollout": True,  # the pool is driven from the rollout thread, evaluation from the main one
         },
     )
     train(config)
