@@ -93,9 +93,11 @@ def build_reward_runner(
     timeout_s: float = 30.0,
     name: str | None = None,
     kwargs: Mapping[str, Any] | None = None,
+    field: str = "algorithm.reward",
 ) -> RewardRunner:
-    """The runner for ``spec`` (checked with :func:`check_reward_spec` first)."""
-    check_reward_spec(spec, kwargs=kwargs)
+    """The runner for ``spec`` (checked with :func:`check_reward_spec` first, errors naming ``field``);
+    ``workers``: 0 inline, N a pool, ``"auto"`` (module docstring)."""
+    check_reward_spec(spec, kwargs=kwargs, field=field)
     remote = _remote_settings(spec)
     if remote is not None:
         return RewardRunner(RemoteReward(remote), name or remote.url, group=False)
