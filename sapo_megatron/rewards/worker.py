@@ -4,18 +4,34 @@ A fresh interpreter (not a fork of the trainer, which has torch threads) that im
 It talks to the trainer over its stdin / stdout with length-prefixed pickle frames; the reward's own prints go
 to stderr. Requests: ``("init", spec, kwargs)`` then ``("task", task_id, inputs)``; replies: ``("ready",)`` or
 ``("init_error", message)``, and ``("done", task_id, outputs)``. The reward runs in the main thread, so
-math-verify's ``signal.alarm`` timeouts work.
+math-verify's ``signal.alarm`` timeouts work. It exits when the trainer is gone.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
+import time
 
 from sapo_megatron.rewards.framing import read_frame, write_frame
 
 
+def _die_with_parent() -> None:
+    """Exit when the trainer is gone, even in the middle of a hanging reward: a daemon thread watches the parent
+    pid (``PR_SET_PDEATHSIG`` would follow the trainer *thread* that started this worker, which may end first)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def main() -> None:
+    _die_with_parent()
     reply = os.fdopen(os.dup(1), "wb")  # the protocol's channel; fd 1 becomes stderr for the reward's prints
     os.dup2(2, 1)
     sys.stdout = sys.stderr
