@@ -16,11 +16,13 @@ import time
 
 from sapo_megatron.rewards.framing import read_frame, write_frame
 
+PARENT_ENV = "SAPO_REWARD_TRAINER_PID"
+
 
 def _die_with_parent() -> None:
     """Exit when the trainer is gone, even in the middle of a hanging reward: a daemon thread watches the parent
     pid (``PR_SET_PDEATHSIG`` would follow the trainer *thread* that started this worker, which may end first)."""
-    parent = os.getppid()
+    parent = int(os.environ.get(PARENT_ENV, os.getppid()))  # the trainer may already be gone by now
 
     def watch() -> None:
         while os.getppid() == parent:

@@ -197,3 +197,38 @@ def test_a_reward_that_only_breaks_in_a_fresh_process_stops_with_a_user_error(tm
         with runner, pytest.raises(PoolError) as err:
             runner.score(inputs("ok"))
         assert isinstance(err.value, UserError) and expected in str(err.value), str(err.value)
+
+
+def test_workers_exit_when_the_trainer_dies_mid_call(tmp_path):
+    import subprocess
+    import sys
+
+    started = tmp_path / "started"
+    (tmp_path / "hang.py").write_text(
+        f"import time\ndef r(response, label):\n    open({str(started)!r}, 'w').close()\n    time.sleep(600)\n"
+    )
+    trainer = (
+        "import os, threading, time\n"
+        "from sapo_megatron.rewards.pool import WorkerPool\n"
+        "from sapo_megatron.rewards.types import RewardInput\n"
+        f"pool = WorkerPool({str(tmp_path / 'hang.py')!r} + ':r', {{}}, workers=1, timeout_s=100)\n"
+        "print(pool._workers[0].process.pid, flush=True)\n"
+        "threading.Thread(target=lambda: pool.run([[RewardInput('x', 'y')]]), daemon=True).start()\n"
+        f"while not os.path.exists({str(started)!r}):\n    time.sleep(0.05)\n"
+        "os._exit(0)\n"  # dies without closing the runner, its worker inside the hanging reward
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", trainer], capture_output=True, text=True, timeout=60, check=True
+    )
+    worker = Path(f"/proc/{done.stdout.split()[0]}")
+    deadline = time.monotonic() + 10
+    while worker.exists() and "zombie" not in _state(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not worker.exists() or "zombie" in _state(worker)
+
+
+def _state(proc: Path) -> str:
+    try:
+        return next(line for line in (proc / "status").read_text().splitlines() if line.startswith("State"))
+    except (OSError, StopIteration):
+        return "zombie"
