@@ -23,6 +23,7 @@ from sapo_megatron.megatron.loss_hook import LogprobOutput, PolicyLossHook, add_
 from sapo_megatron.megatron.sft import sft_loss
 from sapo_megatron.megatron.train_step import ReferenceModel, StepResult
 from sapo_megatron.replay import RoutingStep, route_layout
+from sapo_megatron.rewards.samples import score_sample_groups
 from sapo_megatron.rollout.collect import CollectSettings, RolloutBatch, collect
 from sapo_megatron.rollout.types import SamplingParams
 from sapo_megatron.rollout_pipeline import RolloutPipeline
@@ -225,8 +226,8 @@ def _rollout(session: Session, prompts: PromptIterator, step: int):
         rows,
         refill=prompts.take,
         encode=session.renderer.encode,
-        score=lambda sample, row: session.reward(
-            session.tokenizer.decode(sample.response_ids), row.ground_truth
+        score_batch=lambda groups, rows: score_sample_groups(
+            session.reward, groups, rows, session.tokenizer.decode
         ),
         settings=settings,
         seed=cfg.seed * 7919 + step,

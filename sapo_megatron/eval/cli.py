@@ -83,7 +83,6 @@ def run_report_command(args: argparse.Namespace) -> int:
 
 def run_eval_command(args: argparse.Namespace) -> int:
     from sapo_megatron.data.tokenizer import load_tokenizer
-    from sapo_megatron.eval.config import resolve_datasets
     from sapo_megatron.eval.runner import build_suite, run_suite, write_outputs
 
     out_dir = Path(args.output_dir)
@@ -91,17 +90,9 @@ def run_eval_command(args: argparse.Namespace) -> int:
     cfg = eval_config(args, hf_dir, run_config)
     seed = cfg.seed if args.seed is None else args.seed
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    datasets = resolve_datasets(cfg)
-    if not datasets:
+    if not cfg.eval.datasets:
         raise EvalError("nothing to evaluate: give --data NAME=PATH, or a CONFIG with eval.datasets")
-    suite = build_suite(  # before loading the model
-        datasets,
-        tokenizer,
-        digits=cfg.data.digits,
-        seed=seed,
-        context=cfg.model.arch.max_position_embeddings,
-        max_reward_error_frac=cfg.algorithm.max_reward_error_frac,
-    )
+    suite = build_suite(cfg, tokenizer, seed=seed)  # before loading the model
     engine = build_engine(args, cfg, hf_dir, tokenizer, seed)
     try:
         result = _run_with_bar(
@@ -109,6 +100,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
         )
     finally:
         engine.close()
+        suite.close()
     model = args.model or ",".join(args.urls or [args.endpoints_file])
     summary, samples = write_outputs(out_dir, model, seed, result)
     for name, metrics in result.metrics.items():

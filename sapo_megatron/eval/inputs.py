@@ -13,7 +13,7 @@ one; other rewards give no answer (no maj@n).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from sapo_megatron.data.datasets import load_dataset
@@ -59,6 +59,14 @@ class EvalPrompts:
         keys, dataset = self.dataset.keys, self.dataset
         check_encodable(rows, self.tokenizer, dataset.path, template=keys.prompt_template)
         limit = None if context is None else context - dataset.max_new_tokens
+        if limit is not None and limit < 1:
+            from sapo_megatron.config import ConfigError
+
+            raise ConfigError(
+                f"eval dataset {dataset.name}: max_new_tokens={dataset.max_new_tokens} leaves no room for a prompt "
+                f"in the model's context (max_position_embeddings={context})",
+                hint="set the dataset's max_new_tokens (or eval.defaults.max_new_tokens) lower",
+            )
         reason = (
             None
             if limit is None
@@ -100,26 +108,54 @@ ANSWER_RULES: dict[str, Callable[[str], str | None]] = {
 
 
 class EvalReward:
-    """Scores responses of one eval dataset with its reward (counted apart from the training reward, so that
-    evaluation never spends the training step's error budget)."""
+    """Scores one eval dataset's samples with its reward through the reward runner (inline, a worker pool or a
+    server, as ``algorithm.reward_workers`` says), counted apart from the training reward so that evaluation
+    never spends a training step's error budget. The answer is the reward's ``answer`` field when it returns one
+    (math_verify, dapo_math), else the extraction of :data:`ANSWER_RULES`."""
 
-    def __init__(self, name: str, *, field: str, dataset: str) -> None:
-        from sapo_megatron.config import ConfigError
-        from sapo_megatron.rewards.registry import SafeReward, check_reward_available, get_reward
+    def __init__(self, spec: Any, *, field: str, algorithm: Any) -> None:
+        from sapo_megatron.rewards.runner import build_reward_runner
+
+        same = spec is algorithm.reward or spec == algorithm.reward  # the training reward keeps its kwargs
+        self.runner = build_reward_runner(
+            spec,
+            workers=algorithm.reward_workers,
+            timeout_s=algorithm.reward_timeout_s,
+            kwargs=algorithm.reward_kwargs if same else None,
+            name=f"{spec} (evaluation)",
+            field=field,
+        )
+        self._answer = ANSWER_RULES.get(spec) if isinstance(spec, str) else None
+
+    def score_groups(
+        self, groups: Sequence[Sequence[Any]], rows: Sequence[PromptRow], decode
+    ) -> list[list[Scored]]:
+        """``[prompt][sample]`` scores and answers of generated groups, in one runner call."""
+        from sapo_megatron.rewards.samples import score_sample_groups
+
+        scores = score_sample_groups(self.runner, groups, rows, decode)
+        return [
+            [Scored(score, self._answer_of(sample, decode)) for score, sample in zip(group_scores, group)]
+            for group_scores, group in zip(scores, groups)
+        ]
+
+    def _answer_of(self, sample: Any, decode) -> str | None:
+        answer = sample.reward_fields.get("answer")
+        if answer is None and self._answer is not None:
+            answer = self._answer(decode(list(sample.response_ids)))
+        return None if answer in (None, "") else str(answer)
+
+    def check_errors(self, max_frac: float, dataset: str) -> None:
+        """Raise :class:`~sapo_megatron.rewards.registry.RewardError` naming ``dataset`` when more than
+        ``max_frac`` of the samples since the last check failed (``algorithm.max_reward_error_frac``, as in
+        training); then start counting again."""
+        from sapo_megatron.rewards.registry import RewardError
 
         try:
-            check_reward_available(name)
-        except ConfigError as err:
-            raise ConfigError(str(err).replace("algorithm.reward", field, 1)) from None
-        self.reward = SafeReward(get_reward(name), f"{name} (eval dataset {dataset})")
-        self._answer = ANSWER_RULES.get(name)
+            self.runner.check_error_budget(max_frac)
+        except RewardError as err:
+            raise RewardError(f"eval dataset {dataset}: {err}", hint=err.hint) from None
+        self.runner.take_step_metrics()
 
-    def __call__(self, response: str, row: PromptRow) -> Scored:
-        score = self.reward(response, row.ground_truth)
-        return Scored(score, self._answer(response) if self._answer else None)
-
-    def check_errors(self, max_frac: float) -> None:
-        """Raise :class:`~sapo_megatron.rewards.registry.RewardError` when more than ``max_frac`` of the calls
-        since the last check raised (``algorithm.max_reward_error_frac``, as in training); then start again."""
-        self.reward.check_error_budget(max_frac)
-        self.reward.take_step_metrics()
+    def close(self) -> None:
+        self.runner.close()

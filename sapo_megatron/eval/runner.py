@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from sapo_megatron.data.prompts import PromptRow
-from sapo_megatron.eval.config import EvalDataset
+from sapo_megatron.eval.config import EvalDataset, resolve_datasets
 from sapo_megatron.eval.inputs import EvalPrompts, EvalReward, load_eval_rows
 from sapo_megatron.eval.metrics import ScoredSample, dataset_metrics, flat_metrics, headline
 from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
@@ -47,6 +47,11 @@ class EvalSuite:
     @property
     def num_samples(self) -> int:
         return sum(len(self.rows[d.name]) * d.n for d in self.datasets)
+
+    def close(self) -> None:
+        """Stop the reward runners (worker pools)."""
+        for reward in {id(r): r for r in self.rewards.values()}.values():
+            reward.close()
 
 
 @dataclasses.dataclass
@@ -73,25 +78,24 @@ class EvalResult:
         return len(self.samples) / max(self.seconds, 1e-9)
 
 
-def build_suite(
-    datasets: Sequence[EvalDataset],
-    tokenizer: Any,
-    *,
-    digits: int,
-    seed: int,
-    context: int | None = None,
-    max_reward_error_frac: float = 0.1,
-) -> EvalSuite:
-    """Load every dataset's rows (checked against the tokenizer, the length policy applied with the model's
-    ``context``) and its reward."""
-    rows, prompts, rewards = {}, {}, {}
-    for index, dataset in enumerate(datasets):
+def build_suite(cfg: Any, tokenizer: Any, *, seed: int | None = None) -> EvalSuite:
+    """The eval suite of a :class:`~sapo_megatron.config.RunConfig`: every dataset's rows (checked against the
+    tokenizer, the length policy applied within the model's context) and its reward (one runner per distinct
+    reward); ``seed`` (default ``cfg.seed``) draws the synthetic held-out sets."""
+    rows, prompts, rewards, runners = {}, {}, {}, {}
+    seed = cfg.seed if seed is None else seed
+    for index, dataset in enumerate(resolve_datasets(cfg)):
         prompts[dataset.name] = EvalPrompts(tokenizer, dataset)
-        loaded = load_eval_rows(dataset, digits=digits, seed=seed)
-        rows[dataset.name] = prompts[dataset.name].check(loaded, context=context)
-        field = f"eval.datasets[{index}].reward"
-        rewards[dataset.name] = EvalReward(dataset.reward, field=field, dataset=dataset.name)
-    return EvalSuite(list(datasets), rows, prompts, rewards, max_reward_error_frac)
+        loaded = load_eval_rows(dataset, digits=cfg.data.digits, seed=seed)
+        rows[dataset.name] = prompts[dataset.name].check(
+            loaded, context=cfg.model.arch.max_position_embeddings
+        )
+        key = repr(dataset.reward)
+        if key not in runners:
+            field = f"eval.datasets[{index}].reward"
+            runners[key] = EvalReward(dataset.reward, field=field, algorithm=cfg.algorithm)
+        rewards[dataset.name] = runners[key]
+    return EvalSuite(resolve_datasets(cfg), rows, prompts, rewards, cfg.algorithm.max_reward_error_frac)
 
 
 def eval_seed(seed: int, name: str) -> int:
@@ -147,19 +151,21 @@ def _run_dataset(engine, tokenizer, suite: EvalSuite, dataset: EvalDataset, seed
     out = []
     for start in range(0, len(requests), per_chunk):
         groups = engine.generate(requests[start : start + per_chunk])
-        for index, group in enumerate(groups, start=start):
-            out += [_sample_row(tokenizer, prompts, rows[index], index, s, reward) for s in group]
+        scored = reward.score_groups(groups, rows[start : start + len(groups)], tokenizer.decode)
+        for index, (group, group_scored) in enumerate(zip(groups, scored), start=start):
+            out += [
+                _sample_row(tokenizer, prompts, rows[index], index, s, r) for s, r in zip(group, group_scored)
+            ]
         if progress is not None:
             progress(sum(len(g) for g in groups))
-    reward.check_errors(suite.max_reward_error_frac)
+    reward.check_errors(suite.max_reward_error_frac, dataset.name)
     return out
 
 
 def _sample_row(
-    tokenizer, prompts: EvalPrompts, row: PromptRow, index: int, sample, reward
+    tokenizer, prompts: EvalPrompts, row: PromptRow, index: int, sample, scored
 ) -> dict[str, Any]:
     response = tokenizer.decode(sample.response_ids)
-    scored = reward(response, row)
     return {
         "dataset": prompts.dataset.name,
         "index": index,

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from sapo_megatron.eval.config import resolve_datasets
 from sapo_megatron.eval.runner import EvalResult, EvalSuite, build_suite, run_suite, write_outputs
 
 When = Literal["before", "step", "after"]
@@ -23,14 +22,7 @@ When = Literal["before", "step", "after"]
 
 def build_training_suite(cfg: Any, tokenizer: Any) -> EvalSuite:
     """The run's eval suite (rows loaded and checked, rewards found): built with the session, before the model."""
-    return build_suite(
-        resolve_datasets(cfg),
-        tokenizer,
-        digits=cfg.data.digits,
-        seed=cfg.seed,
-        context=cfg.model.arch.max_position_embeddings,
-        max_reward_error_frac=cfg.algorithm.max_reward_error_frac,
-    )
+    return build_suite(cfg, tokenizer)
 
 
 def describe_training_suite(cfg: Any, tokenizer: Any) -> list[str]:

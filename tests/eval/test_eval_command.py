@@ -115,13 +115,12 @@ def test_the_run_logs_evaluations_and_writes_its_report(run_dir):
 def test_evaluation_draws_nothing_from_the_engine_seed_stream(run_dir):
     from sapo_megatron.config import load_config
     from sapo_megatron.data.tokenizer import load_tokenizer
-    from sapo_megatron.eval.config import resolve_datasets
     from sapo_megatron.eval.runner import build_suite, run_suite
     from sapo_megatron.rollout.cpu_engine import CPUEngine
 
     cfg = load_config(run_dir / "config.yaml", check_layout=False)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
-    suite = build_suite(resolve_datasets(cfg), tokenizer, digits=2, seed=3)
+    suite = build_suite(cfg, tokenizer, seed=3)
     engine = CPUEngine.from_pretrained(run_dir / "hf", seed=0, num_threads=1)
     before = engine._seed_rng.bit_generator.state
     first = run_suite(engine, tokenizer, suite, seed=3)

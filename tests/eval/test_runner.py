@@ -7,7 +7,6 @@ import pytest
 
 from sapo_megatron.config import ConfigError, config_from_dict
 from sapo_megatron.data.tokenizer import CharTokenizer
-from sapo_megatron.eval.config import resolve_datasets
 from sapo_megatron.eval.runner import build_suite, eval_seed, run_suite
 from sapo_megatron.rewards.registry import RewardError, register_reward
 from sapo_megatron.rollout.types import Sample
@@ -50,12 +49,14 @@ def suite_for(tmp_path, reward="numeric_match", n=4):
     cfg = config_from_dict(
         {
             "model": {"hf_config": tiny_hf_config()},
+            "rollout": {"max_new_tokens": 8},
+            "algorithm": {"reward_workers": 0},  # inline: the test's reward exists in this process only
             "eval": {
                 "datasets": [{"name": "d", "path": str(path), "n": n, "temperature": 1.0, "reward": reward}]
             },
         }
     )
-    return build_suite(resolve_datasets(cfg), TOKENIZER, digits=2, seed=5)
+    return build_suite(cfg, TOKENIZER, seed=5)
 
 
 def test_requests_carry_fixed_seeds_and_samples_are_recorded(tmp_path):
@@ -87,12 +88,14 @@ def test_requests_carry_fixed_seeds_and_samples_are_recorded(tmp_path):
 
 
 @register_reward("test_eval_raises")
-def _raises(response: str, ground_truth: str) -> float:
+def _raises(response: str, label: str) -> float:
     raise RuntimeError("broken reward")
 
 
 def test_an_unknown_reward_is_named_and_a_raising_one_stops_the_evaluation(tmp_path):
     with pytest.raises(ConfigError, match=r"eval.datasets\[0\].reward='nope' is not a registered reward"):
         suite_for(tmp_path, reward="nope")
-    with pytest.raises(RewardError, match=r"test_eval_raises \(eval dataset d\)' raised on 12 of 12 samples"):
+    with pytest.raises(
+        RewardError, match=r"eval dataset d: reward 'test_eval_raises \(evaluation\)' failed on 12 of 12"
+    ):
         run_suite(ScriptedEngine(), TOKENIZER, suite_for(tmp_path, reward="test_eval_raises"), seed=5)
