@@ -5,9 +5,10 @@ Rows: :func:`~sapo_megatron.data.datasets.load_dataset` with the dataset's keys 
 or a ``synthetic:`` task's held-out split; every row checked and the prompt-length policy applied as for training
 (:func:`~sapo_megatron.data.render.apply_length_policy`). Prompt ids: :class:`~sapo_megatron.data.render.
 PromptRenderer` (chat template, ``prompt_template``), so the engine receives what it receives in training.
-Scores: the reward registry's :class:`~sapo_megatron.rewards.registry.SafeReward`; the answer majority voting
-counts comes from the reward's own extraction rule (:mod:`sapo_megatron.rewards.answers`) for the rewards that have
-one; other rewards give no answer (no maj@n).
+Scores: the reward runner (:func:`~sapo_megatron.rewards.runner.build_reward_runner`, one batch per call through
+:func:`~sapo_megatron.rewards.samples.score_sample_groups`); the answer majority voting counts is the reward's
+``answer`` field, else the reward's own extraction rule (:mod:`sapo_megatron.rewards.answers`) for the rewards that
+compare one; other rewards give no answer (no maj@n).
 """
 
 from __future__ import annotations
