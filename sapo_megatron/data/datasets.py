@@ -4,17 +4,20 @@ column names of this project, of verl or of slime, or the user's own.
 :class:`DatasetKeys` says where each field of a :class:`~sapo_megatron.data.prompts.PromptRow` is found. A key is
 a column name or a dotted path into nested columns (``reward_model.ground_truth``). ``format`` presets the keys:
 
-=========  ===========  ==========================  ===============  ===========  ============
-format     prompt       label                       source (domain)  metadata     response
-=========  ===========  ==========================  ===============  ===========  ============
-plain      ``prompt``   ``ground_truth``            ``domain``       –            –
-verl       ``prompt``   ``reward_model.ground_truth``  ``data_source``  ``extra_info``  –
-slime      ``input``    ``label``                   –                ``metadata`` –
-=========  ===========  ==========================  ===============  ===========  ============
+=======  ========  ==========================  ===============  ============
+format   prompt    label                       source (domain)  metadata
+=======  ========  ==========================  ===============  ============
+plain    prompt    ground_truth                domain           –
+verl     prompt    reward_model.ground_truth   data_source      extra_info
+slime    input     label                       –                metadata
+=======  ========  ==========================  ===============  ============
+
+(``response_key``, an SFT target, has no preset.)
 
 verl's layout is its RL dataset's (``verl/utils/dataset/rl_dataset.py``: ``prompt`` is a list of chat messages,
-``reward_model: {ground_truth, style}``, ``data_source``, ``extra_info``); slime's keys are the defaults of its
-``--input-key`` / ``--label-key`` / ``--metadata-key`` (``slime/utils/arguments.py``). ``auto`` (the default)
+``reward_model: {ground_truth, style}``, ``data_source``, ``extra_info``); slime's are the defaults of its
+``--input-key`` (``input``) and ``--metadata-key`` (``metadata``) in ``slime/utils/arguments.py``, and the
+``label`` its examples pass as ``--label-key`` (which has no default there). ``auto`` (the default)
 picks ``verl`` for a file whose first row has ``reward_model.ground_truth`` and ``data_source``, else ``plain``;
 :func:`read_dataset` reports the choice per file. A key set explicitly wins over the preset's.
 

@@ -481,7 +481,8 @@ def _parse_generate(body: dict[str, Any]) -> tuple[list[RowSpec], list[dict[str,
 
 
 def _load_tokenizer(model_dir: Path) -> Any:
-    """The model directory's tokenizer: the char tokenizer, else an HF tokenizer, else None (ids only)."""
+    """The model directory's tokenizer: the char tokenizer, else an HF tokenizer (one this project cannot use is
+    skipped with a warning), else None (ids only)."""
     from sapo_megatron.data.tokenizer import HF_TOKENIZER_FILES, TOKENIZER_FILE, CharTokenizer, HFTokenizer
 
     if (model_dir / TOKENIZER_FILE).is_file():
@@ -489,8 +490,8 @@ def _load_tokenizer(model_dir: Path) -> Any:
     if any((model_dir / name).is_file() for name in HF_TOKENIZER_FILES):
         try:
             return HFTokenizer(model_dir)
-        except UserError as exc:
-            raise ServeError(f"--model-path {model_dir}: {exc}") from exc
+        except UserError as exc:  # e.g. no eos token: serve token ids only, as without a tokenizer
+            logger.warning("serving %s without its tokenizer (input_ids only): %s", model_dir, exc)
     return None
 
 
