@@ -129,7 +129,7 @@ def test_optional_arguments_and_kwargs(reward_dir):
 
 def test_pool_contains_every_failure_and_keeps_order(reward_dir):
     responses = ["ok", "raise", "hang", "die", "exit", "nan", "print", "no", "torch?", "ok"]
-    with build_reward_runner(f"{reward_dir}/chaos.py:reward", workers=2, timeout_s=1.5) as runner:
+    with build_reward_runner(f"{reward_dir}/chaos.py:reward", workers=2, timeout_s=2.5) as runner:
         first_pids = {w.process.pid for w in runner.backend._workers}
         start = time.monotonic()
         out = runner.score(inputs(*responses))
@@ -139,7 +139,7 @@ def test_pool_contains_every_failure_and_keeps_order(reward_dir):
         errors = {r: o.error for r, o in zip(responses, out) if o.error}
         assert set(errors) == {"raise", "hang", "die", "exit", "nan"}
         assert errors["raise"].startswith("RuntimeError: boom (at ")
-        assert errors["hang"] == "timed out after 1.5 s (worker killed)"
+        assert errors["hang"] == "timed out after 2.5 s (worker killed)"
         assert errors["die"] == "its reward worker died (killed by signal SIGKILL)"
         assert errors["exit"] == "its reward worker died (exit code 3)"
         assert errors["nan"] == "reward returned a non-finite score nan"
