@@ -143,7 +143,10 @@ def _eval_table(last: dict[str, Any] | None) -> list[str]:
     if not last or not last.get("datasets"):
         return []
     datasets = last["datasets"]
-    columns = list(dict.fromkeys(k for m in datasets.values() for k in m if "@" in k or k.endswith("_frac")))
+    columns = sorted(
+        dict.fromkeys(k for m in datasets.values() for k in m if "@" in k or k.endswith("_frac")),
+        key=_column_order,
+    )
     lines = [
         f"Last evaluation (RL step {last['step']}):",
         "",
@@ -154,6 +157,13 @@ def _eval_table(last: dict[str, Any] | None) -> list[str]:
         cells = [_fmt(metrics.get(column)) for column in columns]
         lines.append(f"| {name} | {metrics['num_prompts']} | " + " | ".join(cells) + " |")
     return [*lines, ""]
+
+
+def _column_order(key: str) -> tuple[int, int]:
+    """avg@n, pass@1, pass@2, ..., maj@n, then the rest (summary.json sorts keys alphabetically)."""
+    name, _, k = key.partition("@")
+    rank = {"avg": 0, "pass": 1, "maj": 2}.get(name, 3)
+    return rank, int(k) if k.isdigit() else 0
 
 
 def _fmt(value: Any) -> str:
