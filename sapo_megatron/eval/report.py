@@ -144,7 +144,7 @@ def _eval_table(last: dict[str, Any] | None) -> list[str]:
         return []
     datasets = last["datasets"]
     columns = sorted(
-        dict.fromkeys(k for m in datasets.values() for k in m if "@" in k or k.endswith("_frac")),
+        dict.fromkeys(k for m in datasets.values() for k in m if "@" in k or k.endswith(("_frac", "_mean"))),
         key=_column_order,
     )
     lines = [
