@@ -382,7 +382,7 @@ def _train(args: argparse.Namespace) -> int:
         return _dry_run(cfg, args)
     mode = run_mode(args)
     check_input_files(cfg)  # before any process starts; each rank checks again when the session opens
-    check_reward_available(cfg.algorithm.reward)
+    check_reward_available(cfg.algorithm.reward, kwargs=cfg.algorithm.reward_kwargs)
     check_training_precision(cfg)
     if cfg.launch.world_size > 1 and "WORLD_SIZE" not in os.environ:
         return _launch_ranks(cfg, args.argv)
@@ -403,7 +403,7 @@ def _dry_run(cfg: RunConfig, args: argparse.Namespace) -> int:
 
     world = args.world_size or cfg.launch.world_size
     validate_layout(cfg, world)
-    check_reward_available(cfg.algorithm.reward)
+    check_reward_available(cfg.algorithm.reward, kwargs=cfg.algorithm.reward_kwargs)
     print(f"layout OK: {cfg.name} -> {cfg.output_dir}")
     print(format_plan(build_plan(cfg, plan_settings(cfg, args, world))))
     try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
@@ -383,13 +383,38 @@ class DataConfig(Section):
     prompt_template: str = Field(default="{prompt}", description="formats each prompt before tokenisation")
 
 
+class RemoteRewardConfig(Section):
+    """``algorithm.reward: {url: ...}``: a reward server (protocol in docs/rewards.md)."""
+
+    url: str = Field(description="http(s) URL the batches are POSTed to")
+    api_key_env: str | None = Field(default=None, description="environment variable holding the bearer token")
+    timeout_s: float = Field(default=60.0, gt=0, description="per request")
+    max_retries: int = Field(
+        default=3, ge=0, description="retries of 429 / 5xx / connection errors / timeouts"
+    )
+    batch_size: int = Field(default=256, ge=1, description="samples per request")
+
+
 class AlgorithmConfig(Section):
     """The RL objective: policy loss (with its own settings), mismatch correction, advantages, sampling rules."""
 
     loss: PolicyLossConfig = Field(default_factory=SapoLoss)
     correction: MismatchCorrectionConfig = Field(default_factory=NoCorrection)
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
-    reward: str = Field(default="numeric_match", description="reward function name (see rewards registry)")
+    reward: str | RemoteRewardConfig = Field(
+        default="numeric_match",
+        description="a registered reward name, an import path 'file.py:fn' / 'pkg.mod:fn', or {url: ...} for a "
+        "reward server (see docs/rewards.md)",
+    )
+    reward_workers: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+        default="auto",
+        description="reward worker processes: 0 inline (no timeout), N a pool with reward_timeout_s per call; "
+        "auto: inline for exact_match / numeric_match / dapo_math, else a pool",
+    )
+    reward_timeout_s: float = Field(default=30.0, gt=0, description="per reward call in the worker pool")
+    reward_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="extra keyword arguments for the reward, e.g. {mode: fraction}"
+    )
     dynamic_sampling: bool = Field(default=False, description="DAPO: drop all-equal groups and refill")
     max_refills: int = Field(default=3, ge=0, description="extra rollout rounds to refill dropped groups")
     overlong_cache_len: int | None = Field(

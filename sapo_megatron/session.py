@@ -28,7 +28,8 @@ from sapo_megatron.interrupts import InterruptGuard, print_line
 from sapo_megatron.megatron.parallel import RankInfo, init_parallel
 from sapo_megatron.megatron.train_step import TrainEngine
 from sapo_megatron.replay import needs_route_capture
-from sapo_megatron.rewards.registry import SafeReward, check_reward_available, get_reward
+from sapo_megatron.rewards.registry import check_reward_available
+from sapo_megatron.rewards.runner import RewardRunner, build_reward_runner
 from sapo_megatron.rollout.base import RolloutEngine
 from sapo_megatron.rollout.topology import Topology, resolve_topology
 from sapo_megatron.run_dir import RunStart, cleanup_failed_start, start_run
@@ -53,7 +54,7 @@ class Session:
     engine: TrainEngine
     rollout: RolloutEngine | None
     sync: WeightSync
-    reward: SafeReward
+    reward: RewardRunner
     tracker: Tracker
     guard: InterruptGuard
     bad_steps: BadStepGuard
@@ -67,6 +68,7 @@ class Session:
         return self.start.run_dir
 
     def close(self) -> None:
+        self.reward.close()
         self.tracker.close()
         self.sync.close()
         if self.rollout is not None:
@@ -83,7 +85,7 @@ def open_session(cfg: RunConfig, *, mode: str) -> Iterator[Session]:
     session, and close it at the end. A fresh start that fails before its first step leaves nothing behind; a
     first SIGINT/SIGTERM/SIGUSR1 makes the loop stop after its current step (``session.guard``)."""
     check_input_files(cfg)
-    check_reward_available(cfg.algorithm.reward)
+    check_reward_available(cfg.algorithm.reward, kwargs=cfg.algorithm.reward_kwargs)
     info = init_parallel(
         cfg.parallel,
         seed=cfg.seed,
@@ -121,7 +123,12 @@ def build_session(cfg: RunConfig, info: RankInfo, start: RunStart, guard: Interr
     )
     rollout, server, topology = build_rollout(cfg, info, engine, tokenizer, run_dir)
     sync = build_weight_sync(cfg, info, rollout, topology, tokenizer, run_dir)
-    reward = SafeReward(get_reward(cfg.algorithm.reward), cfg.algorithm.reward)
+    reward = build_reward_runner(
+        cfg.algorithm.reward,
+        workers=cfg.algorithm.reward_workers if info.is_main else 0,  # only the main rank scores
+        timeout_s=cfg.algorithm.reward_timeout_s,
+        kwargs=cfg.algorithm.reward_kwargs,
+    )
     tracker = Tracker(run_dir, enabled=info.is_main, resume_at=start.resume_at)
     return Session(
         cfg,

@@ -22,6 +22,7 @@ from sapo_megatron.megatron.loss_hook import LogprobOutput, PolicyLossHook, add_
 from sapo_megatron.megatron.sft import sft_loss
 from sapo_megatron.megatron.train_step import ReferenceModel, StepResult
 from sapo_megatron.replay import RoutingStep, route_layout
+from sapo_megatron.rewards.samples import score_sample_groups
 from sapo_megatron.rollout.collect import CollectSettings, RolloutBatch, collect
 from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
 from sapo_megatron.rollout_pipeline import RolloutPipeline
@@ -235,8 +236,8 @@ def _rollout(session: Session, prompts: PromptIterator, step: int):
         rows,
         refill=prompts.take,
         encode=lambda row: encode_prompt(session, row),
-        score=lambda sample, row: session.reward(
-            session.tokenizer.decode(sample.response_ids), row.ground_truth
+        score_batch=lambda groups, rows: score_sample_groups(
+            session.reward, groups, rows, session.tokenizer.decode
         ),
         settings=settings,
         seed=cfg.seed * 7919 + step,
@@ -312,10 +313,8 @@ def _heldout_accuracy(session: Session) -> float | None:
         for i, row in enumerate(session.heldout_rows)
     ]
     groups = session.rollout.generate(requests)
-    rewards = [
-        session.reward(session.tokenizer.decode(group[0].response_ids), row.ground_truth)
-        for group, row in zip(groups, session.heldout_rows)
-    ]
+    scores = score_sample_groups(session.reward, groups, session.heldout_rows, session.tokenizer.decode)
+    rewards = [group_scores[0] for group_scores in scores]
     session.reward.check_error_budget(session.cfg.algorithm.max_reward_error_frac)
     session.reward.take_step_metrics()  # held-out calls do not count towards the next RL step
     return sum(rewards) / len(rewards)
