@@ -412,6 +412,10 @@ def _dry_run(cfg: RunConfig, args: argparse.Namespace) -> int:
         err.hint = "the layout above is valid; these paths must exist on the machine where the job runs"
         raise
     print("inputs OK: every input file exists")
+    from sapo_megatron.data.loading import build_run_data
+
+    build_run_data(cfg, verbose=True)  # every row's schema, the prompt lengths; prints counts and times
+    print("data OK: every row of the prompt data is usable")
     return 0
 
 

@@ -24,6 +24,7 @@ from sapo_megatron.algo import (
     SapoLoss,
 )
 from sapo_megatron.arch import ArchError, QwenArch
+from sapo_megatron.data.datasets import DatasetKeys
 from sapo_megatron.distill.config import TeacherConfig, check_distillation
 from sapo_megatron.errors import UserError
 from sapo_megatron.precision import FP8_RECIPES, GPU_TYPES, Fp8RecipeName, GpuTypeName, fp8_capability_problem
@@ -371,8 +372,9 @@ class RolloutConfig(Section):
         return self
 
 
-class DataConfig(Section):
-    """Prompt data: jsonl/parquet files, or the built-in synthetic addition task (``synthetic:addition``)."""
+class DataConfig(DatasetKeys):
+    """Prompt data: jsonl / parquet files (a directory or glob of shards; verl, slime or own keys, see
+    docs/data.md), or the built-in synthetic addition task (``synthetic:addition``); how prompts become ids."""
 
     train: str = "synthetic:addition"
     heldout: str | None = "synthetic:addition"
@@ -380,7 +382,15 @@ class DataConfig(Section):
     digits: int = Field(default=2, ge=1, description="operand digits of the synthetic task")
     train_size: int = Field(default=4000, ge=1, description="synthetic training prompts")
     heldout_size: int = Field(default=200, ge=1, description="held-out prompts for accuracy")
-    prompt_template: str = Field(default="{prompt}", description="formats each prompt before tokenisation")
+
+    @model_validator(mode="after")
+    def _check_chat_tokenizer(self) -> DataConfig:
+        if self.apply_chat_template and self.tokenizer == "char":
+            raise ValueError(
+                "data.apply_chat_template needs an HF tokenizer with a chat template; the char tokenizer has none "
+                "(set data.tokenizer to the model's tokenizer directory)"
+            )
+        return self
 
 
 class RemoteRewardConfig(Section):
@@ -469,6 +479,9 @@ class TrainerConfig(Section):
         "boundaries, rollout/staleness 1); see docs/rl_loop.md",
     )
     export_hf: bool = Field(default=True, description="write an HF checkpoint at the end")
+    log_samples_every: int = Field(
+        default=10, ge=0, description="write a few samples to samples.jsonl every N RL steps (0: never)"
+    )
 
 
 class RunConfig(Section):

@@ -85,16 +85,8 @@ def run_sft(session: Session, state: LoopState) -> None:
 
 
 def _sft_micro_batches(session: Session, rows: list[PromptRow]):
-    tok = session.tokenizer
-    sequences = [
-        TrainSequence(encode_prompt(session, row), tok.encode(row.ground_truth, add_eos=True)) for row in rows
-    ]
+    sequences = [TrainSequence(*session.renderer.sft_ids(row)) for row in rows]  # loss on the target only
     return add_global_normalisers(_micro_batches(session, sequences))
-
-
-def encode_prompt(session: Session, row: PromptRow) -> list[int]:
-    text = session.cfg.data.prompt_template.format(prompt=row.prompt)
-    return session.tokenizer.encode(text, add_bos=session.tokenizer.bos_id is not None)
 
 
 def run_rl(session: Session, state: LoopState, prompts: PromptIterator) -> None:
@@ -235,7 +227,7 @@ def _rollout(session: Session, prompts: PromptIterator, step: int):
         session.rollout,
         rows,
         refill=prompts.take,
-        encode=lambda row: encode_prompt(session, row),
+        encode=session.renderer.encode,
         score_batch=lambda groups, rows: score_sample_groups(
             session.reward, groups, rows, session.tokenizer.decode
         ),
@@ -245,6 +237,7 @@ def _rollout(session: Session, prompts: PromptIterator, step: int):
     )
     session.reward.check_error_budget(cfg.algorithm.max_reward_error_frac)
     batch.metrics.update(session.reward.take_step_metrics())
+    session.samples.record(step + 1, batch)  # samples.jsonl every trainer.log_samples_every steps
     sequences = teacher.attach(_train_sequences(batch), batch)
     return sequences, batch.metrics, prompts.state_dict()
 
@@ -308,7 +301,7 @@ def _heldout_accuracy(session: Session) -> float | None:
         return None
     requests = [
         GenerationRequest(
-            prompt_ids=encode_prompt(session, row), n=1, sampling=_sampling(session, 0.0), group_id=i
+            prompt_ids=session.renderer.encode(row), n=1, sampling=_sampling(session, 0.0), group_id=i
         )
         for i, row in enumerate(session.heldout_rows)
     ]
