@@ -254,6 +254,7 @@ def finished_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     return run_dir, sapo("train", "--output-dir", str(run_dir), *TINY)
 
 
+@pytest.mark.slow
 def test_a_run_writes_its_log_without_megatron_fallback_warnings(finished_run):
     run_dir, proc = finished_run
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -270,6 +271,7 @@ def test_a_run_writes_its_log_without_megatron_fallback_warnings(finished_run):
     assert "\r" not in log
 
 
+@pytest.mark.slow
 def test_a_second_run_into_the_directory_is_refused_and_touches_nothing(finished_run):
     run_dir, _ = finished_run
     before = snapshot(run_dir)
@@ -285,6 +287,7 @@ def test_a_second_run_into_the_directory_is_refused_and_touches_nothing(finished
     assert snapshot(run_dir) == before  # train.log included
 
 
+@pytest.mark.slow
 def test_resume_auto_continues_a_run_with_a_checkpoint(finished_run):
     run_dir, _ = finished_run
     proc = sapo("train", "--output-dir", str(run_dir), *TINY, "--resume", "auto")
@@ -294,6 +297,7 @@ def test_resume_auto_continues_a_run_with_a_checkpoint(finished_run):
     assert log.count("=====") == 4 and "mode auto, resuming from step_000002" in log  # two header lines
 
 
+@pytest.mark.slow
 def test_resume_of_an_empty_directory_is_refused(tmp_path):
     proc = sapo("train", "--output-dir", str(tmp_path / "run"), *TINY, "--resume")
     assert proc.returncode == 1
@@ -304,6 +308,7 @@ def test_resume_of_an_empty_directory_is_refused(tmp_path):
     assert not (tmp_path / "run" / "train.log").exists()
 
 
+@pytest.mark.slow
 def test_a_missing_input_is_refused_before_anything_is_written(tmp_path):
     run_dir = tmp_path / "run"
     proc = sapo(
@@ -313,6 +318,7 @@ def test_a_missing_input_is_refused_before_anything_is_written(tmp_path):
     assert not run_dir.exists()
 
 
+@pytest.mark.slow
 def test_a_failed_start_leaves_only_its_log(tmp_path):
     run_dir, bad = tmp_path / "run", tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "1+1=", "ground_truth": "2"}\n{"prompt": "2+2=",\n')
@@ -323,6 +329,7 @@ def test_a_failed_start_leaves_only_its_log(tmp_path):
     assert prepare_run_dir(run_dir, mode="new").note is None  # the next run starts, with nothing to clean
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("procs", [1, 2])
 def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, procs):
     """SIGINT to the foreground process group, as a terminal sends it (with 2 ranks: to the launcher)."""
