@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -203,8 +202,7 @@ def build_rollout(cfg: RunConfig, info: RankInfo, engine: TrainEngine, tokenizer
     cpu = CPUEngine.from_pretrained(
         initial, seed=cfg.seed, num_threads=cfg.rollout.threads, precision=cfg.rollout.precision
     )
-    if not cfg.rollout.cpu_http:  # (the in-process server reports the path in /get_model_info: kept there)
-        remove_initial_export(initial)
+    if not cfg.rollout.cpu_http:
         return cpu, None, None
     from sapo_megatron.rollout.cpu_server import CPUServer
 
@@ -237,14 +235,6 @@ def _initial_export(cfg: RunConfig, engine: TrainEngine, tokenizer, run_dir: Pat
     """Write the starting weights as an HF checkpoint for the CPU engine to load (collective)."""
     path = run_dir / "rollout_weights" / "initial"
     return export_hf(engine.module, cfg.model.arch, path, tokenizer=tokenizer, is_main=tokenizer is not None)
-
-
-def remove_initial_export(path: Path) -> None:
-    """The in-process engine holds the starting weights once loaded: remove their export (a copy of the
-    model) and ``rollout_weights/`` when nothing else is in it (disk sync's versions stay)."""
-    shutil.rmtree(path, ignore_errors=True)
-    with contextlib.suppress(OSError):
-        path.parent.rmdir()  # only when empty
 
 
 def _sglang_client(cfg: RunConfig, topology: Topology, api_key: str | None):

@@ -260,9 +260,8 @@ def test_a_run_writes_its_log_without_megatron_fallback_warnings(finished_run):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "not installed" not in proc.stderr
     # quiet: no warning line, no weight-loading bar; Megatron's INFO (DDP config, bucket lists) only with
-    # --verbose; the in-process engine's copy of the starting weights is gone once it loaded them
+    # --verbose
     assert not re.search(r"warn|deprecat|Loading weights", proc.stderr, flags=re.I), proc.stderr[-3000:]
-    assert not (run_dir / "rollout_weights").exists()
     log = (run_dir / "train.log").read_text()
     assert "Params for bucket" not in log and " INFO megatron" not in log and "Warning" not in log
     assert log.startswith("=====") and "mode new, fresh start" in log.splitlines()[0]
