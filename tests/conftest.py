@@ -44,7 +44,7 @@ multi-process layouts, end-to-end runs, real servers and launchers."""
 SERIAL_GROUPS = {"launch/": "slurm"}
 """Directories whose tests share one external resource: one xdist worker runs them all, in order."""
 
-FAST_BUDGET_S = 5.0
+FAST_BUDGET_S = 8.0
 """A test without the ``slow`` mark that takes longer than this is listed at the end of a fast run."""
 
 

@@ -61,6 +61,12 @@ def test_help_and_version_of_every_command_import_nothing_heavy():
     assert heavy == []
 
 
+def test_plan_needs_neither_megatron_nor_transformers():
+    codes, heavy, _ = probe(["plan"], ["train", "--dry-run"])
+    assert codes == [0, 0]
+    assert "megatron" not in heavy and "transformers" not in heavy
+
+
 def test_a_refused_rerun_answers_before_megatron_and_transformers(tmp_path):
     run_dir = tmp_path / "run"
     started_run(run_dir)
