@@ -25,6 +25,7 @@ from sapo_megatron.config import ConfigError, RunConfig, load_config, validate_l
 from sapo_megatron.errors import RunInterrupted, UserError
 from sapo_megatron.inputs import check_input_files
 from sapo_megatron.interrupts import EXIT_NOW_CODE
+from sapo_megatron.plan.gate import check_layout_fits, unfit_summary
 from sapo_megatron.plan.report import PLAN_SCHEMA
 from sapo_megatron.rewards.registry import check_reward_available
 
@@ -169,6 +170,7 @@ def _add_train_parser(commands) -> None:
     train.add_argument(
         "--dry-run", action="store_true", help="validate and print the resolved layout, then stop"
     )
+    train.add_argument("--force", action="store_true", help="train even if the planner says it does not fit")
     train.add_argument(
         "--world-size",
         type=int,
@@ -384,6 +386,7 @@ def _train(args: argparse.Namespace) -> int:
     check_input_files(cfg)  # before any process starts; each rank checks again when the session opens
     check_reward_available(cfg.algorithm.reward)
     check_training_precision(cfg)
+    check_layout_fits(cfg, force=args.force)  # the planner's verdict (runs that name launch.gpu_type)
     if cfg.launch.world_size > 1 and "WORLD_SIZE" not in os.environ:
         return _launch_ranks(cfg, args.argv)
     _run_training(cfg, mode)
@@ -397,21 +400,25 @@ def _run_training(cfg: RunConfig, mode: str) -> None:
 
 
 def _dry_run(cfg: RunConfig, args: argparse.Namespace) -> int:
-    """Validate the layout for ``--world-size`` (else ``launch.*``), print the plan, check the inputs. The memory
-    verdict is printed, not enforced: it is an estimate (``plan`` exits 1 on does-not-fit)."""
+    """Validate the layout for ``--world-size`` (else ``launch.*``), print the plan, check the inputs. Exits 1 when
+    the planner's verdict is does-not-fit (like ``plan``)."""
     from sapo_megatron.plan import build_plan, format_plan
 
     world = args.world_size or cfg.launch.world_size
     validate_layout(cfg, world)
     check_reward_available(cfg.algorithm.reward)
     print(f"layout OK: {cfg.name} -> {cfg.output_dir}")
-    print(format_plan(build_plan(cfg, plan_settings(cfg, args, world))))
+    plan = build_plan(cfg, plan_settings(cfg, args, world))
+    print(format_plan(plan))
     try:
         check_input_files(cfg)
     except ConfigError as err:
         err.hint = "the layout above is valid; these paths must exist on the machine where the job runs"
         raise
     print("inputs OK: every input file exists")
+    if not plan.fits:
+        print(f"error: the layout does not fit: {unfit_summary(plan)} (exit 1)", file=sys.stderr)
+        return 1
     return 0
 
 

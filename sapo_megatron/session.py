@@ -250,6 +250,7 @@ def _sglang_client(cfg: RunConfig, topology: Topology, api_key: str | None):
         top_k=arch.num_experts_per_tok if arch.is_moe else None,
         max_concurrency=cfg.rollout.concurrency,
         timeout_s=cfg.rollout.timeout_s,
+        weight_sync_timeout_s=cfg.rollout.weight_sync_timeout_s,
         max_retries=cfg.rollout.max_retries,
         serializer=_cpu_serializer()
         if (cfg.rollout.engine, cfg.rollout.weight_sync) == ("cpu", "tensor")
@@ -285,7 +286,7 @@ def build_weight_sync(
         arch,
         stage=info.pp_rank,
         make_client=lambda: _sglang_client(cfg, topology, api_key),
-        timeout_s=cfg.rollout.timeout_s,
+        timeout_s=cfg.rollout.weight_sync_timeout_s,
     )
 
 

@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 import httpx
 import torch
 
+from sapo_megatron.interrupts import wait_for
 from sapo_megatron.rollout.base import RolloutEngine, RolloutError, normalize_response_starts
 from sapo_megatron.rollout.protocol import (
     generate_payload,
@@ -396,8 +397,11 @@ class SGLangClient(RolloutEngine):
                 field="<body>",
             ) from exc
 
-    def _for_each_server(self, servers: list[_Server], fn: Callable[[_Server], T]) -> list[T | Exception]:
-        """Run ``fn`` on every server in parallel; results or the exceptions raised, in server order."""
+    def _for_each_server(
+        self, servers: list[_Server], fn: Callable[[_Server], T], *, interruptible: bool = False
+    ) -> list[T | Exception]:
+        """Run ``fn`` on every server in parallel; results or the exceptions raised, in server order.
+        ``interruptible``: a stop signal ends the wait (weight updates; see ``interrupts.wait_for``)."""
 
         def guarded(server: _Server) -> T | Exception:
             try:
@@ -405,7 +409,13 @@ class SGLangClient(RolloutEngine):
             except Exception as exc:
                 return exc
 
-        return list(self._pool.map(guarded, servers))
+        futures = [self._pool.submit(guarded, server) for server in servers]
+        return self._wait_all(futures) if interruptible else [future.result() for future in futures]
+
+    def _wait_all(self, futures: list[Future]) -> list[Any]:
+        """The futures' results, waiting so that a stop signal interrupts the wait (``WaitInterrupted``)."""
+        wait_for(futures, "waiting for the rollout servers")
+        return [future.result() for future in futures]
 
     # ------------------------------------------------------------------ weights and housekeeping
     def update_weights_from_disk(self, path: str, *, flush_cache: bool = True) -> None:
@@ -621,7 +631,7 @@ class SGLangClient(RolloutEngine):
     # ------------------------------------------------------------------ helpers
     def _update_each_worker(self, load: Callable[[_Server], None], what: str) -> None:
         """Run one call of a weight update on every worker; remember which acknowledged it."""
-        outcomes = self._for_each_server(self._servers, load)
+        outcomes = self._for_each_server(self._servers, load, interruptible=True)
         for outcome in outcomes:
             if isinstance(outcome, Exception) and not isinstance(outcome, _Transient):
                 raise outcome  # the server answered and refused: the checkpoint or the request is wrong
@@ -640,7 +650,7 @@ class SGLangClient(RolloutEngine):
             self._acknowledged = urls if self._acknowledged is None else self._acknowledged & urls
 
     def _all_or_raise(self, arg_tuples: list[tuple], fn: Callable[..., None]) -> None:
-        outcomes = list(self._pool.map(lambda args: _capture(fn, *args), arg_tuples))
+        outcomes = self._wait_all([self._pool.submit(_capture, fn, *args) for args in arg_tuples])
         for args, outcome in zip(arg_tuples, outcomes):
             if isinstance(outcome, _Transient):
                 raise RolloutError(
