@@ -409,11 +409,14 @@ class SGLangClient(RolloutEngine):
             except Exception as exc:
                 return exc
 
-        futures = [self._pool.submit(guarded, server) for server in servers]
-        return self._wait_all(futures) if interruptible else [future.result() for future in futures]
+        if interruptible:
+            return self._wait_all([lambda s=server: guarded(s) for server in servers])
+        return list(self._pool.map(guarded, servers))
 
-    def _wait_all(self, futures: list[Future]) -> list[Any]:
-        """The futures' results, waiting so that a stop signal interrupts the wait (``WaitInterrupted``)."""
+    def _wait_all(self, calls: list[Callable[[], T]]) -> list[T]:
+        """Run each call on its own daemon thread; their results, waiting so that a stop signal ends the wait
+        (``WaitInterrupted``) and leaves no thread that the exit or :meth:`close` would wait for."""
+        futures = [self._background(call) for call in calls]
         wait_for(futures, "waiting for the rollout servers")
         return [future.result() for future in futures]
 
@@ -650,7 +653,7 @@ class SGLangClient(RolloutEngine):
             self._acknowledged = urls if self._acknowledged is None else self._acknowledged & urls
 
     def _all_or_raise(self, arg_tuples: list[tuple], fn: Callable[..., None]) -> None:
-        outcomes = self._wait_all([self._pool.submit(_capture, fn, *args) for args in arg_tuples])
+        outcomes = self._wait_all([lambda a=args: _capture(fn, *a) for args in arg_tuples])
         for args, outcome in zip(arg_tuples, outcomes):
             if isinstance(outcome, _Transient):
                 raise RolloutError(
@@ -659,16 +662,16 @@ class SGLangClient(RolloutEngine):
             if isinstance(outcome, Exception):
                 raise outcome
 
-    def _background(self, fn: Callable[[], None]) -> Future:
+    def _background(self, fn: Callable[[], Any]) -> Future:
         future: Future = Future()
 
         def runner() -> None:
             try:
-                fn()
+                result = fn()
             except BaseException as exc:
                 future.set_exception(exc)
             else:
-                future.set_result(None)
+                future.set_result(result)
 
         threading.Thread(target=runner, name="sglang-client-weight-sync", daemon=True).start()
         return future
