@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import pickle
 import queue
 import random
 import shutil
@@ -550,6 +551,18 @@ def _restore_adam_steps(optimizer) -> None:
 
 
 @torch.no_grad()
+def _load_or_explain(state: dict[str, Any], path: Path) -> dict[str, Any]:
+    """``dist_checkpointing.load``, with a damaged file (truncated shard, missing ``.metadata``) named in one line
+    instead of a bare ``EOFError``; read_marker's size check catches most of these before (and resume falls back)."""
+    try:
+        return dist_checkpointing.load(state, str(path))
+    except (EOFError, OSError, pickle.UnpicklingError, ValueError) as exc:
+        raise IncompleteCheckpointError(
+            f"{path} cannot be read ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'truncated'})"
+            "; the checkpoint is damaged: resume from the previous one (remove this directory)"
+        ) from exc
+
+
 def load_train_state(engine, directory: str | Path) -> dict[str, Any]:
     """Restore what :func:`save_train_state` wrote into ``engine`` (every rank calls it); returns ``extra``.
 
@@ -576,7 +589,7 @@ def load_train_state(engine, directory: str | Path) -> dict[str, Any]:
         )
     for name in [k for k in state if k.startswith("model")]:
         state[name] = _fit_to_checkpoint(state[name], path)
-    loaded = dist_checkpointing.load(state, str(path))
+    loaded = _load_or_explain(state, path)
     for i, chunk in enumerate(engine.model):
         key = "model" if len(engine.model) == 1 else f"model{i}"
         missing, unexpected = unwrap(chunk).load_state_dict(loaded[key], strict=False)

@@ -525,9 +525,12 @@ def _torch_threads(num_threads: int | None):
 def _load_model(model_dir: str | Path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
+    from sapo_megatron.checkpoint.hf_io import check_safetensors_complete
+
     path = Path(model_dir)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not an HF checkpoint directory (no config.json)")
+    check_safetensors_complete(path)  # a truncated file named, not a bare SafetensorError
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 

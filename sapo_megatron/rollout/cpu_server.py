@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from sapo_megatron import __version__
+from sapo_megatron.checkpoint.hf_io import CheckpointError
 from sapo_megatron.errors import UserError
 from sapo_megatron.rollout.cpu_engine import CPUEngine, RowResult, RowSpec
 from sapo_megatron.rollout.cpu_server_http import (
@@ -569,7 +570,7 @@ def serve(
     server (stop it with ``.stop()``)."""
     try:
         engine = CPUEngine.from_pretrained(model_dir, seed=seed, num_threads=num_threads, precision=precision)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, CheckpointError) as exc:
         raise ServeError(f"--model-path {model_dir}: {exc}") from exc
     try:
         server = CPUServer(
