@@ -550,7 +550,6 @@ def _restore_adam_steps(optimizer) -> None:
                     state["step"] = torch.tensor(float(group["step"]), dtype=state["step"].dtype)
 
 
-@torch.no_grad()
 def _load_or_explain(state: dict[str, Any], path: Path) -> dict[str, Any]:
     """``dist_checkpointing.load``, with a damaged file (truncated shard, missing ``.metadata``) named in one line
     instead of a bare ``EOFError``; read_marker's size check catches most of these before (and resume falls back)."""
@@ -563,6 +562,7 @@ def _load_or_explain(state: dict[str, Any], path: Path) -> dict[str, Any]:
         ) from exc
 
 
+@torch.no_grad()
 def load_train_state(engine, directory: str | Path) -> dict[str, Any]:
     """Restore what :func:`save_train_state` wrote into ``engine`` (every rank calls it); returns ``extra``.
 
