@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import pickle
 import socket
 import threading
 import time
@@ -161,7 +162,7 @@ class WeightEndpoints:
         with self._update_lock:
             try:
                 self.engine.update_weights_from_disk(fields["model_path"])
-            except (OSError, ValueError) as exc:
+            except (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
                 return _failure(f"Failed to update weights: {exc}", num_paused_requests=0)
             message = self._label("Succeeded to update model weights.", fields["weight_version"])
         return HTTPStatus.OK, {"success": True, "message": message, "num_paused_requests": 0}

@@ -62,3 +62,21 @@ def test_a_truncated_model_safetensors_is_named_by_serve_reader_and_reload(moe_d
         file.truncate(5)  # not even the header length
     with pytest.raises(CheckpointError, match=r"is truncated \(5 bytes; its header alone needs more\)"):
         HFCheckpointReader(broken)
+
+
+def test_a_full_disk_while_saving_is_one_line_naming_the_checkpoint(tmp_path):
+    import errno
+
+    from sapo_megatron.megatron.dist_ckpt import CheckpointWriteError, _explain_disk_errors
+
+    final = tmp_path / "checkpoints" / "step_000003"
+    for error in (
+        OSError(errno.ENOSPC, "No space left on device"),
+        RuntimeError("[enforce fail] No space left"),
+    ):
+        with pytest.raises(CheckpointWriteError) as caught, _explain_disk_errors(final):
+            raise error
+        assert str(caught.value).startswith(f"cannot write checkpoint {final}: the disk is full")
+        assert "free space under" in caught.value.hint
+    with pytest.raises(RuntimeError, match="a bug"), _explain_disk_errors(final):  # not a disk problem
+        raise RuntimeError("a bug")
