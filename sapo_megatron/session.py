@@ -248,6 +248,7 @@ def _sglang_client(cfg: RunConfig, topology: Topology, api_key: str | None):
         tp_size=list(topology.tp_sizes) or 1,
         num_layers=arch.num_hidden_layers if arch.is_moe else None,
         top_k=arch.num_experts_per_tok if arch.is_moe else None,
+        vocab_size=arch.vocab_size,
         max_concurrency=cfg.rollout.concurrency,
         timeout_s=cfg.rollout.timeout_s,
         weight_sync_timeout_s=cfg.rollout.weight_sync_timeout_s,

@@ -78,6 +78,8 @@ class SGLangClient(RolloutEngine):
         api_key: sent as ``Authorization: Bearer <key>`` (SGLang's and sglang-router's ``--api-key``).
         num_layers / top_k: shape of ``routed_experts`` (``num_hidden_layers`` / ``num_experts_per_tok`` of the
             model); ``num_layers`` is required to request routed experts, ``top_k`` is inferred when None.
+        vocab_size: the trainer's vocabulary; a reply with an output id outside it is a ``RolloutError`` naming the
+            server (None: not checked).
         max_concurrency: HTTP requests in flight at once.
         timeout_s: per-request timeout (one sample's generation).
         max_retries: further attempts per sample after the first.
@@ -98,6 +100,7 @@ class SGLangClient(RolloutEngine):
         api_key: str | None = None,
         num_layers: int | None = None,
         top_k: int | None = None,
+        vocab_size: int | None = None,
         max_concurrency: int = 64,
         timeout_s: float = 600.0,
         max_retries: int = 3,
@@ -124,6 +127,7 @@ class SGLangClient(RolloutEngine):
         )
         self.num_layers = num_layers
         self.top_k = top_k
+        self.vocab_size = vocab_size
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s
@@ -221,6 +225,7 @@ class SGLangClient(RolloutEngine):
                 want_routed_experts=req.return_routed_experts,
                 num_layers=self.num_layers,
                 top_k=self.top_k,
+                vocab_size=self.vocab_size,
             )
             return parsed
 

@@ -65,3 +65,26 @@ def test_the_first_signal_ends_a_weight_sync_wait_within_a_second(silent_server)
     finally:
         timer.cancel()
         client.close()
+
+
+def test_an_output_id_outside_the_vocabulary_names_the_server():
+    from sapo_megatron.rollout.base import RolloutError
+    from sapo_megatron.rollout.protocol import parse_generate_reply
+
+    reply = {
+        "output_ids": [3, 70],
+        "meta_info": {"id": "r", "finish_reason": {"type": "length", "length": 2}, "prompt_tokens": 1},
+    }
+    with pytest.raises(RolloutError, match=r"outside the trainer's vocabulary of 64: \[70\]") as caught:
+        parse_generate_reply(
+            reply,
+            prompt_ids=[1],
+            max_new_tokens=2,
+            rid="r",
+            server="http://127.0.0.1:1",
+            want_routed_experts=False,
+            num_layers=None,
+            top_k=None,
+            vocab_size=64,
+        )
+    assert "http://127.0.0.1:1" in str(caught.value) + repr(caught.value.__dict__)
