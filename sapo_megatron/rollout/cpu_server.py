@@ -695,21 +695,23 @@ def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
         "--allowed-weight-dir",
         action="append",
         default=None,
-        help="a directory update_weights_from_disk may load from (repeatable; default: the parent of "
-        "--model-path)",
+        help="a directory update_weights_from_disk may load from (repeatable) (default: %(default)s: the parent "
+        "of --model-path)",
     )
     parser.add_argument(
         "--allowed-master-address",
         action="append",
         default=[],
-        help="a weight-group master address to accept besides the requesting trainer and loopback (repeatable)",
+        help="a weight-group master address to accept besides the requesting trainer and loopback (repeatable) "
+        "(default: %(default)s)",
     )
     parser.add_argument(
         "--tensor-sender-pid",
         action="append",
         type=int,
         default=[],
-        help="a local trainer process whose shared-memory tensor handles may be opened (repeatable)",
+        help="a local trainer process whose shared-memory tensor handles may be opened (repeatable) "
+        "(default: %(default)s: only this process)",
     )
     parser.add_argument(
         "--weight-group-connect-timeout",
