@@ -770,6 +770,8 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} does not exist")
     try:
         raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+    except _DuplicateKey as err:
+        raise ConfigError(f"{path}: {err}") from None
     except UnicodeDecodeError as err:
         raise ConfigError(
             f"{path} is not UTF-8 text (byte {err.start}: {err.object[err.start : err.start + 4]!r}): save it as "
@@ -784,6 +786,10 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return raw
 
 
+class _DuplicateKey(yaml.YAMLError):
+    """A mapping key given twice; the message names both lines."""
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """``yaml.safe_load`` that refuses a key given twice in one mapping (PyYAML keeps the last one silently)."""
 
@@ -793,12 +799,9 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=deep)
             line = key_node.start_mark.line + 1
             if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None,
-                    None,
+                raise _DuplicateKey(
                     f"key {key!r} appears twice (lines {seen[key]} and {line}); the second would replace the "
-                    "first: merge them",
-                    key_node.start_mark,
+                    "first: merge them"
                 )
             seen[key] = line
         return super().construct_mapping(node, deep=deep)

@@ -52,7 +52,7 @@ _AUTH_EXEMPT_PREFIXES = ("/health", "/ready", "/metrics")
 DEFAULT_MAX_BODY_BYTES = (
     64 << 20
 )  # 64 MiB: 256 rows of 64k-token prompts as JSON ids fit; tensor payloads are KBs
-DEFAULT_MAX_CONNECTIONS = 512  # above the client's concurrency (64-128); each connection is one thread
+DEFAULT_MAX_CONNECTIONS = 256  # above the client's concurrency (64-128); each connection is one thread
 
 Response = tuple[int, bytes, str]  # status, body, content type
 
