@@ -205,8 +205,11 @@ def build_rollout(cfg: RunConfig, info: RankInfo, engine: TrainEngine, tokenizer
     if not cfg.rollout.cpu_http:
         return cpu, None, None
     from sapo_megatron.rollout.cpu_server import CPUServer
+    from sapo_megatron.rollout.cpu_server_weights import WeightGuard
 
-    server = CPUServer(cpu).start()
+    # what disk sync writes (its version folders), besides the initial export
+    staging = Path(cfg.rollout.weight_sync_dir or run_dir / "rollout_weights").absolute()
+    server = CPUServer(cpu, guard=WeightGuard(allowed_weight_dirs=[initial.parent, staging])).start()
     topology = broadcast_object(Topology(workers=(server.url,), tp_sizes=(1,)))
     return _sglang_client(cfg, topology, None), server, topology
 
