@@ -194,6 +194,7 @@ def _add_train_parser(commands) -> None:
     train.add_argument(
         "--dry-run", action="store_true", help="validate and print the resolved layout, then stop"
     )
+    train.add_argument("--force", action="store_true", help="train even if the planner says it does not fit")
     train.add_argument(
         "--world-size",
         type=int,
@@ -424,6 +425,7 @@ def run_mode(args: argparse.Namespace) -> str:
 
 def _train(args: argparse.Namespace) -> int:
     from sapo_megatron.inputs import check_input_files
+    from sapo_megatron.plan.gate import check_layout_fits
     from sapo_megatron.rewards.registry import check_reward_available
     from sapo_megatron.run_dir import check_run_dir
 
@@ -440,6 +442,7 @@ def _train(args: argparse.Namespace) -> int:
         check_run_dir(cfg.output_dir, mode=mode)
     check_reward_available(cfg.algorithm.reward, kwargs=cfg.algorithm.reward_kwargs)
     check_training_precision(cfg)
+    check_layout_fits(cfg, force=args.force)  # the planner's verdict (runs that name launch.gpu_type)
     if cfg.launch.world_size > 1 and "WORLD_SIZE" not in os.environ:
         return _launch_ranks(cfg, args.argv)
     _run_training(cfg, mode)
@@ -453,18 +456,20 @@ def _run_training(cfg: RunConfig, mode: str) -> None:
 
 
 def _dry_run(cfg: RunConfig, args: argparse.Namespace) -> int:
-    """Validate the layout for ``--world-size`` (else ``launch.*``), print the plan, check the inputs. The memory
-    verdict is printed, not enforced: it is an estimate (``plan`` exits 1 on does-not-fit)."""
+    """Validate the layout for ``--world-size`` (else ``launch.*``), print the plan, check the inputs and every
+    row of the data. Exits 1 when the planner's verdict is does-not-fit (like ``plan``)."""
     from sapo_megatron.config import ConfigError, validate_layout
     from sapo_megatron.inputs import check_input_files
     from sapo_megatron.plan import build_plan, format_plan
+    from sapo_megatron.plan.gate import unfit_summary
     from sapo_megatron.rewards.registry import check_reward_available
 
     world = args.world_size or cfg.launch.world_size
     validate_layout(cfg, world)
     check_reward_available(cfg.algorithm.reward, kwargs=cfg.algorithm.reward_kwargs)
     print(f"layout OK: {cfg.name} -> {cfg.output_dir}")
-    print(format_plan(build_plan(cfg, plan_settings(cfg, args, world))))
+    plan = build_plan(cfg, plan_settings(cfg, args, world))
+    print(format_plan(plan))
     try:
         check_input_files(cfg)
     except ConfigError as err:
@@ -475,6 +480,9 @@ def _dry_run(cfg: RunConfig, args: argparse.Namespace) -> int:
 
     build_run_data(cfg, verbose=True)  # every row's schema, the prompt lengths; prints counts and times
     print("data OK: every row of the prompt data is usable")
+    if not plan.fits:
+        print(f"error: the layout does not fit: {unfit_summary(plan)} (exit 1)", file=sys.stderr)
+        return 1
     return 0
 
 

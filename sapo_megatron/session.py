@@ -201,8 +201,11 @@ def build_rollout(cfg: RunConfig, info: RankInfo, engine: TrainEngine, tokenizer
     if not cfg.rollout.cpu_http:
         return cpu, None, None
     from sapo_megatron.rollout.cpu_server import CPUServer
+    from sapo_megatron.rollout.cpu_server_weights import WeightGuard
 
-    server = CPUServer(cpu).start()
+    # what disk sync writes (its version folders), besides the initial export
+    staging = Path(cfg.rollout.weight_sync_dir or run_dir / "rollout_weights").absolute()
+    server = CPUServer(cpu, guard=WeightGuard(allowed_weight_dirs=[initial.parent, staging])).start()
     topology = broadcast_object(Topology(workers=(server.url,), tp_sizes=(1,)))
     return _sglang_client(cfg, topology, None), server, topology
 
@@ -244,8 +247,10 @@ def _sglang_client(cfg: RunConfig, topology: Topology, api_key: str | None):
         tp_size=list(topology.tp_sizes) or 1,
         num_layers=arch.num_hidden_layers if arch.is_moe else None,
         top_k=arch.num_experts_per_tok if arch.is_moe else None,
+        vocab_size=arch.vocab_size,
         max_concurrency=cfg.rollout.concurrency,
         timeout_s=cfg.rollout.timeout_s,
+        weight_sync_timeout_s=cfg.rollout.weight_sync_timeout_s,
         max_retries=cfg.rollout.max_retries,
         serializer=_cpu_serializer()
         if (cfg.rollout.engine, cfg.rollout.weight_sync) == ("cpu", "tensor")
@@ -281,7 +286,7 @@ def build_weight_sync(
         arch,
         stage=info.pp_rank,
         make_client=lambda: _sglang_client(cfg, topology, api_key),
-        timeout_s=cfg.rollout.timeout_s,
+        timeout_s=cfg.rollout.weight_sync_timeout_s,
     )
 
 

@@ -526,9 +526,12 @@ def _load_model(model_dir: str | Path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from sapo_megatron.checkpoint.hf_io import check_safetensors_complete
+
     path = Path(model_dir)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not an HF checkpoint directory (no config.json)")
+    check_safetensors_complete(path)  # a truncated file named, not a bare SafetensorError
     bar_was_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # transformers 5 draws a "Loading weights" bar for a local load
     try:

@@ -198,8 +198,10 @@ def parse_generate_reply(
     want_routed_experts: bool,
     num_layers: int | None,
     top_k: int | None,
+    vocab_size: int | None = None,
 ) -> ParsedGeneration:
-    """Check a ``/generate`` reply for one sample against its request and extract what the trainer needs."""
+    """Check a ``/generate`` reply for one sample against its request and extract what the trainer needs
+    (``vocab_size``: the trainer's vocabulary, which every output id must be in)."""
 
     def fail_field(field: str, problem: str) -> RolloutError:
         return RolloutError(
@@ -216,6 +218,13 @@ def parse_generate_reply(
     output_ids = _require(reply, "output_ids", list, fail_field)
     if not all(_is_token_id(t) for t in output_ids):
         raise fail_field("output_ids", "must be a list of non-negative token ids")
+    outside = [t for t in output_ids if vocab_size is not None and t >= vocab_size]
+    if outside:
+        raise fail_field(
+            "output_ids",
+            f"has ids outside the trainer's vocabulary of {vocab_size}: {outside[:5]} (does the server serve "
+            "another model or tokenizer?)",
+        )
     if len(output_ids) > max_new_tokens:
         raise fail_field(
             "output_ids", f"has {len(output_ids)} tokens, more than max_new_tokens={max_new_tokens}"

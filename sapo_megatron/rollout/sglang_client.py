@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 import httpx
 import torch
 
+from sapo_megatron.interrupts import wait_for
 from sapo_megatron.rollout.base import RolloutEngine, RolloutError, normalize_response_starts
 from sapo_megatron.rollout.protocol import (
     generate_payload,
@@ -77,6 +78,8 @@ class SGLangClient(RolloutEngine):
         api_key: sent as ``Authorization: Bearer <key>`` (SGLang's and sglang-router's ``--api-key``).
         num_layers / top_k: shape of ``routed_experts`` (``num_hidden_layers`` / ``num_experts_per_tok`` of the
             model); ``num_layers`` is required to request routed experts, ``top_k`` is inferred when None.
+        vocab_size: the trainer's vocabulary; a reply with an output id outside it is a ``RolloutError`` naming the
+            server (None: not checked).
         max_concurrency: HTTP requests in flight at once.
         timeout_s: per-request timeout (one sample's generation).
         max_retries: further attempts per sample after the first.
@@ -97,6 +100,7 @@ class SGLangClient(RolloutEngine):
         api_key: str | None = None,
         num_layers: int | None = None,
         top_k: int | None = None,
+        vocab_size: int | None = None,
         max_concurrency: int = 64,
         timeout_s: float = 600.0,
         max_retries: int = 3,
@@ -123,6 +127,7 @@ class SGLangClient(RolloutEngine):
         )
         self.num_layers = num_layers
         self.top_k = top_k
+        self.vocab_size = vocab_size
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s
@@ -220,6 +225,7 @@ class SGLangClient(RolloutEngine):
                 want_routed_experts=req.return_routed_experts,
                 num_layers=self.num_layers,
                 top_k=self.top_k,
+                vocab_size=self.vocab_size,
             )
             return parsed
 
@@ -396,8 +402,11 @@ class SGLangClient(RolloutEngine):
                 field="<body>",
             ) from exc
 
-    def _for_each_server(self, servers: list[_Server], fn: Callable[[_Server], T]) -> list[T | Exception]:
-        """Run ``fn`` on every server in parallel; results or the exceptions raised, in server order."""
+    def _for_each_server(
+        self, servers: list[_Server], fn: Callable[[_Server], T], *, interruptible: bool = False
+    ) -> list[T | Exception]:
+        """Run ``fn`` on every server in parallel; results or the exceptions raised, in server order.
+        ``interruptible``: a stop signal ends the wait (weight updates; see ``interrupts.wait_for``)."""
 
         def guarded(server: _Server) -> T | Exception:
             try:
@@ -405,7 +414,16 @@ class SGLangClient(RolloutEngine):
             except Exception as exc:
                 return exc
 
+        if interruptible:
+            return self._wait_all([lambda s=server: guarded(s) for server in servers])
         return list(self._pool.map(guarded, servers))
+
+    def _wait_all(self, calls: list[Callable[[], T]]) -> list[T]:
+        """Run each call on its own daemon thread; their results, waiting so that a stop signal ends the wait
+        (``WaitInterrupted``) and leaves no thread that the exit or :meth:`close` would wait for."""
+        futures = [self._background(call) for call in calls]
+        wait_for(futures, "waiting for the rollout servers")
+        return [future.result() for future in futures]
 
     # ------------------------------------------------------------------ weights and housekeeping
     def update_weights_from_disk(self, path: str, *, flush_cache: bool = True) -> None:
@@ -621,7 +639,7 @@ class SGLangClient(RolloutEngine):
     # ------------------------------------------------------------------ helpers
     def _update_each_worker(self, load: Callable[[_Server], None], what: str) -> None:
         """Run one call of a weight update on every worker; remember which acknowledged it."""
-        outcomes = self._for_each_server(self._servers, load)
+        outcomes = self._for_each_server(self._servers, load, interruptible=True)
         for outcome in outcomes:
             if isinstance(outcome, Exception) and not isinstance(outcome, _Transient):
                 raise outcome  # the server answered and refused: the checkpoint or the request is wrong
@@ -640,7 +658,7 @@ class SGLangClient(RolloutEngine):
             self._acknowledged = urls if self._acknowledged is None else self._acknowledged & urls
 
     def _all_or_raise(self, arg_tuples: list[tuple], fn: Callable[..., None]) -> None:
-        outcomes = list(self._pool.map(lambda args: _capture(fn, *args), arg_tuples))
+        outcomes = self._wait_all([lambda a=args: _capture(fn, *a) for args in arg_tuples])
         for args, outcome in zip(arg_tuples, outcomes):
             if isinstance(outcome, _Transient):
                 raise RolloutError(
@@ -649,16 +667,16 @@ class SGLangClient(RolloutEngine):
             if isinstance(outcome, Exception):
                 raise outcome
 
-    def _background(self, fn: Callable[[], None]) -> Future:
+    def _background(self, fn: Callable[[], Any]) -> Future:
         future: Future = Future()
 
         def runner() -> None:
             try:
-                fn()
+                result = fn()
             except BaseException as exc:
                 future.set_exception(exc)
             else:
-                future.set_result(None)
+                future.set_result(result)
 
         threading.Thread(target=runner, name="sglang-client-weight-sync", daemon=True).start()
         return future
