@@ -478,7 +478,12 @@ class RunConfig(Section):
             )
         self._check_fp8_setup()
         check_distillation(
-            self.teachers, self.algorithm.fusion, self.algorithm.loss, self.algorithm.correction.name
+            self.teachers,
+            self.algorithm.fusion,
+            self.algorithm.loss,
+            self.algorithm.correction.name,
+            student_logp=self.algorithm.opd_student_logp,
+            temperature=self.rollout.temperature,
         )
         if self.trainer.async_rollout and self.rollout.colocated:
             raise ValueError(
