@@ -210,3 +210,12 @@ def test_a_teacher_identical_to_the_student_gives_zero_advantage_on_every_respon
         assert result["packed_aligned_max_abs"] < ALIGNED_TOLERANCE  # packed: teacher values follow the slots
         assert result["packed_shifted_kl"] == pytest.approx(result["shifted_kl"], rel=1e-5)
     assert two_ranks[0]["alignment"]["shifted_kl"] == two_ranks[1]["alignment"]["shifted_kl"]  # global mean
+
+
+def test_an_identical_teacher_gives_zero_advantage_at_rollout_temperature_0_7(two_ranks):
+    """Teachers score at temperature 1 (in-process and served): A_opd takes the student's log-prob at 1 from
+    the same old-log-prob pass; its log-prob at the sampling temperature would leave a clear gap."""
+    for result in (r["alignment"] for r in two_ranks):
+        for where in ("in_process", "served"):
+            assert result[f"hot_{where}_max_abs"] < ALIGNED_TOLERANCE, where
+            assert result[f"hot_{where}_at_sampling_temperature_max_abs"] > 100 * ALIGNED_TOLERANCE, where
