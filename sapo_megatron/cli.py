@@ -241,7 +241,8 @@ def _add_compare_parser(commands) -> None:
         default=[],
         metavar="KEY=V1,V2,...",
         help="a sweep axis: one arm per value (YAML) of the config field KEY, crossed with the other axes, e.g. "
-        "--grid algorithm.loss.tau_pos=1,4,16; repeatable (Cartesian product); report.json arms carry 'overrides'",
+        "--grid algorithm.loss.tau_pos=1,4,16; linked keys KEY1+KEY2=A1:B1,A2:B2 move together; repeatable "
+        "(Cartesian product); report.json arms carry 'overrides'",
     )
     compare.add_argument("--seeds", type=int, default=1, help="seeds per configuration: 0 .. N-1")
     compare.add_argument("--steps", type=int, required=True, help="RL steps of every arm")

@@ -135,36 +135,56 @@ def _grid_part(key: str, value: Any) -> str:
     return re.sub(r"[^a-z0-9_.]", "_", text)
 
 
-def parse_grid(options: Sequence[str]) -> list[tuple[str, list[Any]]]:
-    """``["algorithm.loss.tau_pos=1,4,16"]`` → ``[("algorithm.loss.tau_pos", [1, 4, 16])]`` (each value read as
-    YAML); raises :class:`CompareError` naming the option on a malformed one, a repeated key or value, or a key
-    the arms set themselves (seed, steps, replay, correction, loss name)."""
-    axes: list[tuple[str, list[Any]]] = []
+GridAxis = tuple[tuple[str, ...], list[tuple[Any, ...]]]
+"""One ``--grid`` option: its keys (one, or several linked with ``+``) and the value tuples it takes."""
+
+
+def parse_grid(options: Sequence[str]) -> list[GridAxis]:
+    """``["algorithm.loss.tau_pos=1,4,16"]`` → ``[(("algorithm.loss.tau_pos",), [(1,), (4,), (16,)])]``, each
+    value read as YAML (``null`` switches a section off). Linked keys move together:
+    ``algorithm.loss.tau_pos+algorithm.loss.tau_neg=1:1.05,4:4.2`` is one axis of two points. Raises
+    :class:`CompareError` naming the option on a malformed one, a repeated key or value, or a key the arms set
+    themselves (seed, steps, replay, correction, loss name)."""
+    axes: list[GridAxis] = []
+    seen: list[str] = []
     for option in options:
-        key, sep, text = option.partition("=")
-        key = key.strip()
+        text_keys, sep, text = option.partition("=")
+        keys = tuple(key.strip() for key in text_keys.split("+"))
         parts = [part.strip() for part in text.split(",")]
-        if not sep or not key or not all(parts):
+        split = (
+            [[item.strip() for item in part.split(":")] for part in parts]
+            if len(keys) > 1
+            else [[p] for p in parts]
+        )
+        if not sep or not all(keys) or not all(parts) or any(len(items) != len(keys) for items in split):
             raise CompareError(
-                f"--grid {option!r}: expected KEY=V1,V2,..., e.g. --grid algorithm.loss.tau_pos=1,4,16"
+                f"--grid {option!r}: expected KEY=V1,V2,... (or KEY1+KEY2=A1:B1,A2:B2), e.g. "
+                "--grid algorithm.loss.tau_pos=1,4,16"
             )
-        values = [yaml.safe_load(part) for part in parts]  # "null" switches a section off
-        owner = _arm_owned(key) if not _is_grid_loss_key(key) else None
-        if owner:
-            raise CompareError(f"--grid {key}: {owner}", hint="the arms set this key; grid over another one")
-        if key in [k for k, _ in axes]:
-            raise CompareError(f"--grid {key}: given twice; list all its values in one --grid {key}=V1,V2")
+        for key in keys:
+            owner = _arm_owned(key) if not _is_grid_loss_key(key) else None
+            if owner:
+                raise CompareError(
+                    f"--grid {key}: {owner}", hint="the arms set this key; grid over another one"
+                )
+            if key in seen:
+                raise CompareError(
+                    f"--grid {key}: given twice; list all its values in one --grid {key}=V1,V2"
+                )
+            seen.append(key)
+        values = [tuple(yaml.safe_load(item) for item in items) for items in split]
         texts = [str(v) for v in values]
         if len(set(texts)) != len(texts):
             raise CompareError(f"--grid {option!r}: a value is listed twice")
-        axes.append((key, values))
+        axes.append((keys, values))
     return axes
 
 
-def grid_points(axes: Sequence[tuple[str, Sequence[Any]]]) -> list[GridPoint]:
+def grid_points(axes: Sequence[GridAxis]) -> list[GridPoint]:
     """The Cartesian product of the axes (the first axis varies slowest); ``[()]`` without any."""
     return [
-        tuple(zip([key for key, _ in axes], values)) for values in itertools.product(*[v for _, v in axes])
+        tuple(pair for (keys, _), value in zip(axes, choice) for pair in zip(keys, value))
+        for choice in itertools.product(*[values for _, values in axes])
     ]
 
 
@@ -255,7 +275,7 @@ def build_plan(
     seeds: int,
     steps: int,
     output_dir: str | Path,
-    grid: Sequence[tuple[str, Sequence[Any]]] = (),
+    grid: Sequence[GridAxis] = (),
 ) -> ComparePlan:
     """Validate the request and every arm's config; raises :class:`CompareError` (or ``ConfigError``) on bad
     input. ``config`` None: the embedded demo with :data:`DEMO_MISMATCH`. ``overrides``: the ``--set`` pairs;
@@ -289,8 +309,8 @@ def build_plan(
     return ComparePlan(root, base, warm_start, planned, steps, source, dict(overrides))
 
 
-def _check_grid_against_set(grid: Sequence[tuple[str, Sequence[Any]]], overrides: Mapping[str, Any]) -> None:
-    both = [key for key, _ in grid if key in overrides]
+def _check_grid_against_set(grid: Sequence[GridAxis], overrides: Mapping[str, Any]) -> None:
+    both = [key for keys, _ in grid for key in keys if key in overrides]
     if both:
         raise CompareError(f"--grid {both[0]} and --set {both[0]}: give the key one way (the grid's values)")
 
@@ -366,7 +386,7 @@ def build_config_plan(
     seeds: int,
     steps: int,
     output_dir: str | Path,
-    grid: Sequence[tuple[str, Sequence[Any]]] = (),
+    grid: Sequence[GridAxis] = (),
 ) -> ComparePlan:
     """A comparison whose arms are whole run configs (one per file, named after its stem) crossed with the
     ``grid`` points, plus teachers to train first. Raises :class:`CompareError` (or ``ConfigError``) on bad

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from sapo_megatron.compare import (
+    Arm,
     CompareError,
     CompareInterrupted,
     build_plan,
@@ -297,5 +298,13 @@ def test_grid_axes_cross_the_losses_and_bad_axes_are_refused():
     ):
         with pytest.raises(CompareError, match=message):
             parse_grid([option])
+    linked = grid_points(parse_grid(["algorithm.loss.tau_pos+algorithm.loss.tau_neg=1:1.05,4:8"]))
+    assert linked == [
+        (("algorithm.loss.tau_pos", 1), ("algorithm.loss.tau_neg", 1.05)),
+        (("algorithm.loss.tau_pos", 4), ("algorithm.loss.tau_neg", 8)),
+    ]
+    assert Arm("sapo", "none", "none", 0, grid=linked[1]).name == "sapo-none-none-tau_pos4-tau_neg8-s0"
+    with pytest.raises(CompareError, match=r"KEY1\+KEY2=A1:B1"):
+        parse_grid(["algorithm.loss.tau_pos+algorithm.loss.tau_neg=1:1.05,4"])
     with pytest.raises(CompareError, match=r"given twice"):
         parse_grid(["algorithm.loss.tau_pos=1,2", "algorithm.loss.tau_pos=4"])
