@@ -444,6 +444,11 @@ class TrainerConfig(Section):
         "boundaries, rollout/staleness 1); see docs/rl_loop.md",
     )
     export_hf: bool = Field(default=True, description="write an HF checkpoint at the end")
+    log_ref_kl: bool = Field(
+        default=False,
+        description="log kl/k3_ref, the k3 from the policy as RL starts, also when algorithm.loss.kl_coef is 0 "
+        "(one more forward pass per step, and a frozen copy of the model)",
+    )
 
 
 class RunConfig(Section):

@@ -153,8 +153,9 @@ def _check_update(session: Session, result: StepResult, phase: str, step: int) -
 
 
 def _reference_policy(session: Session, state: LoopState) -> ReferenceModel | None:
-    """For ``kl_coef > 0``: the policy as RL starts, frozen; saved once so that a resumed run reuses it."""
-    if session.cfg.algorithm.loss.kl_coef == 0:
+    """For ``kl_coef > 0`` or ``trainer.log_ref_kl``: the policy as RL starts, frozen; saved once so that a
+    resumed run reuses it."""
+    if session.cfg.algorithm.loss.kl_coef == 0 and not session.cfg.trainer.log_ref_kl:
         return None
     from sapo_megatron.megatron.dist_ckpt import load_model_weights, save_model_weights
 

@@ -131,7 +131,8 @@ class Arm:
 
 def _grid_part(key: str, value: Any) -> str:
     """``algorithm.loss.tau_pos`` = 4 → ``tau_pos4``: the grid point's part of an arm name (a directory name)."""
-    text = f"{key.rsplit('.', 1)[-1]}{value}".lower()
+    shown = "null" if value is None else str(value).lower()  # YAML's spelling of None / True / False
+    text = f"{key.rsplit('.', 1)[-1]}{shown}".lower()
     return re.sub(r"[^a-z0-9_.]", "_", text)
 
 
