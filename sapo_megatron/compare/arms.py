@@ -412,11 +412,13 @@ def build_config_plan(
     base = bases[0]
     _check_base(base, ["none"])
     _check_alike(arm_configs, bases)
+    made = {run.cfg.name: run.run_dir / "hf" for run in teachers}
     warm_start = None
     if base.sft.steps > 0:
-        warm_start = _warm_start(arm_configs[0], shared, root / WARM_START_DIR)
+        # The warm start loads the first arm's config, teachers included: they must point at what compare trains.
+        pointed = {"teachers": _teachers_pointed_at(base, made)} if made and base.teachers else {}
+        warm_start = _warm_start(arm_configs[0], {**shared, **pointed}, root / WARM_START_DIR)
         shared.update({"model.init": "hf", "model.init_path": str(warm_start.run_dir / "hf"), "sft.steps": 0})
-    made = {run.cfg.name: run.run_dir / "hf" for run in teachers}
     planned = []
     arm_configs_and_points = [
         (seed, path, label, cfg, point)
