@@ -70,6 +70,8 @@ CONFIG_ARM_NAME = re.compile(r"^(?P<label>[a-z0-9_]+)(?P<grid>(-[a-z0-9_.]+)*)-s
 """Run directories of config arms: ``<config file stem>[-<grid point>]-s<seed>``."""
 GridPoint = tuple[tuple[str, Any], ...]
 """One point of ``--grid``: (dotted config key, value) pairs in the order the options were given."""
+GridAxis = tuple[tuple[str, ...], list[tuple[Any, ...]]]
+"""One ``--grid`` option: its keys (one, or several linked with ``+``) and the value tuples it takes."""
 TEACHERS_DIR = "teachers"
 """Where ``--teachers`` runs go: ``<output_dir>/teachers/<teacher config name>``."""
 DEMO_MISMATCH = {"rollout.precision": "fp8"}
@@ -134,10 +136,6 @@ def _grid_part(key: str, value: Any) -> str:
     shown = "null" if value is None else str(value).lower()  # YAML's spelling of None / True / False
     text = f"{key.rsplit('.', 1)[-1]}{shown}".lower()
     return re.sub(r"[^a-z0-9_.]", "_", text)
-
-
-GridAxis = tuple[tuple[str, ...], list[tuple[Any, ...]]]
-"""One ``--grid`` option: its keys (one, or several linked with ``+``) and the value tuples it takes."""
 
 
 def parse_grid(options: Sequence[str]) -> list[GridAxis]:
@@ -226,6 +224,8 @@ class ComparePlan:
     """The ``--set`` overrides every run got."""
     teachers: tuple[PlannedRun, ...] = ()
     """Teacher runs (``--teachers``), trained before the warm start; arms score with their HF exports."""
+    grid: tuple[GridAxis, ...] = ()
+    """The ``--grid`` axes the arms cross (:func:`parse_grid`)."""
 
 
 def parse_names(text: str, known: Sequence[str], option: str) -> list[str]:
@@ -307,7 +307,7 @@ def build_plan(
         for arm in arms
     )
     source = config or "the embedded tiny MoE demo (sapo_megatron/defaults.py)"
-    return ComparePlan(root, base, warm_start, planned, steps, source, dict(overrides))
+    return ComparePlan(root, base, warm_start, planned, steps, source, dict(overrides), grid=tuple(grid))
 
 
 def _check_grid_against_set(grid: Sequence[GridAxis], overrides: Mapping[str, Any]) -> None:
@@ -438,7 +438,9 @@ def build_config_plan(
             arm_overrides["teachers"] = _teachers_pointed_at(cfg, made)
         planned.append(PlannedRun(arm.name, load_config(path, arm_overrides), arm))
     source = "configs " + ", ".join(arm_configs)
-    return ComparePlan(root, base, warm_start, tuple(planned), steps, source, dict(overrides), teachers)
+    return ComparePlan(
+        root, base, warm_start, tuple(planned), steps, source, dict(overrides), teachers, tuple(grid)
+    )
 
 
 def _arm_label(path: str) -> str:

@@ -28,7 +28,7 @@ from sapo_megatron.compare import (
     run_compare,
 )
 from sapo_megatron.compare.report import require_matplotlib
-from sapo_megatron.compare.runner import WarmStartError, error_line
+from sapo_megatron.compare.runner import WarmStartError, describe, error_line
 
 FAKE = Path(__file__).with_name("fake_train.py")
 SMALL = {"sft.steps": 20, "sft.global_batch": 16, "trainer.prompts_per_step": 4, "rollout.n_samples": 4}
@@ -271,7 +271,20 @@ def test_a_grid_compare_runs_one_arm_per_value_records_its_overrides_and_resumes
     out = io.StringIO()
     outcome = run_compare(plan, out=out, command=fake)
     assert outcome.ran == ["warm_start", *names]
-    assert "× `algorithm.loss.tau_pos` 1, 4, 16" in (root / "report.md").read_text()
+    assert "× `algorithm.loss.tau_pos` 1, 4, 16 × seeds 0" in (root / "report.md").read_text()
+    linked = parse_grid(["algorithm.loss.tau_pos+algorithm.loss.tau_neg=1:1.05,4:8"])
+    linked_plan = build_plan(
+        None,
+        SMALL,
+        losses=["sapo"],
+        replays=["none"],
+        corrections=["none"],
+        seeds=1,
+        steps=2,
+        output_dir=root,
+        grid=linked,
+    )
+    assert "× algorithm.loss.tau_pos+algorithm.loss.tau_neg 1:1.05, 4:8 × seeds 0" in describe(linked_plan)[0]
     arms = json.loads((root / "report.json").read_text())["arms"]
     assert [arm["overrides"] for arm in arms] == [{"algorithm.loss.tau_pos": v} for v in (1, 4, 16)]
     assert len({run.arm.colour_key for run in plan.arms}) == 3  # the plots tell the grid points apart
