@@ -76,7 +76,17 @@ def fuse_on_rank(payload: Any = None) -> dict[str, Any]:
 def two_ranks(payload: dict[str, Any]) -> dict[str, Any]:
     """Both scenarios in one pair of processes (a spawn costs seconds): the alignment check on a data-parallel
     Megatron trainer, then the fusion layouts over the same process group."""
-    return {"alignment": alignment(payload), "layouts": fuse_on_rank()}
+    return {"alignment": alignment(payload), "layouts": fuse_on_rank(), "gathered": gathered_ratios()}
+
+
+def gathered_ratios() -> list[float]:
+    """The step's token ratios pooled over the 2 data-parallel ranks (Megatron's state from ``alignment``):
+    rank r holds r + 1 values r + 0.5."""
+    from sapo_megatron.megatron.step_stats import gather_token_values
+
+    rank = dist.get_rank()
+    local = [torch.full((rank + 1,), rank + 0.5), torch.zeros(0)]
+    return gather_token_values(local).tolist()
 
 
 def alignment(payload: dict[str, Any]) -> dict[str, float]:

@@ -212,6 +212,11 @@ def test_a_teacher_identical_to_the_student_gives_zero_advantage_on_every_respon
     assert two_ranks[0]["alignment"]["shifted_kl"] == two_ranks[1]["alignment"]["shifted_kl"]  # global mean
 
 
+def test_the_steps_token_ratios_are_pooled_over_data_parallel_ranks(two_ranks):
+    """What the ratio quantiles are computed from (sapo_megatron/megatron/step_stats.py), identical on each rank."""
+    assert [r["gathered"] for r in two_ranks] == [[0.5, 1.5, 1.5]] * 2
+
+
 def test_an_identical_teacher_gives_zero_advantage_at_rollout_temperature_0_7(two_ranks):
     """Teachers score at temperature 1 (in-process and served): A_opd takes the student's log-prob at 1 from
     the same old-log-prob pass; its log-prob at the sampling temperature would leave a clear gap."""
