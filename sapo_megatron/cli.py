@@ -391,7 +391,7 @@ def _train(args: argparse.Namespace) -> int:
         return _dry_run(cfg, args)
     mode = run_mode(args)
     check_input_files(cfg)  # before any process starts; each rank checks again when the session opens
-    check_reward_available(cfg.algorithm.reward)
+    check_reward_available(cfg.algorithm.reward, kwargs=cfg.algorithm.reward_kwargs)
     check_training_precision(cfg)
     if cfg.launch.world_size > 1 and "WORLD_SIZE" not in os.environ:
         return _launch_ranks(cfg, args.argv)
@@ -412,7 +412,7 @@ def _dry_run(cfg: RunConfig, args: argparse.Namespace) -> int:
 
     world = args.world_size or cfg.launch.world_size
     validate_layout(cfg, world)
-    check_reward_available(cfg.algorithm.reward)
+    check_reward_available(cfg.algorithm.reward, kwargs=cfg.algorithm.reward_kwargs)
     print(f"layout OK: {cfg.name} -> {cfg.output_dir}")
     print(format_plan(build_plan(cfg, plan_settings(cfg, args, world))))
     try:
@@ -421,6 +421,10 @@ def _dry_run(cfg: RunConfig, args: argparse.Namespace) -> int:
         err.hint = "the layout above is valid; these paths must exist on the machine where the job runs"
         raise
     print("inputs OK: every input file exists")
+    from sapo_megatron.data.loading import build_run_data
+
+    build_run_data(cfg, verbose=True)  # every row's schema, the prompt lengths; prints counts and times
+    print("data OK: every row of the prompt data is usable")
     return 0
 
 

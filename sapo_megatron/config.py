@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
@@ -24,6 +24,7 @@ from sapo_megatron.algo import (
     SapoLoss,
 )
 from sapo_megatron.arch import ArchError, QwenArch
+from sapo_megatron.data.datasets import DatasetKeys
 from sapo_megatron.distill.config import TeacherConfig, check_distillation
 from sapo_megatron.errors import UserError
 from sapo_megatron.precision import FP8_RECIPES, GPU_TYPES, Fp8RecipeName, GpuTypeName, fp8_capability_problem
@@ -371,8 +372,9 @@ class RolloutConfig(Section):
         return self
 
 
-class DataConfig(Section):
-    """Prompt data: jsonl/parquet files, or the built-in synthetic addition task (``synthetic:addition``)."""
+class DataConfig(DatasetKeys):
+    """Prompt data: jsonl / parquet files (a directory or glob of shards; verl, slime or own keys, see
+    docs/data.md), or the built-in synthetic addition task (``synthetic:addition``); how prompts become ids."""
 
     train: str = "synthetic:addition"
     heldout: str | None = "synthetic:addition"
@@ -380,7 +382,27 @@ class DataConfig(Section):
     digits: int = Field(default=2, ge=1, description="operand digits of the synthetic task")
     train_size: int = Field(default=4000, ge=1, description="synthetic training prompts")
     heldout_size: int = Field(default=200, ge=1, description="held-out prompts for accuracy")
-    prompt_template: str = Field(default="{prompt}", description="formats each prompt before tokenisation")
+
+    @model_validator(mode="after")
+    def _check_chat_tokenizer(self) -> DataConfig:
+        if self.apply_chat_template and self.tokenizer == "char":
+            raise ValueError(
+                "data.apply_chat_template needs an HF tokenizer with a chat template; the char tokenizer has none "
+                "(set data.tokenizer to the model's tokenizer directory)"
+            )
+        return self
+
+
+class RemoteRewardConfig(Section):
+    """``algorithm.reward: {url: ...}``: a reward server (protocol in docs/rewards.md)."""
+
+    url: str = Field(description="http(s) URL the batches are POSTed to")
+    api_key_env: str | None = Field(default=None, description="environment variable holding the bearer token")
+    timeout_s: float = Field(default=60.0, gt=0, description="per request")
+    max_retries: int = Field(
+        default=3, ge=0, description="retries of 429 / 5xx / connection errors / timeouts"
+    )
+    batch_size: int = Field(default=256, ge=1, description="samples per request")
 
 
 class AlgorithmConfig(Section):
@@ -389,7 +411,20 @@ class AlgorithmConfig(Section):
     loss: PolicyLossConfig = Field(default_factory=SapoLoss)
     correction: MismatchCorrectionConfig = Field(default_factory=NoCorrection)
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
-    reward: str = Field(default="numeric_match", description="reward function name (see rewards registry)")
+    reward: str | RemoteRewardConfig = Field(
+        default="numeric_match",
+        description="a registered reward name, an import path 'file.py:fn' / 'pkg.mod:fn', or {url: ...} for a "
+        "reward server (see docs/rewards.md)",
+    )
+    reward_workers: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+        default="auto",
+        description="reward worker processes: 0 inline (no timeout), N a pool with reward_timeout_s per call; "
+        "auto: inline for exact_match / numeric_match / dapo_math, else a pool",
+    )
+    reward_timeout_s: float = Field(default=30.0, gt=0, description="per reward call in the worker pool")
+    reward_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="extra keyword arguments for the reward, e.g. {mode: fraction}"
+    )
     dynamic_sampling: bool = Field(default=False, description="DAPO: drop all-equal groups and refill")
     max_refills: int = Field(default=3, ge=0, description="extra rollout rounds to refill dropped groups")
     overlong_cache_len: int | None = Field(
@@ -448,6 +483,9 @@ class TrainerConfig(Section):
         default=False,
         description="log kl/k3_ref, the k3 from the policy as RL starts, also when algorithm.loss.kl_coef is 0 "
         "(one more forward pass per step, and a frozen copy of the model)",
+    )
+    log_samples_every: int = Field(
+        default=10, ge=0, description="write a few samples to samples.jsonl every N RL steps (0: never)"
     )
 
 

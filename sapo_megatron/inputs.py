@@ -6,6 +6,7 @@ checked: ``rollout.endpoints_file``, which another job (the rollout servers) wri
 
 from __future__ import annotations
 
+import glob
 from pathlib import Path
 
 from sapo_megatron.config import ConfigError, RunConfig
@@ -23,7 +24,7 @@ def _inputs(cfg: RunConfig) -> list[tuple[str, str, str]]:
     """``(config field, path, "file" | "dir" | "any")`` of every input the run reads."""
     data, model = cfg.data, cfg.model
     inputs = [
-        (field, source, "file")
+        (field, source, "data")
         for field, source in (("data.train", data.train), ("data.heldout", data.heldout))
         if source is not None and not source.startswith("synthetic:")
     ]
@@ -42,6 +43,8 @@ def _inputs(cfg: RunConfig) -> list[tuple[str, str, str]]:
 
 
 def _check(field: str, path_text: str, kind: str) -> str | None:
+    if kind == "data":
+        return _check_data(field, path_text)
     path = Path(path_text)
     where = "" if path.is_absolute() else f" (relative to the current directory {Path.cwd()})"
     if not path.exists():
@@ -50,4 +53,25 @@ def _check(field: str, path_text: str, kind: str) -> str | None:
         return f"{field}: {path_text} is not a file (a .jsonl or .parquet prompt file is expected)"
     if kind == "dir" and not path.is_dir():
         return f"{field}: {path_text} is not a directory"
+    return None
+
+
+def _check_data(field: str, path_text: str) -> str | None:
+    """A prompt dataset: a .jsonl / .parquet file, a directory holding such files, or a glob matching some."""
+    from sapo_megatron.data.datasets import SUFFIXES
+
+    path = Path(path_text)
+    where = "" if path.is_absolute() else f" (relative to the current directory {Path.cwd()})"
+    if any(char in path_text for char in "*?["):
+        return (
+            None
+            if any(Path(p).is_file() for p in glob.glob(path_text, recursive=True))
+            else (f"{field}: {path_text} matches no file{where}")
+        )
+    if not path.exists():
+        return f"{field}: {path_text} does not exist{where}"
+    if path.is_dir() and not any(p.suffix.lower() in SUFFIXES for p in path.iterdir() if p.is_file()):
+        return (
+            f"{field}: {path_text} is not a file (a .jsonl or .parquet prompt file, or a directory of them)"
+        )
     return None

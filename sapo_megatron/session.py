@@ -16,10 +16,11 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from sapo_megatron.config import ConfigError, RunConfig
-from sapo_megatron.data.prompts import PromptRow, check_encodable, load_prompts
-from sapo_megatron.data.synthetic import TASKS, make_mixed_rows
-from sapo_megatron.data.tokenizer import load_tokenizer
+from sapo_megatron.config import RunConfig
+from sapo_megatron.data.loading import RunData, build_run_data
+from sapo_megatron.data.prompts import PromptRow
+from sapo_megatron.data.render import PromptRenderer
+from sapo_megatron.data.samples import SampleLog, resume_point
 from sapo_megatron.distill.config import check_domains_served, prompt_domains
 from sapo_megatron.distill.step import DistillStep
 from sapo_megatron.errors import UserError
@@ -28,7 +29,8 @@ from sapo_megatron.interrupts import InterruptGuard, print_line
 from sapo_megatron.megatron.parallel import RankInfo, init_parallel
 from sapo_megatron.megatron.train_step import TrainEngine
 from sapo_megatron.replay import needs_route_capture
-from sapo_megatron.rewards.registry import SafeReward, check_reward_available, get_reward
+from sapo_megatron.rewards.registry import check_reward_available
+from sapo_megatron.rewards.runner import RewardRunner, build_reward_runner
 from sapo_megatron.rollout.base import RolloutEngine
 from sapo_megatron.rollout.topology import Topology, resolve_topology
 from sapo_megatron.run_dir import RunStart, cleanup_failed_start, start_run
@@ -53,7 +55,7 @@ class Session:
     engine: TrainEngine
     rollout: RolloutEngine | None
     sync: WeightSync
-    reward: SafeReward
+    reward: RewardRunner
     tracker: Tracker
     guard: InterruptGuard
     bad_steps: BadStepGuard
@@ -61,12 +63,15 @@ class Session:
     _server: object | None = None
     distill: DistillStep | None = None
     teachers: Any = None  # distill.teachers.Teachers on the main rank of a run with teachers, else None
+    renderer: PromptRenderer | None = None  # prompt rows -> the ids the engine receives (data/render.py)
+    samples: SampleLog | None = None  # samples.jsonl (data/samples.py)
 
     @property
     def run_dir(self) -> Path:
         return self.start.run_dir
 
     def close(self) -> None:
+        self.reward.close()
         self.tracker.close()
         self.sync.close()
         if self.rollout is not None:
@@ -83,7 +88,12 @@ def open_session(cfg: RunConfig, *, mode: str) -> Iterator[Session]:
     session, and close it at the end. A fresh start that fails before its first step leaves nothing behind; a
     first SIGINT/SIGTERM/SIGUSR1 makes the loop stop after its current step (``session.guard``)."""
     check_input_files(cfg)
-    check_reward_available(cfg.algorithm.reward)
+    check_reward_available(cfg.algorithm.reward, kwargs=cfg.algorithm.reward_kwargs)
+    data, data_error = None, None
+    try:  # every row checked, the length policy applied: before any process group forms
+        data = build_run_data(cfg)
+    except UserError as exc:  # raised once the run's train.log is open (below), so the log records it
+        data_error = exc
     info = init_parallel(
         cfg.parallel,
         seed=cfg.seed,
@@ -96,22 +106,23 @@ def open_session(cfg: RunConfig, *, mode: str) -> Iterator[Session]:
         cleanup_failed_start(start, enabled=info.is_main),
         InterruptGuard(announce=print_line if info.is_main else None) as guard,
     ):
-        session = build_session(cfg, info, start, guard)
+        if data_error is not None:
+            raise data_error
+        session = build_session(cfg, info, start, guard, data)
         try:
             yield session
         finally:
             session.close()
 
 
-def build_session(cfg: RunConfig, info: RankInfo, start: RunStart, guard: InterruptGuard) -> Session:
+def build_session(
+    cfg: RunConfig, info: RankInfo, start: RunStart, guard: InterruptGuard, data: RunData
+) -> Session:
     """The pieces of a run, in order (the run directory exists: :func:`start_run` made it)."""
     run_dir = start.run_dir
     if info.is_main:
         cfg.save_resolved(run_dir / "config.yaml")
-    tokenizer = build_tokenizer(cfg)
-    train_rows, heldout_rows = build_prompts(cfg)
-    for rows, source in ((train_rows, cfg.data.train), (heldout_rows, cfg.data.heldout)):
-        check_encodable(rows, tokenizer, source, template=cfg.data.prompt_template)
+    tokenizer, train_rows, heldout_rows = data.tokenizer, data.train_rows, data.heldout_rows
     check_domains_served(cfg.teachers, train_rows, cfg.data.train)
     teachers = build_teachers_on_main(cfg, info, tokenizer)  # before the model: a bad teacher fails fast
     engine = TrainEngine(
@@ -121,8 +132,21 @@ def build_session(cfg: RunConfig, info: RankInfo, start: RunStart, guard: Interr
     )
     rollout, server, topology = build_rollout(cfg, info, engine, tokenizer, run_dir)
     sync = build_weight_sync(cfg, info, rollout, topology, tokenizer, run_dir)
-    reward = SafeReward(get_reward(cfg.algorithm.reward), cfg.algorithm.reward)
+    reward = build_reward_runner(
+        cfg.algorithm.reward,
+        workers=cfg.algorithm.reward_workers if info.is_main else 0,  # only the main rank scores
+        timeout_s=cfg.algorithm.reward_timeout_s,
+        kwargs=cfg.algorithm.reward_kwargs,
+    )
     tracker = Tracker(run_dir, enabled=info.is_main, resume_at=start.resume_at)
+    samples = SampleLog(
+        run_dir,
+        every=cfg.trainer.log_samples_every,
+        tokenizer=tokenizer,
+        enabled=info.is_main,
+        tracker=tracker,
+        resume_at=resume_point(start.checkpoint),
+    )
     return Session(
         cfg,
         info,
@@ -140,6 +164,8 @@ def build_session(cfg: RunConfig, info: RankInfo, start: RunStart, guard: Interr
         _server=server,
         distill=DistillStep(cfg, prompt_domains(train_rows)),
         teachers=teachers,
+        renderer=data.renderer,
+        samples=samples,
     )
 
 
@@ -155,36 +181,6 @@ def build_teachers_on_main(cfg: RunConfig, info: RankInfo, tokenizer):
 
     on_main_rank(info, build)
     return built[0] if built else None
-
-
-def build_tokenizer(cfg: RunConfig):
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
-    if tokenizer.vocab_size > cfg.model.arch.vocab_size:
-        raise ConfigError(
-            f"data.tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
-            f"{cfg.model.arch.vocab_size}; use a matching tokenizer or model"
-        )
-    return tokenizer
-
-
-def build_prompts(cfg: RunConfig) -> tuple[list[PromptRow], list[PromptRow]]:
-    data = cfg.data
-
-    def rows(source: str | None, split: str, size: int) -> list[PromptRow]:
-        if source is None:
-            return []
-        if source.startswith("synthetic:"):
-            tasks = source.removeprefix("synthetic:").split("+")
-            unknown = [task for task in tasks if task not in TASKS]
-            if unknown:
-                raise ConfigError(
-                    f"data source {source!r}: unknown synthetic task {unknown[0]!r}; the tasks are "
-                    f"{', '.join(TASKS)}, mixed with '+' (e.g. 'synthetic:addition+multiplication')"
-                )
-            return make_mixed_rows(tasks, size, digits=data.digits, split=split, seed=cfg.seed)
-        return load_prompts(source)
-
-    return rows(data.train, "train", data.train_size), rows(data.heldout, "heldout", data.heldout_size)
 
 
 def build_rollout(cfg: RunConfig, info: RankInfo, engine: TrainEngine, tokenizer, run_dir: Path):

@@ -23,6 +23,7 @@ import math
 import numbers
 import os
 import sys
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,7 @@ class Tracker:
         self.nonfinite_rows: dict[str, int] = {}
         """Phase → logged rows that held a non-finite value."""
         self._writers: dict[str, Any] = {}
+        self._writers_lock = threading.Lock()  # samples' text may come from the async rollout thread
         self._bar: tqdm | None = None
         self._bar_phase: str | None = None
         if not enabled:
@@ -109,6 +111,13 @@ class Tracker:
             self._bar.update(step - self._bar.n)  # the bar counts steps, not calls
         return nonfinite
 
+    def text(self, phase: str, tag: str, text: str, step: int) -> None:
+        """A text entry in TensorBoard (e.g. generated samples); nothing in ``metrics.jsonl``."""
+        if self.enabled and self.tensorboard:
+            writer = self._writer(phase)
+            writer.add_text(tag, text, step)
+            writer.flush()
+
     def message(self, text: str) -> None:
         """Print a line on the console without breaking the progress bar."""
         if self.enabled:
@@ -131,13 +140,14 @@ class Tracker:
 
     def _writer(self, phase: str):
         """The phase's TensorBoard writer, created on first use (with the resume's purge step)."""
-        if phase not in self._writers:
-            from torch.utils.tensorboard import SummaryWriter
+        with self._writers_lock:
+            if phase not in self._writers:
+                from torch.utils.tensorboard import SummaryWriter
 
-            purge_step = self.resume_at[phase] + 1 if phase in self.resume_at else None
-            log_dir = self.output_dir / TENSORBOARD_DIR / phase
-            self._writers[phase] = SummaryWriter(str(log_dir), purge_step=purge_step)
-        return self._writers[phase]
+                purge_step = self.resume_at[phase] + 1 if phase in self.resume_at else None
+                log_dir = self.output_dir / TENSORBOARD_DIR / phase
+                self._writers[phase] = SummaryWriter(str(log_dir), purge_step=purge_step)
+            return self._writers[phase]
 
     def _write_tensorboard(self, phase: str, step: int, values: Mapping[str, float | None]) -> None:
         if not self.tensorboard:

@@ -22,6 +22,7 @@ from sapo_megatron.megatron.loss_hook import LogprobOutput, PolicyLossHook, add_
 from sapo_megatron.megatron.sft import sft_loss
 from sapo_megatron.megatron.train_step import ReferenceModel, StepResult
 from sapo_megatron.replay import RoutingStep, route_layout
+from sapo_megatron.rewards.samples import score_sample_groups
 from sapo_megatron.rollout.collect import CollectSettings, RolloutBatch, collect
 from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
 from sapo_megatron.rollout_pipeline import RolloutPipeline
@@ -85,16 +86,8 @@ def run_sft(session: Session, state: LoopState) -> None:
 
 
 def _sft_micro_batches(session: Session, rows: list[PromptRow]):
-    tok = session.tokenizer
-    sequences = [
-        TrainSequence(encode_prompt(session, row), tok.encode(row.ground_truth, add_eos=True)) for row in rows
-    ]
+    sequences = [TrainSequence(*session.renderer.sft_ids(row)) for row in rows]  # loss on the target only
     return add_global_normalisers(_micro_batches(session, sequences))
-
-
-def encode_prompt(session: Session, row: PromptRow) -> list[int]:
-    text = session.cfg.data.prompt_template.format(prompt=row.prompt)
-    return session.tokenizer.encode(text, add_bos=session.tokenizer.bos_id is not None)
 
 
 def run_rl(session: Session, state: LoopState, prompts: PromptIterator) -> None:
@@ -238,9 +231,9 @@ def _rollout(session: Session, prompts: PromptIterator, step: int):
         session.rollout,
         rows,
         refill=prompts.take,
-        encode=lambda row: encode_prompt(session, row),
-        score=lambda sample, row: session.reward(
-            session.tokenizer.decode(sample.response_ids), row.ground_truth
+        encode=session.renderer.encode,
+        score_batch=lambda groups, rows: score_sample_groups(
+            session.reward, groups, rows, session.tokenizer.decode
         ),
         settings=settings,
         seed=cfg.seed * 7919 + step,
@@ -248,6 +241,7 @@ def _rollout(session: Session, prompts: PromptIterator, step: int):
     )
     session.reward.check_error_budget(cfg.algorithm.max_reward_error_frac)
     batch.metrics.update(session.reward.take_step_metrics())
+    session.samples.record(step + 1, batch)  # samples.jsonl every trainer.log_samples_every steps
     sequences = teacher.attach(_train_sequences(batch), batch)
     return sequences, batch.metrics, prompts.state_dict()
 
@@ -311,15 +305,13 @@ def _heldout_accuracy(session: Session) -> float | None:
         return None
     requests = [
         GenerationRequest(
-            prompt_ids=encode_prompt(session, row), n=1, sampling=_sampling(session, 0.0), group_id=i
+            prompt_ids=session.renderer.encode(row), n=1, sampling=_sampling(session, 0.0), group_id=i
         )
         for i, row in enumerate(session.heldout_rows)
     ]
     groups = session.rollout.generate(requests)
-    rewards = [
-        session.reward(session.tokenizer.decode(group[0].response_ids), row.ground_truth)
-        for group, row in zip(groups, session.heldout_rows)
-    ]
+    scores = score_sample_groups(session.reward, groups, session.heldout_rows, session.tokenizer.decode)
+    rewards = [group_scores[0] for group_scores in scores]
     session.reward.check_error_budget(session.cfg.algorithm.max_reward_error_frac)
     session.reward.take_step_metrics()  # held-out calls do not count towards the next RL step
     return sum(rewards) / len(rewards)

@@ -62,3 +62,13 @@ def test_hf_config_path_and_endpoints_file(tmp_path):
     (tmp_path / "config.json").unlink()
     with pytest.raises(ConfigError, match=f"model.hf_config: {tmp_path / 'config.json'} does not exist"):
         check_input_files(cfg)
+
+
+def test_a_dataset_may_be_a_directory_or_a_glob_of_shards(tmp_path):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    (shards / "train-00000.parquet").write_bytes(b"")
+    for train in (str(shards), str(shards / "train-*.parquet")):
+        check_input_files(config(data={"train": train, "heldout": None}))
+    with pytest.raises(ConfigError, match=r"data\.train: .*/nothing-\*\.parquet matches no file"):
+        check_input_files(config(data={"train": str(shards / "nothing-*.parquet"), "heldout": None}))

@@ -92,7 +92,7 @@ def preflight(plan: ComparePlan, *, overwrite: bool) -> None:
     # The first run's inputs: later runs read the exports of the teachers and the warm start, made later.
     first = plan.teachers[0] if plan.teachers else plan.warm_start or plan.arms[0]
     check_input_files(first.cfg)
-    check_reward_available(plan.base.algorithm.reward)
+    check_reward_available(plan.base.algorithm.reward, kwargs=plan.base.algorithm.reward_kwargs)
 
 
 def run_compare(

@@ -24,9 +24,16 @@ class DatasetError(UserError, ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class PromptRow:
-    prompt: str
+    """One prompt: ``prompt`` is text or a list of chat messages ``{role, content}``; ``domain`` is its source
+    (MOPD domain, per-source metrics); ``metadata`` goes to rewards as is; ``response`` is an SFT target;
+    ``prompt_ids`` are set when the length policy truncated the prompt (the ids the engine then receives)."""
+
+    prompt: str | list[dict[str, str]]
     ground_truth: str
     domain: str | None = None
+    metadata: Any = None
+    response: str | None = None
+    prompt_ids: tuple[int, ...] | None = None
 
 
 def load_prompts(path: str | Path) -> list[PromptRow]:
@@ -53,7 +60,9 @@ def save_jsonl(rows: Sequence[PromptRow], path: str | Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w") as f:
         for row in rows:
-            f.write(json.dumps(dataclasses.asdict(row)) + "\n")
+            record = {"prompt": row.prompt, "ground_truth": row.ground_truth, "domain": row.domain}
+            record.update({k: v for k in ("metadata", "response") if (v := getattr(row, k)) is not None})
+            f.write(json.dumps(record) + "\n")
     return path
 
 
@@ -226,6 +235,11 @@ class PromptIterator:
         self.position = int(state["position"])
 
 
+def fill_template(template: str, prompt: str) -> str:
+    """``template`` with each ``{prompt}`` replaced by ``prompt``; every other brace is literal (``\\boxed{}``)."""
+    return template.replace("{prompt}", prompt)
+
+
 def check_encodable(
     rows: Sequence[PromptRow], tokenizer: Any, source: str, *, template: str = "{prompt}"
 ) -> None:
@@ -243,7 +257,7 @@ def check_encodable(
         return
     for index, row in enumerate(rows):
         for field, text in (
-            ("prompt", template.format(prompt=row.prompt)),
+            ("prompt", fill_template(template, row.prompt) if isinstance(row.prompt, str) else ""),
             ("ground_truth", row.ground_truth),
         ):
             unknown = first_unknown(text)

@@ -202,6 +202,11 @@ class HFTokenizer:
     def vocab_size(self) -> int:
         return len(self._tok)
 
+    @property
+    def hf(self) -> Any:
+        """The transformers tokenizer itself (chat templates, batch encoding)."""
+        return self._tok
+
     def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
         ids = self._tok(text, add_special_tokens=False)["input_ids"]
         if add_bos and self.bos_id is not None:

@@ -2,9 +2,12 @@
 
 Extraction rule (:func:`extract_final_answer`), applied to the response and to the ground truth alike:
 
-1. if the text contains ``####``, the answer is what follows the last ``####`` (GSM8K style);
-2. else if it contains ``=``, the answer is what follows the last ``=`` ("12+34=46" -> "46");
-3. else the answer is the whole text.
+1. if the text contains a complete ``\\boxed{...}`` (balanced braces), the answer is the content of the *last*
+   one, and nothing after it counts (``\\boxed{3} ... wait, 4`` -> "3": the boxed answer is the one the response
+   committed to, as in verl's and slime's math rewards);
+2. else if it contains ``####``, the answer is what follows the last ``####`` (GSM8K style);
+3. else if it contains ``=``, the answer is what follows the last ``=`` ("12+34=46" -> "46");
+4. else the answer is the whole text.
 
 The candidate is cut at its first line break and stripped; runs of whitespace become one space and one trailing
 period is dropped. An empty answer counts as no answer (reward 0).
@@ -23,9 +26,31 @@ _NUMBER = re.compile(
 )
 
 
+def last_boxed(text: str) -> str | None:
+    """The content of the last ``\\boxed{...}`` of ``text`` with balanced braces (``\\boxed {x}`` too), or None
+    when there is none or it is not closed. verl's ``math_dapo.last_boxed_only_string`` finds the same one."""
+    start = text.rfind("\\boxed")
+    while start >= 0:
+        brace = start + len("\\boxed")
+        while brace < len(text) and text[brace] == " ":
+            brace += 1
+        if brace < len(text) and text[brace] == "{":
+            depth = 0
+            for end in range(brace, len(text)):
+                depth += {"{": 1, "}": -1}.get(text[end], 0)
+                if depth == 0:
+                    return text[brace + 1 : end]
+            return None
+        start = text.rfind("\\boxed", 0, start)
+    return None
+
+
 def extract_final_answer(text: str) -> str | None:
     """The final answer of ``text`` by the rule in the module docstring, or None if there is none."""
-    if "####" in text:
+    boxed = last_boxed(text)
+    if boxed is not None:
+        candidate = boxed
+    elif "####" in text:
         candidate = text.rsplit("####", 1)[1]
     elif "=" in text:
         candidate = text.rsplit("=", 1)[1]
@@ -49,17 +74,17 @@ def extract_last_number(text: str) -> float | None:
         return None
 
 
-def exact_match(response: str, ground_truth: str) -> float:
+def exact_match(response: str, label: str) -> float:
     """1.0 when the extracted answers are equal as strings (case-sensitive), else 0.0."""
     predicted = extract_final_answer(response)
-    expected = extract_final_answer(ground_truth)
+    expected = extract_final_answer(label)
     return 1.0 if predicted is not None and predicted == expected else 0.0
 
 
-def numeric_match(response: str, ground_truth: str, *, rel_tol: float = 0.0, abs_tol: float = 1e-6) -> float:
+def numeric_match(response: str, label: str, *, rel_tol: float = 0.0, abs_tol: float = 1e-6) -> float:
     """1.0 when the last numbers of the extracted answers agree within ``rel_tol`` / ``abs_tol``, else 0.0."""
     predicted_text = extract_final_answer(response)
-    expected_text = extract_final_answer(ground_truth)
+    expected_text = extract_final_answer(label)
     if predicted_text is None or expected_text is None:
         return 0.0
     predicted = extract_last_number(predicted_text)

@@ -4,22 +4,24 @@ keeps a crashing reward from stopping training – up to a per-step error budget
 from __future__ import annotations
 
 import logging
-import math
 import threading
 from collections.abc import Callable
 from typing import Protocol
 
 from sapo_megatron.errors import UserError
 from sapo_megatron.rewards.answers import exact_match, numeric_match
+from sapo_megatron.rewards.calling import to_output
+from sapo_megatron.rewards.code_exec import code_exec
+from sapo_megatron.rewards.dapo import dapo_math
 from sapo_megatron.rewards.math_verify_reward import INSTALL_HINT, math_verify_available, math_verify_reward
 
 logger = logging.getLogger(__name__)
 
 
 class RewardFn(Protocol):
-    """Scores one decoded response against its ground truth; returns a float (usually 0.0 or 1.0)."""
+    """Scores one decoded response against its label; returns a float or a dict with ``score``."""
 
-    def __call__(self, response: str, ground_truth: str) -> float: ...
+    def __call__(self, response: str, label: str) -> float: ...
 
 
 class RewardError(UserError, RuntimeError):
@@ -62,19 +64,32 @@ def available_rewards() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def check_reward_available(name: str) -> None:
-    """Raise :class:`~sapo_megatron.config.ConfigError` (about ``algorithm.reward``) when ``name`` is not a
-    registered reward or a package it needs is missing, so that a run never scores every sample 0."""
+def check_reward_available(name, *, field: str = "algorithm.reward", kwargs=None) -> None:
+    """Raise :class:`~sapo_megatron.config.ConfigError` (about ``field``) when ``name`` is not a registered
+    reward or a package it needs is missing, so that a run never scores every sample 0. Import paths and remote
+    specs go through :func:`~sapo_megatron.rewards.runner.check_reward_spec` (importable, callable, signature)."""
     from sapo_megatron.config import ConfigError
 
+    if not isinstance(name, str) or ":" in name:
+        from sapo_megatron.rewards.runner import check_reward_spec
+
+        check_reward_spec(name, field=field, kwargs=kwargs)
+        return
     if name not in _REGISTRY:
         raise ConfigError(
-            f"algorithm.reward={name!r} is not a registered reward; registered: "
-            + ", ".join(available_rewards())
+            f"{field}={name!r} is not a registered reward (or an import path 'file.py:fn' / 'pkg.mod:fn'); "
+            "registered: " + ", ".join(available_rewards())
         )
     missing = _MISSING_DEPENDENCY.get(name, lambda: None)()
     if missing:
-        raise ConfigError(f"algorithm.reward={name!r} cannot run here: {missing}")
+        raise ConfigError(f"{field}={name!r} cannot run here: {missing}")
+    if kwargs:
+        from sapo_megatron.rewards.loading import RewardSpecError, check_signature
+
+        try:
+            check_signature(_REGISTRY[name], kwargs)
+        except RewardSpecError as exc:
+            raise ConfigError(f"{field}={name!r}: {exc}") from None
 
 
 register_reward("exact_match")(exact_match)
@@ -82,6 +97,8 @@ register_reward("numeric_match")(numeric_match)
 register_reward("math_verify", missing_dependency=lambda: None if math_verify_available() else INSTALL_HINT)(
     math_verify_reward
 )
+register_reward("dapo_math")(dapo_math)
+register_reward("code_exec")(code_exec)
 
 
 class SafeReward:
@@ -107,10 +124,10 @@ class SafeReward:
             self.calls += 1
             self._step_calls += 1
         try:
-            value = float(self.fn(response, ground_truth))
-            if not math.isfinite(value):
-                raise ValueError(f"reward {self.name} returned {value}")
-            return value
+            output = to_output(self.fn(response, ground_truth))
+            if output.error is not None:
+                raise ValueError(f"reward {self.name}: {output.error}")
+            return output.score
         except Exception as exc:
             self._count_error(exc)
             return 0.0

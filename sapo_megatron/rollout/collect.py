@@ -50,6 +50,8 @@ class RolloutBatch:
 
 Encode = Callable[[PromptRow], list[int]]
 Score = Callable[[Sample, PromptRow], float]
+BatchScore = Callable[[list[list[Sample]], Sequence[PromptRow]], list[list[float]]]
+"""Scores ``[groups][n]`` of a whole generation round at once (e.g. one reward-pool call)."""
 Refill = Callable[[int], Sequence[PromptRow]]
 """``refill(n)``: the next ``n`` prompts of the data order (e.g. ``PromptIterator.take``); fewer when the data
 runs out."""
@@ -76,11 +78,15 @@ def generate_groups(
     return engine.generate(requests)
 
 
+def per_sample(score: Score) -> BatchScore:
+    return lambda groups, prompts: [[score(s, row) for s in group] for group, row in zip(groups, prompts)]
+
+
 def score_groups(
-    groups: list[list[Sample]], prompts: Sequence[PromptRow], score: Score, settings: CollectSettings
+    groups: list[list[Sample]], prompts: Sequence[PromptRow], score: BatchScore, settings: CollectSettings
 ):
     """Rewards ``[groups, n]``, plus the DAPO soft overlong penalty when configured."""
-    rewards = torch.tensor([[score(s, row) for s in group] for group, row in zip(groups, prompts)])
+    rewards = torch.tensor(score(groups, prompts), dtype=torch.float32).reshape(len(groups), -1)
     if settings.overlong_cache_len:
         lengths = torch.tensor([[len(s.response_ids) for s in group] for group in groups])
         rewards = rewards + overlong_penalty(
@@ -95,10 +101,11 @@ def collect(
     *,
     refill: Refill,
     encode: Encode,
-    score: Score,
+    score: Score | None = None,
     settings: CollectSettings,
     seed: int,
     on_generated: OnGenerated | None = None,
+    score_batch: BatchScore | None = None,
 ) -> RolloutBatch:
     """Generate and score one batch of ``len(prompts)`` groups.
 
@@ -106,11 +113,13 @@ def collect(
     are dropped unscored, and counted in ``rollout/aborted_groups``. With dynamic sampling, groups whose rewards
     are all equal (zero advantage everywhere) are dropped too. Dropped groups are replaced by groups of exactly
     as many fresh prompts from ``refill`` (the data order continues: no prompt is skipped), for at most
-    ``max_refills`` extra rounds. If the batch is then still short, the all-equal groups fill it (zero
+    ``max_refills`` extra rounds. Rewards come from ``score_batch`` (one call per generation round) or, per
+    sample, from ``score``. If the batch is then still short, the all-equal groups fill it (zero
     advantage; ``rollout/kept_group_frac`` says so); aborted groups never do: :class:`RolloutError` if the
     batch cannot be completed without them.
     """
     start, wanted = time.perf_counter(), len(prompts)
+    score_round = score_batch if score_batch is not None else per_sample(score)
     pool = _GroupPool()
     batch_prompts, rounds = prompts, 0
     while batch_prompts:
@@ -118,7 +127,7 @@ def collect(
         rounds += 1
         if on_generated is not None:
             on_generated(batch_prompts, groups)
-        pool.add(batch_prompts, groups, score, settings)
+        pool.add(batch_prompts, groups, score_round, settings)
         if len(pool.informative) >= wanted or rounds > settings.max_refills:
             break
         batch_prompts = list(refill(wanted - len(pool.informative)))
@@ -154,7 +163,7 @@ class _GroupPool:
         self,
         prompts: Sequence[PromptRow],
         groups: list[list[Sample]],
-        score: Score,
+        score: BatchScore,
         settings: CollectSettings,
     ) -> None:
         complete = []

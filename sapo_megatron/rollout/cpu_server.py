@@ -181,6 +181,9 @@ class CPUServer:
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
+        self._tokenizer_path = (
+            None if tokenizer is None else str(getattr(tokenizer, "directory", engine.model_path))
+        )
         self.api_key = api_key
         self.batcher = _Batcher(engine, batch_window_s, engine.max_batch_size)
         self.weights = WeightEndpoints(engine, dist_timeout_s=dist_timeout_s)
@@ -191,6 +194,12 @@ class CPUServer:
         self._serving = False
         self._closed = False
         self._stop_lock = threading.Lock()
+
+    @property
+    def tokenizer_path(self) -> str | None:
+        """Where the tokenizer was loaded from (the model directory at start), as SGLang reports it; None
+        without one."""
+        return self._tokenizer_path
 
     @property
     def url(self) -> str:
@@ -274,7 +283,7 @@ class CPUServer:
 
     # ------------------------------------------------------------------ endpoints
     def generate(self, body: dict[str, Any]) -> Any:
-        rows, echo, batched = _parse_generate(body)
+        rows, echo, batched = _parse_generate(self._with_input_ids(body))
         for row in rows:
             try:
                 self.engine.validate_row(row)
@@ -310,6 +319,25 @@ class CPUServer:
             meta["routed_experts"] = encode_routed_experts(res.routed_experts)
         return {"text": self._text(res.output_ids), "output_ids": res.output_ids, "meta_info": meta}
 
+    def _with_input_ids(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A ``text`` request as ``input_ids``: encoded as SGLang's tokenizer manager does, with the tokenizer's
+        own special tokens (``tokenizer(text)``; the char tokenizer's HF export prepends ``<bos>``)."""
+        text = body.get("text")
+        if text is None:
+            return body
+        if self.tokenizer is None:
+            raise BadRequest("this server has no tokenizer: send input_ids, not text")
+        if body.get("input_ids") is not None:
+            raise BadRequest("send either text or input_ids, not both")
+        texts = text if isinstance(text, list) else [text]
+        if not texts or not all(isinstance(t, str) for t in texts):
+            raise BadRequest("text must be a string or a non-empty list of strings")
+        try:
+            ids = [_encode_text(self.tokenizer, t) for t in texts]
+        except ValueError as exc:  # e.g. a character the char tokenizer lacks
+            raise BadRequest(str(exc)) from exc
+        return {**body, "text": None, "input_ids": ids if isinstance(text, list) else ids[0]}
+
     def _text(self, ids: list[int]) -> str:
         """Decoded output for humans; token ids are the contract, so ids the tokenizer lacks give ""."""
         if self.tokenizer is None:
@@ -327,7 +355,7 @@ class CPUServer:
     def model_info(self) -> dict[str, Any]:
         return {
             **self.engine.model_info(),
-            "tokenizer_path": None,
+            "tokenizer_path": self.tokenizer_path,
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": self.weights.weight_version,
@@ -338,7 +366,7 @@ class CPUServer:
         host, port = self._httpd.server_address[:2]
         return {
             "model_path": self.engine.model_path,
-            "tokenizer_path": None,
+            "tokenizer_path": self.tokenizer_path,
             "served_model_name": self.engine.model_path,
             "host": host,
             "port": port,
@@ -453,9 +481,25 @@ def _parse_generate(body: dict[str, Any]) -> tuple[list[RowSpec], list[dict[str,
 
 
 def _load_tokenizer(model_dir: Path) -> Any:
-    from sapo_megatron.data.tokenizer import TOKENIZER_FILE, CharTokenizer
+    """The model directory's tokenizer: the char tokenizer, else an HF tokenizer (one this project cannot use is
+    skipped with a warning), else None (ids only)."""
+    from sapo_megatron.data.tokenizer import HF_TOKENIZER_FILES, TOKENIZER_FILE, CharTokenizer, HFTokenizer
 
-    return CharTokenizer.load(model_dir) if (model_dir / TOKENIZER_FILE).is_file() else None
+    if (model_dir / TOKENIZER_FILE).is_file():
+        return CharTokenizer.load(model_dir)
+    if any((model_dir / name).is_file() for name in HF_TOKENIZER_FILES):
+        try:
+            return HFTokenizer(model_dir)
+        except UserError as exc:  # e.g. no eos token: serve token ids only, as without a tokenizer
+            logger.warning("serving %s without its tokenizer (input_ids only): %s", model_dir, exc)
+    return None
+
+
+def _encode_text(tokenizer: Any, text: str) -> list[int]:
+    hf = getattr(tokenizer, "hf", None)
+    if hf is not None:
+        return hf(text)["input_ids"]
+    return tokenizer.encode(text, add_bos=True)
 
 
 def serve(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -92,6 +92,7 @@ class Sample:
     rollout_logp: list[float]
     finish_reason: FinishReason
     routed_experts: np.ndarray | None = None
+    reward_fields: dict[str, Any] = dataclasses.field(default_factory=dict)  # the reward's extra fields
 
     def __post_init__(self) -> None:
         where = f"Sample(group_id={self.group_id}, sample_index={self.sample_index})"

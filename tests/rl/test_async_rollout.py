@@ -57,6 +57,7 @@ def config_for(tmp_path: Path, problems: dict[str, str], **overrides) -> Path:
         "trainer.eval_every": 10,
         "trainer.async_rollout": True,
         "trainer.export_hf": False,
+        "trainer.log_samples_every": 1,
         **overrides,
     }
     return write_config(tmp_path / "run.yaml", problems, **settings)
@@ -112,6 +113,10 @@ def test_sigint_with_a_batch_in_flight_then_resume_is_exact(tmp_path, problems, 
     for step, values in uninterrupted.items():
         assert resumed[step] == pytest.approx(values, rel=1e-6), step
     assert compared(run)[11]["rollout/staleness"] == 1.0  # the resumed run trained the saved batch
+    # samples.jsonl: each step once, step 11's (written before the interrupt, from the saved batch) kept
+    samples = (run / "samples.jsonl").read_text().splitlines()
+    assert samples == (straight / "samples.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in samples][::4] == list(range(1, 21))
 
 
 def test_a_rollout_failing_in_the_background_stops_the_run_with_its_message(tmp_path, problems):

@@ -51,6 +51,7 @@ def config_for(tmp_path: Path, data_files) -> Path:  # noqa: F811
     if not teacher.is_dir():
         make_teacher(teacher, sharpen=4.0)
     settings = {"trainer.steps": 6, "trainer.save_every": 3, "sft.steps": 10, "algorithm.fusion": SAF}
+    settings["trainer.log_samples_every"] = 1
     settings["teachers"] = [{"name": "t", "model_path": str(teacher)}]
     return write_config(tmp_path / "run.yaml", data_files, **settings)
 
@@ -102,7 +103,11 @@ def test_resume_after_a_crash_while_writing_a_checkpoint(tmp_path, data_files, s
     checkpoints = tmp_path / "run" / "checkpoints"
     assert (checkpoints / "latest").read_text().strip() == "step_000003"  # the interrupted save never counts
     assert not (checkpoints / "step_000006").exists()
+    samples = tmp_path / "run" / "samples.jsonl"
+    assert [json.loads(line)["step"] for line in samples.read_text().splitlines()][::4] == [1, 2, 3, 4, 5, 6]
     train(config, "--resume")
+    # the samples of steps 4-6 written before the crash went with the resume: each step once, as in metrics
+    assert [json.loads(line)["step"] for line in samples.read_text().splitlines()][::4] == [1, 2, 3, 4, 5, 6]
     assert rl_rows(tmp_path / "run") == straight
     assert (checkpoints / "latest").read_text().strip() == "step_000006"
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())

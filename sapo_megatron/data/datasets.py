@@ -1,0 +1,383 @@
+"""Prompt datasets as users have them: jsonl, parquet, a directory or glob of parquet / jsonl shards, with the
+column names of this project, of verl or of slime, or the user's own.
+
+:class:`DatasetKeys` says where each field of a :class:`~sapo_megatron.data.prompts.PromptRow` is found. A key is
+a column name or a dotted path into nested columns (``reward_model.ground_truth``). ``format`` presets the keys:
+
+=======  ========  ==========================  ===============  ============
+format   prompt    label                       source (domain)  metadata
+=======  ========  ==========================  ===============  ============
+plain    prompt    ground_truth                domain           –
+verl     prompt    reward_model.ground_truth   data_source      extra_info
+slime    input     label                       –                metadata
+=======  ========  ==========================  ===============  ============
+
+(``response_key``, an SFT target, has no preset.)
+
+verl's layout is its RL dataset's (``verl/utils/dataset/rl_dataset.py``: ``prompt`` is a list of chat messages,
+``reward_model: {ground_truth, style}``, ``data_source``, ``extra_info``); slime's are the defaults of its
+``--input-key`` (``input``) and ``--metadata-key`` (``metadata``) in ``slime/utils/arguments.py``, and the
+``label`` its examples pass as ``--label-key`` (which has no default there). ``auto`` (the default)
+picks ``verl`` for a file whose first row has ``reward_model.ground_truth`` and ``data_source``, else ``plain``;
+:func:`read_dataset` reports the choice per file. A key set explicitly wins over the preset's.
+
+A prompt is a string, or a list of ``{role, content}`` messages (rendered by the tokenizer's chat template, see
+:mod:`sapo_megatron.data.render`). A label that is a number is read as its decimal text; a list or object (code
+tests, say) as its JSON text. A bad row names the file, the row (jsonl: ``file:line``; parquet: ``file row i``)
+and the field.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from sapo_megatron.data.prompts import DatasetError, PromptRow, _jsonl_lines, _relative_hint
+
+Format = Literal["auto", "plain", "verl", "slime"]
+KEY_FIELDS = ("prompt_key", "label_key", "source_key", "metadata_key", "response_key")
+
+PRESETS: dict[str, dict[str, str | None]] = {
+    "plain": {
+        "prompt_key": "prompt",
+        "label_key": "ground_truth",
+        "source_key": "domain",
+        "metadata_key": None,
+        "response_key": None,
+    },
+    "verl": {
+        "prompt_key": "prompt",
+        "label_key": "reward_model.ground_truth",
+        "source_key": "data_source",
+        "metadata_key": "extra_info",
+        "response_key": None,
+    },
+    "slime": {
+        "prompt_key": "input",
+        "label_key": "label",
+        "source_key": None,
+        "metadata_key": "metadata",
+        "response_key": None,
+    },
+}
+"""The keys each ``format`` stands for (a key set in the config replaces its preset's)."""
+
+SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+class DatasetKeys(BaseModel):
+    """Where a dataset's fields are and how its prompts become token ids (``data.*``; evaluation datasets reuse
+    these keys). ``None`` keys take the value of the ``format`` preset."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    format: Format = Field(
+        default="auto",
+        description="key preset: plain (prompt / ground_truth / domain), verl (prompt messages, "
+        "reward_model.ground_truth, data_source, extra_info), slime (input / label / metadata), or auto: verl "
+        "when a file has reward_model.ground_truth and data_source, else plain",
+    )
+    prompt_key: str | None = Field(
+        default=None, description="the prompt: a string or a list of chat messages"
+    )
+    label_key: str | None = Field(
+        default=None, description="the reward's label, a dotted path into nested columns allowed"
+    )
+    source_key: str | None = Field(
+        default=None, description="the source (MOPD domain, per-source metrics), e.g. data_source"
+    )
+    metadata_key: str | None = Field(default=None, description="handed to rewards as is (e.g. test cases)")
+    response_key: str | None = Field(default=None, description="an SFT target (default: the label)")
+    apply_chat_template: bool = Field(
+        default=False,
+        description="render prompts with the HF tokenizer's chat template (add_generation_prompt=True); a "
+        "string prompt becomes one user message",
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="extra variables of the chat template, e.g. {enable_thinking: false} for Qwen3",
+    )
+    system_prompt: str | None = Field(
+        default=None,
+        description="with apply_chat_template: a system message put first (unless a row has one)",
+    )
+    prompt_template: str = Field(
+        default="{prompt}",
+        description="text prompts (and chat-template user messages): '{prompt}' is replaced by the prompt, "
+        "every other character is literal",
+    )
+    max_prompt_tokens: int | None = Field(
+        default=None, ge=1, description="longest prompt in tokens, as the engine receives it"
+    )
+    overlong_prompts: Literal["error", "filter", "truncate_left"] = Field(
+        default="error",
+        description="a prompt over max_prompt_tokens: stop with its row named (error), drop it (filter) or keep "
+        "its last max_prompt_tokens tokens (truncate_left)",
+    )
+
+    @model_validator(mode="after")
+    def _check_chat_settings(self) -> DatasetKeys:
+        if not self.apply_chat_template:
+            for name in ("system_prompt", "chat_template_kwargs"):
+                if getattr(self, name):
+                    raise ValueError(
+                        f"data.{name} is used by the chat template only: set data.apply_chat_template: true "
+                        f"or drop data.{name}"
+                    )
+        return self
+
+    def resolved(self, fmt: str) -> dict[str, str | None]:
+        """The keys for one file read as ``fmt`` (not ``auto``): the preset's, replaced by the ones set here."""
+        keys = dict(PRESETS[fmt])
+        for name in KEY_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                keys[name] = value
+        return keys
+
+
+@dataclass
+class FileReport:
+    """What :func:`read_dataset` did with one file."""
+
+    path: Path
+    format: str
+    why: str
+    rows: int
+
+
+@dataclass
+class Dataset:
+    """The rows of a dataset source (one path, directory or glob) and how each file was read."""
+
+    source: str
+    rows: list[PromptRow]
+    files: list[FileReport] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def counts_by_source(self) -> dict[str, int]:
+        """Rows per source (``data.source_key``); rows without one count under ``"-"``."""
+        return dict(sorted(Counter(row.domain or "-" for row in self.rows).items()))
+
+    def describe(self) -> list[str]:
+        """Lines for the console: each file's format (and why), rows per source, the time taken."""
+        if len(self.files) <= 4:
+            lines = [f"  {r.path}: {r.rows} rows, format {r.format} ({r.why})" for r in self.files]
+        else:  # many shards: one line per format
+            kinds = Counter((r.format, r.why) for r in self.files)
+            lines = [f"  {n} files, format {fmt} ({why})" for (fmt, why), n in kinds.items()]
+        counts = ", ".join(f"{name}: {n}" for name, n in self.counts_by_source().items())
+        lines.append(f"  {len(self.rows)} rows in {self.seconds:.2f} s; per source: {counts}")
+        return lines
+
+
+def load_dataset(path: str | Path, keys: DatasetKeys) -> list[PromptRow]:
+    """The rows of ``path`` (a .jsonl / .parquet file, a directory of them, or a glob), read with ``keys``."""
+    return read_dataset(path, keys).rows
+
+
+def read_dataset(path: str | Path, keys: DatasetKeys) -> Dataset:
+    """:func:`load_dataset` with the report of what was read (per-file format, rows, time)."""
+    started = time.perf_counter()
+    rows: list[PromptRow] = []
+    reports = []
+    for file in dataset_files(path):
+        records = list(_records(file))
+        if not records:
+            raise DatasetError(f"{file}: no rows (the file is empty or holds only blank lines)")
+        fmt, why = _choose_format(keys, *records[0])
+        resolved = keys.resolved(fmt)
+        rows.extend(_row(record, where, resolved) for where, record in records)
+        reports.append(FileReport(file, fmt, why, len(records)))
+    return Dataset(str(path), rows, reports, time.perf_counter() - started)
+
+
+def dataset_files(path: str | Path) -> list[Path]:
+    """The files of a dataset source: the file itself, a directory's ``*.parquet`` / ``*.jsonl`` files, or the
+    files a glob matches, in sorted order."""
+    text = str(path)
+    if any(char in text for char in "*?["):
+        files = sorted(Path(p) for p in glob.glob(text, recursive=True) if Path(p).is_file())
+        if not files:
+            raise DatasetError(f"{text}: the pattern matches no file" + _relative_hint(Path(text)))
+    elif Path(text).is_dir():
+        files = sorted(p for p in Path(text).iterdir() if p.is_file() and p.suffix.lower() in SUFFIXES)
+        if not files:
+            raise DatasetError(f"{text} is a directory without .parquet or .jsonl files")
+    elif Path(text).is_file():
+        files = [Path(text)]
+    else:
+        raise DatasetError(f"{text}: no such file" + _relative_hint(Path(text)))
+    for file in files:
+        if file.suffix.lower() not in SUFFIXES:
+            raise DatasetError(
+                f"{file}: unknown prompt file type {file.suffix!r} (expected .jsonl or .parquet)"
+            )
+    return files
+
+
+def row_location(source: str | Path, index: int) -> str:
+    """Where row ``index`` of a dataset source is: ``file:line`` (jsonl) or ``file row i`` (parquet); a source
+    that is no file (``synthetic:...``) gives ``source row index``. Reads the files again: for error messages."""
+    try:
+        files = dataset_files(source)
+    except DatasetError:
+        return f"{source} row {index}"
+    for file in files:
+        for where, _ in _records(file):
+            if index == 0:
+                return where
+            index -= 1
+    return f"{source} row {index}"
+
+
+def _records(path: Path) -> Iterator[tuple[str, Any]]:
+    """``(where, record)`` of each row: ``where`` is ``file:line`` (jsonl) or ``file row i`` (parquet)."""
+    if path.suffix.lower() == ".parquet":
+        for index, record in enumerate(_parquet_records(path)):
+            yield f"{path} row {index}", record
+        return
+    for line_no, line in _jsonl_lines(path):
+        where = f"{path}:{line_no}"
+        try:
+            yield where, json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
+
+
+def _parquet_records(path: Path) -> list[dict[str, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as exc:
+        raise DatasetError(
+            f"{path}: reading parquet needs pyarrow: pip install 'sapo-megatron[parquet]'"
+        ) from exc
+    try:
+        return pq.read_table(path).to_pylist()
+    except Exception as exc:  # pyarrow raises several types for corrupt files
+        raise DatasetError(f"{path}: cannot read parquet: {exc}") from exc
+
+
+def _choose_format(keys: DatasetKeys, where: str, first: Any) -> tuple[str, str]:
+    """The format of a file and why (``auto`` looks at its first row)."""
+    if keys.format != "auto":
+        return keys.format, "data.format"
+    if isinstance(first, dict):
+        if _has(first, "reward_model.ground_truth") and "data_source" in first:
+            return "verl", "auto: it has reward_model.ground_truth and data_source"
+        if "prompt" in first and "ground_truth" in first:
+            return "plain", "auto: it has prompt and ground_truth"
+    if keys.prompt_key is not None and keys.label_key is not None:
+        return "plain", "auto: data.prompt_key and data.label_key given"
+    columns = (
+        ", ".join(sorted(first)) if isinstance(first, dict) else f"a {type(first).__name__}, not an object"
+    )
+    raise DatasetError(
+        f"{where}: cannot tell the file's format (first row's fields: {columns or 'none'}); auto knows verl "
+        "(reward_model.ground_truth, data_source) and plain (prompt, ground_truth)",
+        hint="set data.format (plain, verl, slime) or the keys data.prompt_key and data.label_key",
+    )
+
+
+_MISSING = object()
+
+
+def _has(record: dict[str, Any], dotted: str) -> bool:
+    return _lookup(record, dotted) is not _MISSING
+
+
+def _lookup(record: Any, dotted: str) -> Any:
+    value = record
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return _MISSING
+        value = value[part]
+    return value
+
+
+def _row(record: Any, where: str, keys: dict[str, str | None]) -> PromptRow:
+    if not isinstance(record, dict):
+        raise DatasetError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    prompt = _prompt(record, where, keys["prompt_key"])
+    label = _label(_required(record, where, keys["label_key"], "label_key"), where, keys["label_key"])
+    domain = _optional(record, keys["source_key"])
+    if domain is not None and not isinstance(domain, str):
+        raise DatasetError(
+            f"{where}: field {keys['source_key']!r} (the source) must be a string or null, got "
+            f"{type(domain).__name__}"
+        )
+    response = _optional(record, keys["response_key"])
+    if response is not None and not isinstance(response, str):
+        raise DatasetError(
+            f"{where}: field {keys['response_key']!r} (the response) must be a string, got {type(response).__name__}"
+        )
+    return PromptRow(
+        prompt=prompt,
+        ground_truth=label,
+        domain=domain,
+        metadata=_optional(record, keys["metadata_key"]),
+        response=response,
+    )
+
+
+def _required(record: dict[str, Any], where: str, key: str | None, setting: str) -> Any:
+    if key is None:
+        raise DatasetError(f"{where}: no data.{setting} set for this format")
+    value = _lookup(record, key)
+    if value is _MISSING:
+        fields = ", ".join(sorted(record)) or "none"
+        raise DatasetError(
+            f"{where}: missing field {key!r} (data.{setting}; the row has: {fields})",
+            hint=f"set data.{setting} to the field that holds it, or data.format to the dataset's layout",
+        )
+    return value
+
+
+def _optional(record: dict[str, Any], key: str | None) -> Any:
+    if key is None:
+        return None
+    value = _lookup(record, key)
+    return None if value is _MISSING else value
+
+
+def _prompt(record: dict[str, Any], where: str, key: str | None) -> str | list[dict[str, str]]:
+    value = _required(record, where, key, "prompt_key")
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value:
+        for index, message in enumerate(value):
+            if not (
+                isinstance(message, dict)
+                and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)
+            ):
+                raise DatasetError(
+                    f"{where}: field {key!r} message {index} must be an object with string 'role' and "
+                    f"'content', got {message!r:.80}"
+                )
+        return [{"role": m["role"], "content": m["content"]} for m in value]
+    raise DatasetError(
+        f"{where}: field {key!r} (the prompt) must be a string or a non-empty list of {{role, content}} "
+        f"messages, got {type(value).__name__}"
+    )
+
+
+def _label(value: Any, where: str, key: str | None) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool) or value is None:
+        raise DatasetError(
+            f"{where}: field {key!r} (the label) must be a string, a number, a list or an object, got "
+            f"{type(value).__name__}"
+        )
+    if isinstance(value, int | float):
+        return str(value)
+    return json.dumps(value)

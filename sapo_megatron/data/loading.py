@@ -1,0 +1,143 @@
+"""The prompt data of a run, built before any process group exists (``train`` and ``train --dry-run`` alike):
+tokenizer, prompt renderer, training and held-out rows, each row's schema checked and the prompt-length policy
+applied, with what was read and done reported on the console.
+
+Without ``data.max_prompt_tokens`` a prompt must still fit the model's context with the longest response:
+``model max_position_embeddings - rollout.max_new_tokens`` tokens (what the rollout engine would refuse later).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from sapo_megatron.data.datasets import Dataset, read_dataset
+from sapo_megatron.data.prompts import PromptRow, check_encodable
+from sapo_megatron.data.render import PromptRenderer, apply_length_policy
+from sapo_megatron.data.synthetic import TASKS, make_mixed_rows
+from sapo_megatron.data.tokenizer import load_tokenizer
+
+
+@dataclass
+class RunData:
+    """What :func:`build_run_data` built; ``report`` holds the console lines it printed (or would have)."""
+
+    tokenizer: Any
+    renderer: PromptRenderer
+    train_rows: list[PromptRow]
+    heldout_rows: list[PromptRow]
+    report: list[str] = field(default_factory=list)
+    length_counts: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+def build_run_data(cfg: Any, *, verbose: bool = False, log: Any = None) -> RunData:
+    """Tokenizer, renderer and rows of ``cfg`` (a :class:`~sapo_megatron.config.RunConfig`). Prints the report
+    on rank 0 (``log``, default ``print``): rows kept, filtered and truncated, each file's format; ``verbose`` (the
+    dry run) adds rows per source and the time taken."""
+    data = cfg.data
+    tokenizer = build_tokenizer(cfg)
+    renderer = PromptRenderer(tokenizer, data)
+    out = RunData(tokenizer, renderer, [], [])
+    limit, reason = _context_limit(cfg)
+    for split, source, size in (
+        ("train", data.train, data.train_size),
+        ("heldout", data.heldout, data.heldout_size),
+    ):
+        if source is None:
+            continue
+        started = time.perf_counter()
+        rows, dataset = _rows(cfg, source, split, size)
+        check_encodable(rows, tokenizer, source, template=data.prompt_template)
+        read_s = time.perf_counter() - started
+        rows, counts = apply_length_policy(rows, renderer, data, source, limit=limit, limit_reason=reason)
+        lengths_s = time.perf_counter() - started - read_s
+        setattr(out, f"{split}_rows", rows)
+        out.length_counts[split] = counts
+        out.report.extend(_report(f"data.{split}", source, dataset, counts, read_s, lengths_s, verbose))
+    if os.environ.get("RANK", "0") == "0":
+        for line in out.report:
+            (log or _print)(line)
+    return out
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)
+
+
+def build_tokenizer(cfg: Any):
+    """``data.tokenizer``, refused when it has more tokens than the model's vocabulary."""
+    from sapo_megatron.config import ConfigError
+
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    if tokenizer.vocab_size > cfg.model.arch.vocab_size:
+        raise ConfigError(
+            f"data.tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
+            f"{cfg.model.arch.vocab_size}; use a matching tokenizer or model"
+        )
+    return tokenizer
+
+
+def _context_limit(cfg: Any) -> tuple[int, str | None]:
+    """The longest prompt the rollout engine takes, and where the limit comes from (None: data.max_prompt_tokens)."""
+    from sapo_megatron.config import ConfigError
+
+    context = cfg.model.arch.max_position_embeddings
+    new_tokens = cfg.rollout.max_new_tokens
+    limit = context - new_tokens
+    if limit < 1:
+        raise ConfigError(
+            f"rollout.max_new_tokens={new_tokens} leaves no room for a prompt in the model's context "
+            f"(max_position_embeddings={context})",
+            hint="lower rollout.max_new_tokens",
+        )
+    asked = cfg.data.max_prompt_tokens
+    if asked is not None and asked > limit:
+        raise ConfigError(
+            f"data.max_prompt_tokens={asked} + rollout.max_new_tokens={new_tokens} exceeds the model's context "
+            f"(max_position_embeddings={context})",
+            hint=f"set data.max_prompt_tokens to at most {limit} or lower rollout.max_new_tokens",
+        )
+    reason = f"the model's context for a prompt: max_position_embeddings={context} - rollout.max_new_tokens={new_tokens}"
+    return limit, None if asked is not None else reason
+
+
+def _rows(cfg: Any, source: str, split: str, size: int) -> tuple[list[PromptRow], Dataset | None]:
+    if not source.startswith("synthetic:"):
+        dataset = read_dataset(source, cfg.data)
+        return dataset.rows, dataset
+    from sapo_megatron.config import ConfigError
+
+    tasks = source.removeprefix("synthetic:").split("+")
+    unknown = [task for task in tasks if task not in TASKS]
+    if unknown:
+        raise ConfigError(
+            f"data source {source!r}: unknown synthetic task {unknown[0]!r}; the tasks are "
+            f"{', '.join(TASKS)}, mixed with '+' (e.g. 'synthetic:addition+multiplication')"
+        )
+    return make_mixed_rows(tasks, size, digits=cfg.data.digits, split=split, seed=cfg.seed), None
+
+
+def _report(
+    field_name: str,
+    source: str,
+    dataset: Dataset | None,
+    counts: dict[str, int],
+    read_s: float,
+    lengths_s: float,
+    verbose: bool,
+) -> list[str]:
+    dropped = f", {counts['filtered']} filtered" if counts["filtered"] else ""
+    cut = f", {counts['truncated']} truncated on the left" if counts["truncated"] else ""
+    lines = [
+        f"{field_name} {source}: {counts['kept']} prompts{dropped}{cut}, longest prompt {counts['longest']} "
+        f"tokens"
+    ]
+    if dataset is not None:  # which format each file was read as (auto says why)
+        lines.extend(dataset.describe() if verbose else dataset.describe()[:-1])
+    if verbose:
+        lines.append(
+            f"  read and checked every row's schema in {read_s:.2f} s, prompt lengths in {lengths_s:.2f} s"
+        )
+    return lines

@@ -1,0 +1,203 @@
+"""From a :class:`~sapo_megatron.data.prompts.PromptRow` to the exact token ids the rollout engine receives, shared
+by training, evaluation and teacher scoring; and the prompt-length policy applied when the data is loaded.
+
+Text prompts (``data.apply_chat_template: false``): ``data.prompt_template`` with ``{prompt}`` replaced (every
+other brace is literal), encoded with ``<bos>`` first when the tokenizer has one – the embedded demo's ids.
+
+Chat templates (``data.apply_chat_template: true``): the messages (a string prompt becomes one user message,
+through ``prompt_template``; ``data.system_prompt`` goes first unless the row has a system message; a trailing
+assistant message is the SFT target, not part of the prompt) rendered by the HF tokenizer's own template,
+``apply_chat_template(messages, add_generation_prompt=True, **data.chat_template_kwargs)``, and encoded as
+transformers encodes them there (``add_special_tokens=False``: the template writes its special tokens itself).
+Refused, with the reason, for the char tokenizer and for an HF tokenizer without a chat template.
+
+:func:`apply_length_policy` measures every prompt: over the limit, ``error`` stops naming the row and its length,
+``filter`` drops the row, ``truncate_left`` keeps the prompt's last tokens (verl's ``truncation='left'``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from sapo_megatron.data.datasets import DatasetKeys, row_location
+from sapo_megatron.data.prompts import DatasetError, PromptRow, fill_template
+
+Messages = list[dict[str, str]]
+
+
+class ChatTemplateError(DatasetError):
+    """A chat template was asked for and this tokenizer cannot apply one."""
+
+    exit_code = 2
+
+
+class PromptRenderer:
+    """``encode(row)``: the prompt ids the engine receives; ``text(row)``: the rendered prompt text;
+    ``sft_ids(row)``: ``(prompt ids, target ids)`` of a supervised example (loss on the target only)."""
+
+    def __init__(self, tokenizer: Any, keys: DatasetKeys) -> None:
+        self.tokenizer = tokenizer
+        self.keys = keys
+        self.chat = keys.apply_chat_template
+        self._hf = _chat_tokenizer(tokenizer) if self.chat else None
+
+    def messages(self, row: PromptRow) -> Messages:
+        """The prompt as chat messages (system prompt first when set; a trailing assistant turn left out)."""
+        messages = _context(row)
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": fill_template(self.keys.prompt_template, messages)}]
+        if self.keys.system_prompt is not None and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": self.keys.system_prompt}, *messages]
+        return messages
+
+    def text(self, row: PromptRow) -> str:
+        if self._hf is not None:
+            return self._render(self.messages(row), add_generation_prompt=True)
+        if not isinstance(row.prompt, str):
+            raise DatasetError(
+                "a prompt of chat messages needs a chat template",
+                hint="set data.apply_chat_template: true (with an HF tokenizer that has one)",
+            )
+        return fill_template(self.keys.prompt_template, row.prompt)
+
+    def encode(self, row: PromptRow) -> list[int]:
+        if row.prompt_ids is not None:  # truncated by the length policy
+            return list(row.prompt_ids)
+        return self.encode_text(self.text(row))
+
+    def encode_text(self, text: str) -> list[int]:
+        """Ids of an already rendered prompt text (see :meth:`text`)."""
+        if self._hf is not None:
+            return self._hf(text, add_special_tokens=False)["input_ids"]
+        tok = self.tokenizer
+        return tok.encode(text, add_bos=tok.bos_id is not None)
+
+    def encode_many(self, rows: Sequence[PromptRow]) -> list[list[int]]:
+        """:meth:`encode` of each row (HF tokenizers encode the batch at once)."""
+        if self._hf is None or not rows:
+            return [self.encode(row) for row in rows]
+        texts = self._hf.apply_chat_template(  # one call renders the batch (a third faster than one by one)
+            [self.messages(row) for row in rows],
+            tokenize=False,
+            add_generation_prompt=True,
+            **self.keys.chat_template_kwargs,
+        )
+        ids = self._hf(texts, add_special_tokens=False)["input_ids"]
+        return [list(row.prompt_ids) if row.prompt_ids is not None else i for row, i in zip(rows, ids)]
+
+    def sft_ids(self, row: PromptRow) -> tuple[list[int], list[int]]:
+        """``(prompt ids, target ids)``. The target is the trailing assistant message, else ``response``, else
+        the label. With a chat template the target is what the template writes after the generation prompt for
+        that assistant turn (its end-of-turn tokens included), so only the assistant turn is trained."""
+        prompt_ids = self.encode(row)
+        target = _target(row)
+        if self._hf is not None:
+            conversation = [*self.messages(row), {"role": "assistant", "content": target}]
+            full = self._hf(self._render(conversation, add_generation_prompt=False), add_special_tokens=False)
+            full_ids = full["input_ids"]
+            if full_ids[: len(prompt_ids)] == prompt_ids and len(full_ids) > len(prompt_ids):
+                return prompt_ids, full_ids[len(prompt_ids) :]
+        return prompt_ids, self.tokenizer.encode(target, add_eos=True)
+
+    def _render(self, messages: Messages, *, add_generation_prompt: bool) -> str:
+        return self._hf.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **self.keys.chat_template_kwargs,
+        )
+
+
+def _context(row: PromptRow) -> str | Messages:
+    if isinstance(row.prompt, str):
+        return row.prompt
+    messages = list(row.prompt)
+    if len(messages) > 1 and messages[-1]["role"] == "assistant":
+        messages = messages[:-1]
+    return messages
+
+
+def _target(row: PromptRow) -> str:
+    if not isinstance(row.prompt, str) and len(row.prompt) > 1 and row.prompt[-1]["role"] == "assistant":
+        return row.prompt[-1]["content"]
+    return row.response if row.response is not None else row.ground_truth
+
+
+def _chat_tokenizer(tokenizer: Any) -> Any:
+    """The transformers tokenizer behind ``tokenizer``, checked to have a chat template."""
+    hf = getattr(tokenizer, "hf", None)
+    if hf is None:
+        raise ChatTemplateError(
+            "data.apply_chat_template: the char tokenizer has no chat template",
+            hint="set data.tokenizer to an HF tokenizer directory whose tokenizer has one, or "
+            "data.apply_chat_template: false",
+        )
+    if not getattr(hf, "chat_template", None):
+        raise ChatTemplateError(
+            f"data.apply_chat_template: the tokenizer in {tokenizer.directory} has no chat template "
+            "(no chat_template in tokenizer_config.json, no chat_template.jinja)",
+            hint="use the chat model's tokenizer, or data.apply_chat_template: false with data.prompt_template",
+        )
+    return hf
+
+
+def apply_length_policy(
+    rows: list[PromptRow],
+    renderer: PromptRenderer,
+    keys: DatasetKeys,
+    where: str,
+    *,
+    limit: int | None = None,
+    limit_reason: str | None = None,
+) -> tuple[list[PromptRow], dict[str, int]]:
+    """Apply ``keys.overlong_prompts`` to the prompts over ``keys.max_prompt_tokens`` (or ``limit``, which then
+    comes from ``limit_reason``, e.g. the model's context). Returns the rows kept and the counts ``kept`` /
+    ``filtered`` / ``truncated`` / ``longest`` (the longest prompt before the policy). ``where`` is the source
+    the rows came from (it names the row in errors)."""
+    max_tokens = keys.max_prompt_tokens if keys.max_prompt_tokens is not None else limit
+    counts = {"kept": 0, "filtered": 0, "truncated": 0, "longest": 0}
+    kept: list[PromptRow] = []
+    for index, (row, ids) in enumerate(zip(rows, _all_ids(rows, renderer, where))):
+        counts["longest"] = max(counts["longest"], len(ids))
+        if max_tokens is None or len(ids) <= max_tokens:
+            kept.append(row)
+            continue
+        if keys.overlong_prompts == "error":
+            setting = f"data.max_prompt_tokens={max_tokens}" if limit_reason is None else limit_reason
+            raise DatasetError(
+                f"{row_location(where, index)}: the prompt is {len(ids)} tokens, over {setting}",
+                hint="set data.overlong_prompts: filter (drop such rows) or truncate_left (keep their last "
+                "tokens), or raise data.max_prompt_tokens",
+            )
+        if keys.overlong_prompts == "filter":
+            counts["filtered"] += 1
+            continue
+        counts["truncated"] += 1
+        kept.append(dataclasses.replace(row, prompt_ids=tuple(ids[-max_tokens:])))
+    counts["kept"] = len(kept)
+    if not kept:
+        raise DatasetError(
+            f"{where}: every prompt is longer than {max_tokens} tokens (the longest: {counts['longest']}); "
+            "none is left to train on",
+            hint="raise data.max_prompt_tokens or use data.overlong_prompts: truncate_left",
+        )
+    return kept, counts
+
+
+def _all_ids(rows: list[PromptRow], renderer: PromptRenderer, where: str, chunk: int = 1024):
+    """Each row's prompt ids, encoded in chunks; a row that cannot be rendered is named."""
+    for start in range(0, len(rows), chunk):
+        part = rows[start : start + chunk]
+        try:
+            yield from renderer.encode_many(part)
+        except DatasetError:
+            for offset, row in enumerate(part):  # find the row and name it
+                try:
+                    renderer.encode(row)
+                except DatasetError as err:
+                    raise DatasetError(
+                        f"{row_location(where, start + offset)}: {err}", hint=err.hint
+                    ) from err
+            raise

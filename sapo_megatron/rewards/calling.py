@@ -1,0 +1,104 @@
+"""Calling a resolved reward on one unit of work (one sample, or one group for group rewards) and turning what it
+returns into :class:`RewardOutput` – the same code inline and in the pool's workers (stdlib only)."""
+
+from __future__ import annotations
+
+import math
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from sapo_megatron.rewards.loading import call_arguments, is_import_path, load_function
+from sapo_megatron.rewards.types import RewardInput, RewardOutput, is_group_reward
+
+_JSON_SCALARS = (str, int, float, bool, type(None))
+
+
+def resolve_function(spec: str) -> Callable[..., Any]:
+    """The function a registered name or an import path names."""
+    if is_import_path(spec):
+        return load_function(spec)
+    from sapo_megatron.rewards.registry import get_reward
+
+    return get_reward(spec)
+
+
+@dataclass
+class BoundReward:
+    """A reward function with its call convention worked out once."""
+
+    fn: Callable[..., Any]
+    name: str
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.group = is_group_reward(self.fn)
+        self.optional = call_arguments(self.fn)
+
+    @classmethod
+    def from_spec(cls, spec: str, kwargs: Mapping[str, Any] | None = None) -> BoundReward:
+        return cls(resolve_function(spec), spec, dict(kwargs or {}))
+
+    def run(self, inputs: list[RewardInput]) -> list[RewardOutput]:
+        """Outputs for one unit: a group reward's group (one call) or a single sample."""
+        if self.group:
+            return self._run_group(inputs)
+        return [self.run_one(item) for item in inputs]
+
+    def run_one(self, item: RewardInput) -> RewardOutput:
+        extra = {name: getattr(item, name) for name in self.optional} if self.optional else {}
+        try:
+            value = self.fn(response=item.response, label=item.label, **extra, **self.kwargs)
+            if type(value) is float and math.isfinite(value):  # the common case, kept cheap
+                return RewardOutput(value)
+            return to_output(value)
+        except Exception as exc:
+            return error_output(exc)
+
+    def _run_group(self, inputs: list[RewardInput]) -> list[RewardOutput]:
+        try:
+            values = list(self.fn(list(inputs), **self.kwargs))
+        except Exception as exc:
+            return [error_output(exc)] * len(inputs)
+        if len(values) != len(inputs):
+            message = f"group reward returned {len(values)} scores for {len(inputs)} samples"
+            return [RewardOutput(0.0, {}, message)] * len(inputs)
+        return [_safe_output(value) for value in values]
+
+
+def _safe_output(value: Any) -> RewardOutput:
+    try:
+        return to_output(value)
+    except Exception as exc:
+        return error_output(exc)
+
+
+def error_output(exc: BaseException) -> RewardOutput:
+    where = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
+    at = f" (at {where[0].filename}:{where[0].lineno})" if where else ""
+    return RewardOutput(0.0, {}, f"{type(exc).__name__}: {exc}{at}")
+
+
+def to_output(value: Any) -> RewardOutput:
+    """A float, a bool or a dict with ``score`` (other keys become ``fields``); non-finite scores are errors."""
+    fields: dict[str, Any] = {}
+    if isinstance(value, Mapping):
+        if "score" not in value:
+            raise ValueError(f"reward returned a dict without 'score' (keys: {sorted(value)})")
+        fields = {str(k): _jsonable(v) for k, v in value.items() if k != "score"}
+        value = value["score"]
+    score = float(value)
+    if not math.isfinite(score):
+        return RewardOutput(0.0, fields, f"reward returned a non-finite score {score}")
+    return RewardOutput(score, fields)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, _JSON_SCALARS):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    return str(value)

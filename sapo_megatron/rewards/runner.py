@@ -1,0 +1,207 @@
+"""The reward runner the trainer and the evaluation use: one ``score(inputs)`` call per batch, inline, in a pool
+of worker processes, or on a remote server; it counts errors against ``algorithm.max_reward_error_frac``.
+
+``algorithm.reward_workers``: ``0`` scores inline in the calling process (no timeout: a hanging reward hangs the
+run), ``N >= 1`` in N worker processes with ``algorithm.reward_timeout_s`` per call, ``auto`` (the default) inline
+for the cheap string rewards (``exact_match``, ``numeric_match``, ``dapo_math``) and a pool otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from sapo_megatron.rewards.calling import BoundReward
+from sapo_megatron.rewards.loading import RewardSpecError, absolute_spec, check_signature, is_import_path
+from sapo_megatron.rewards.pool import WorkerPool
+from sapo_megatron.rewards.registry import RewardError
+from sapo_megatron.rewards.remote import RemoteReward, RemoteSettings
+from sapo_megatron.rewards.types import RewardInput, RewardOutput
+
+logger = logging.getLogger(__name__)
+
+RewardSpec = str | Mapping[str, Any]
+"""A registered name, an import path (``file.py:fn`` / ``pkg.mod:fn``) or ``{url: ..., api_key_env: ...}``."""
+
+INLINE_BY_DEFAULT = frozenset({"exact_match", "numeric_match", "dapo_math"})
+
+
+class _Backend(Protocol):
+    def run(self, units: list[list[RewardInput]]) -> list[list[RewardOutput]]: ...
+
+    def close(self) -> None: ...
+
+
+class _Inline:
+    def __init__(self, bound: BoundReward) -> None:
+        self.bound = bound
+
+    def run(self, units: list[list[RewardInput]]) -> list[list[RewardOutput]]:
+        return [self.bound.run(unit) for unit in units]
+
+    def close(self) -> None:
+        pass
+
+
+def _remote_settings(spec: Any) -> RemoteSettings | None:
+    if isinstance(spec, str):
+        return None
+    values = spec.model_dump() if hasattr(spec, "model_dump") else dict(spec)
+    return RemoteSettings(**values)
+
+
+def default_workers(spec: RewardSpec) -> int:
+    """What ``reward_workers: auto`` means for ``spec``."""
+    if not isinstance(spec, str) or spec in INLINE_BY_DEFAULT:
+        return 0
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+def check_reward_spec(
+    spec: RewardSpec, *, field: str = "algorithm.reward", kwargs: Mapping | None = None
+) -> None:
+    """Raise :class:`~sapo_megatron.config.ConfigError` naming ``field`` when the reward cannot be used: unknown
+    name, missing dependency, not importable, not callable, a signature it cannot be called with."""
+    from sapo_megatron.config import ConfigError
+    from sapo_megatron.rewards.registry import check_reward_available
+
+    try:
+        remote = _remote_settings(spec)
+    except TypeError as exc:
+        raise ConfigError(f"{field}: a reward server is {{url: ..., api_key_env: ...}}: {exc}") from None
+    if remote is not None:
+        if not remote.url.startswith(("http://", "https://")):
+            raise ConfigError(f"{field}.url={remote.url!r} must start with http:// or https://")
+        return
+    if not is_import_path(spec):
+        check_reward_available(spec, field=field)
+    try:
+        bound = BoundReward.from_spec(absolute_spec(spec))
+        check_signature(bound.fn, kwargs or {})
+    except RewardSpecError as exc:
+        raise ConfigError(f"{field}={spec!r}: {exc}") from None
+
+
+def build_reward_runner(
+    spec: RewardSpec,
+    *,
+    workers: int | str = "auto",
+    timeout_s: float = 30.0,
+    name: str | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+    field: str = "algorithm.reward",
+) -> RewardRunner:
+    """The runner for ``spec`` (checked with :func:`check_reward_spec` first, errors naming ``field``);
+    ``workers``: 0 inline, N a pool, ``"auto"`` (module docstring)."""
+    check_reward_spec(spec, kwargs=kwargs, field=field)
+    remote = _remote_settings(spec)
+    if remote is not None:
+        return RewardRunner(RemoteReward(remote), name or remote.url, group=False)
+    spec = absolute_spec(spec)
+    count = default_workers(spec) if workers == "auto" else int(workers)
+    bound = BoundReward.from_spec(spec, kwargs)
+    backend: _Backend
+    backend = WorkerPool(spec, kwargs or {}, workers=count, timeout_s=timeout_s) if count else _Inline(bound)
+    return RewardRunner(backend, name or spec, group=bound.group)
+
+
+class RewardRunner:
+    """Scores batches (:meth:`score`) and counts calls / errors for the run and for the step."""
+
+    def __init__(self, backend: _Backend, name: str, *, group: bool) -> None:
+        self.backend, self.name, self.group = backend, name, group
+        self.errors = self.calls = 0
+        self._step_errors = self._step_calls = 0
+        self._step_first_error: str | None = None
+        self._step_seconds = 0.0
+        self._lock = threading.Lock()
+        self._backend_lock = threading.Lock()  # the async rollout thread and the evaluation may both score
+
+    def score(self, inputs: list[RewardInput]) -> list[RewardOutput]:
+        """One output per input, in order; never raises for a failing reward (errors are counted instead)."""
+        if not inputs:
+            return []
+        start = time.perf_counter()
+        if isinstance(self.backend, _Inline) and not self.group:  # the demo's path: no per-sample wrapping
+            outputs = [self.backend.bound.run_one(item) for item in inputs]
+        else:
+            with self._backend_lock:
+                outputs = [out for unit in self.backend.run(self._units(inputs)) for out in unit]
+        self._count(outputs, time.perf_counter() - start)
+        return outputs
+
+    def _units(self, inputs: list[RewardInput]) -> list[list[RewardInput]]:
+        if not self.group:
+            return [[item] for item in inputs]
+        units: list[list[RewardInput]] = []
+        for item in inputs:
+            if units and units[-1][0].group_id == item.group_id:
+                units[-1].append(item)
+            else:
+                units.append([item])
+        return units
+
+    def _count(self, outputs: list[RewardOutput], seconds: float) -> None:
+        errors = [out.error for out in outputs if out.error is not None] if outputs else []
+        with self._lock:
+            first_of_run = self.errors == 0 and bool(errors)
+            self.calls += len(outputs)
+            self._step_calls += len(outputs)
+            self.errors += len(errors)
+            self._step_errors += len(errors)
+            self._step_seconds += seconds
+            if errors and self._step_first_error is None:
+                self._step_first_error = errors[0]
+        if first_of_run:
+            logger.error(
+                "reward %s failed: %s; scoring 0.0 (later errors are only counted)", self.name, errors[0]
+            )
+
+    def metrics(self) -> dict[str, float]:
+        """Counts of the whole run."""
+        with self._lock:
+            out = {"reward/errors": float(self.errors), "reward/calls": float(self.calls)}
+        if isinstance(self.backend, WorkerPool):
+            out["reward/worker_restarts"] = float(self.backend.restarts)
+            out["reward/timeouts"] = float(self.backend.timeouts)
+        return out
+
+    def take_step_metrics(self) -> dict[str, float]:
+        """``reward/error_frac``, ``reward/errors`` and ``time/reward_s`` since the previous call."""
+        with self._lock:
+            calls, errors, seconds = self._step_calls, self._step_errors, self._step_seconds
+            self._step_calls = self._step_errors = 0
+            self._step_seconds = 0.0
+            self._step_first_error = None
+        return {
+            "reward/error_frac": errors / calls if calls else 0.0,
+            "reward/errors": float(errors),
+            "time/reward_s": seconds,
+        }
+
+    def check_error_budget(self, max_frac: float) -> None:
+        """Raise :class:`RewardError` when more than ``max_frac`` of this step's samples failed (see
+        :class:`~sapo_megatron.rewards.registry.SafeReward`, whose semantics this keeps)."""
+        with self._lock:
+            calls, errors, first = self._step_calls, self._step_errors, self._step_first_error
+        if not calls or errors / calls <= max_frac:
+            return
+        raise RewardError(
+            f"reward {self.name!r} failed on {errors} of {calls} samples this step ({errors / calls:.0%}), "
+            f"more than algorithm.max_reward_error_frac={max_frac}; first error: {first}",
+            hint="fix the reward (or install what it needs, or raise algorithm.reward_timeout_s); those samples "
+            "would all score 0",
+        )
+
+    def close(self) -> None:
+        self.backend.close()
+
+    def __enter__(self) -> RewardRunner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

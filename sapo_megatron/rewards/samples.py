@@ -1,0 +1,53 @@
+"""The sample → reward path shared by training, evaluation and teacher scoring: decode a batch of groups, score
+it in ONE :meth:`RewardRunner.score` call (so the pool works in parallel), and keep the reward's fields on each
+sample (``Sample.reward_fields``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from sapo_megatron.rewards.runner import RewardRunner
+from sapo_megatron.rewards.types import RewardInput
+
+
+def reward_inputs(
+    groups: Sequence[Sequence[Any]], prompts: Sequence[Any], decode: Callable[[list[int]], str]
+) -> list[RewardInput]:
+    """One :class:`RewardInput` per sample (groups flattened in order); the prompt text is the decoded prompt
+    ids the engine received, the label the row's ``ground_truth``, the source its ``domain``."""
+    inputs = []
+    for group_id, (group, row) in enumerate(zip(groups, prompts)):
+        prompt_text = decode(list(group[0].prompt_ids)) if group else ""
+        for sample in group:
+            inputs.append(
+                RewardInput(
+                    response=decode(list(sample.response_ids)),
+                    label=row.ground_truth,
+                    prompt=prompt_text,
+                    source=row.domain,
+                    metadata=getattr(row, "metadata", None),
+                    group_id=group_id,
+                )
+            )
+    return inputs
+
+
+def score_sample_groups(
+    runner: RewardRunner,
+    groups: Sequence[Sequence[Any]],
+    prompts: Sequence[Any],
+    decode: Callable[[list[int]], str],
+) -> list[list[float]]:
+    """Scores ``[groups][n]`` of the samples; sets each sample's ``reward_fields`` (with ``reward_error`` when
+    the reward failed on it)."""
+    outputs = iter(runner.score(reward_inputs(groups, prompts, decode)))
+    scores = []
+    for group in groups:
+        row_scores = []
+        for sample in group:
+            out = next(outputs)
+            sample.reward_fields = dict(out.fields, **({"reward_error": out.error} if out.error else {}))
+            row_scores.append(out.score)
+        scores.append(row_scores)
+    return scores
