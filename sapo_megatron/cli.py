@@ -266,6 +266,15 @@ def _add_compare_parser(commands) -> None:
         default=COMPARE_DEFAULTS["corrections"],
         help=f"comma-separated mismatch corrections from {', '.join(CORRECTION_NAMES)} (tis: cap 2.0)",
     )
+    compare.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2,...",
+        help="a sweep axis: one arm per value (YAML) of the config field KEY, crossed with the other axes, e.g. "
+        "--grid algorithm.loss.tau_pos=1,4,16; linked keys KEY1+KEY2=A1:B1,A2:B2 move together; repeatable "
+        "(Cartesian product); report.json arms carry 'overrides'",
+    )
     compare.add_argument("--seeds", type=int, default=1, help="seeds per configuration: 0 .. N-1")
     compare.add_argument("--steps", type=int, required=True, help="RL steps of every arm")
     compare.add_argument(
@@ -596,9 +605,12 @@ def _compare(args: argparse.Namespace) -> int:
         CompareError,
         build_config_plan,
         build_plan,
+        parse_grid,
         parse_names,
         run_compare,
     )
+
+    grid = parse_grid(args.grid)
 
     if args.arms:
         given = ["CONFIG"] if args.config else []
@@ -612,6 +624,7 @@ def _compare(args: argparse.Namespace) -> int:
             seeds=args.seeds,
             steps=args.steps,
             output_dir=args.output_dir,
+            grid=grid,
         )
     else:
         if args.teachers:
@@ -625,6 +638,7 @@ def _compare(args: argparse.Namespace) -> int:
             seeds=args.seeds,
             steps=args.steps,
             output_dir=args.output_dir,
+            grid=grid,
         )
     outcome = run_compare(plan, overwrite=args.overwrite, debug=args.debug)
     return 1 if outcome.failures else 0

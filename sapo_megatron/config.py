@@ -489,6 +489,11 @@ class TrainerConfig(Section):
         "boundaries, rollout/staleness 1); see docs/rl_loop.md",
     )
     export_hf: bool = Field(default=True, description="write an HF checkpoint at the end")
+    log_ref_kl: bool = Field(
+        default=False,
+        description="log kl/k3_ref, the k3 from the policy as RL starts, also when algorithm.loss.kl_coef is 0 "
+        "(one more forward pass per step, and a frozen copy of the model)",
+    )
     log_samples_every: int = Field(
         default=10, ge=0, description="write a few samples to samples.jsonl every N RL steps (0: never)"
     )
@@ -526,7 +531,12 @@ class RunConfig(Section):
             )
         self._check_fp8_setup()
         check_distillation(
-            self.teachers, self.algorithm.fusion, self.algorithm.loss, self.algorithm.correction.name
+            self.teachers,
+            self.algorithm.fusion,
+            self.algorithm.loss,
+            self.algorithm.correction.name,
+            student_logp=self.algorithm.opd_student_logp,
+            temperature=self.rollout.temperature,
         )
         if self.trainer.async_rollout and self.rollout.colocated:
             raise ValueError(
