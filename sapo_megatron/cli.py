@@ -486,8 +486,12 @@ def _dry_run(cfg: RunConfig, args: argparse.Namespace) -> int:
         raise
     print("inputs OK: every input file exists")
     from sapo_megatron.data.loading import build_run_data
+    from sapo_megatron.rewards.registry import check_labels
 
-    build_run_data(cfg, verbose=True)  # every row's schema, the prompt lengths; prints counts and times
+    data = build_run_data(
+        cfg, verbose=True
+    )  # every row's schema, the prompt lengths; prints counts and times
+    check_labels(cfg.algorithm.reward, data.train_rows, cfg.data.train)
     print("data OK: every row of the prompt data is usable")
     if not plan.fits:
         print(f"error: the layout does not fit: {unfit_summary(plan)} (exit 1)", file=sys.stderr)

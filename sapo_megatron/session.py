@@ -29,7 +29,7 @@ from sapo_megatron.interrupts import InterruptGuard, print_line
 from sapo_megatron.megatron.parallel import RankInfo, init_parallel
 from sapo_megatron.megatron.train_step import TrainEngine
 from sapo_megatron.replay import needs_route_capture
-from sapo_megatron.rewards.registry import check_reward_available
+from sapo_megatron.rewards.registry import check_labels, check_reward_available
 from sapo_megatron.rewards.runner import RewardRunner, build_reward_runner
 from sapo_megatron.rollout.base import RolloutEngine
 from sapo_megatron.rollout.topology import Topology, resolve_topology
@@ -92,6 +92,7 @@ def open_session(cfg: RunConfig, *, mode: str) -> Iterator[Session]:
     data, data_error = None, None
     try:  # every row checked, the length policy applied: before any process group forms
         data = build_run_data(cfg)
+        check_labels(cfg.algorithm.reward, data.train_rows, cfg.data.train)
     except UserError as exc:  # raised once the run's train.log is open (below), so the log records it
         data_error = exc
     info = init_parallel(

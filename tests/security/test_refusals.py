@@ -75,3 +75,22 @@ def test_an_unfit_layout_fails_the_dry_run_and_train_unless_forced(capsys):
     assert "training anyway (--force)" in capsys.readouterr().out
     check_layout_fits(load_config(QWEN30B))  # the shipped layout fits its h100s
     check_layout_fits(tiny())  # no launch.gpu_type (CPU): nothing to check
+
+
+def test_empty_prompts_and_numberless_labels_under_numeric_match_are_named(tmp_path, caplog):
+    from sapo_megatron.data.datasets import DatasetKeys, load_dataset
+    from sapo_megatron.data.prompts import DatasetError, PromptRow
+    from sapo_megatron.rewards.registry import check_labels
+
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"prompt": "1+1=", "ground_truth": "2"}\n{"prompt": "  ", "ground_truth": "3"}\n')
+    with pytest.raises(DatasetError, match=r"train.jsonl:2: field 'prompt' \(the prompt\) is empty"):
+        load_dataset(data, DatasetKeys())
+
+    rows = [PromptRow("a", "7"), PromptRow("b", "seven"), PromptRow("c", "x")]
+    check_labels("exact_match", rows, "train.jsonl")  # not a numeric reward: nothing to say
+    with caplog.at_level("WARNING"):
+        check_labels("numeric_match", rows, "train.jsonl")
+    assert "2 of 3 labels hold no number" in caplog.text and "row 1 ('seven')" in caplog.text
+    with pytest.raises(ConfigError, match=r"no label of train\.jsonl holds one"):
+        check_labels("numeric_match", rows[1:], "train.jsonl")
