@@ -1,0 +1,98 @@
+"""The real SGLang server on CPU (tools/sglang_cpu), shared by every test of this tier: ONE server per session,
+started from the virtualenv that ``tools/sglang_cpu/install.sh`` made (``$SAPO_SGLANG_VENV``, default
+``/opt/sapo-sglang-venv``), on the embedded demo's architecture (random weights, the project's character
+tokenizer), in float32, with routed experts and an API key.
+
+Without that virtualenv (or when the server does not start) the tier is skipped, unless SAPO_REQUIRE_SGLANG=1
+(``make test-sglang``), which turns that into a failure, as SAPO_REQUIRE_SLURM does for the Slurm tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from sapo_megatron.cli import free_port
+from sapo_megatron.rollout.sglang_client import SGLangClient
+from tests.servers import save_demo_model, wait_healthy
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+SERVE = REPO_ROOT / "tools" / "sglang_cpu" / "serve.sh"
+STAMP = ".sapo-sglang-installed"
+API_KEY = "sapo-conformance-key"
+NUM_LAYERS, TOP_K = 2, 2  # sapo_megatron.defaults.DEMO_MODEL
+# 80-130 s on an idle 2-core machine; the suite's other processes can double it.
+STARTUP_TIMEOUT_S = float(os.environ.get("SAPO_SGLANG_STARTUP_S", "420"))
+
+
+def sglang_venv() -> Path:
+    return Path(os.environ.get("SAPO_SGLANG_VENV", "/opt/sapo-sglang-venv"))
+
+
+def unavailable(reason: str) -> None:
+    if os.environ.get("SAPO_REQUIRE_SGLANG") == "1":
+        pytest.fail(f"SAPO_REQUIRE_SGLANG=1 but real SGLang is not usable: {reason}")
+    pytest.skip(f"no real SGLang here: {reason}")
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> Path:
+    return save_demo_model(tmp_path_factory.mktemp("sglang_model"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def reference(model_dir) -> torch.nn.Module:
+    """The same checkpoint in transformers, float32: what the served log-probs and routes are checked against."""
+    return transformers.Qwen3MoeForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@contextlib.contextmanager
+def sglang_process(model_dir: Path, log: Path, *flags: str):
+    venv = sglang_venv()
+    if not (venv / STAMP).is_file():
+        unavailable(f"{venv} has no {STAMP}; run tools/sglang_cpu/install.sh {venv}")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [str(SERVE), "--model-path", str(model_dir), "--port", str(port), *flags]
+    with log.open("w") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        try:
+            wait_healthy(url, proc, log, timeout=STARTUP_TIMEOUT_S)
+        except (RuntimeError, TimeoutError) as exc:
+            unavailable(f"the server did not start: {exc}")
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def sglang_url(model_dir, tmp_path_factory):
+    """One real server for the whole tier (its start is the tier's main cost)."""
+    log = tmp_path_factory.mktemp("sglang_log") / "server.log"
+    flags = ["--dtype", "float32", "--api-key", API_KEY, "--enable-return-routed-experts"]
+    flags += ["--enable-deterministic-inference", "--random-seed", "0", "--log-level", "warning"]
+    with sglang_process(model_dir, log, *flags) as url:
+        yield url
+
+
+@pytest.fixture()
+def client(sglang_url):
+    engine = SGLangClient(
+        [sglang_url], api_key=API_KEY, num_layers=NUM_LAYERS, top_k=TOP_K, timeout_s=120.0, max_retries=0
+    )
+    yield engine
+    engine.close()
