@@ -21,7 +21,7 @@ import transformers
 
 from sapo_megatron.cli import free_port
 from sapo_megatron.rollout.sglang_client import SGLangClient
-from tests.servers import save_demo_model, wait_healthy
+from tests.servers import cpu_server, save_demo_model, wait_healthy
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVE = REPO_ROOT / "tools" / "sglang_cpu" / "serve.sh"
@@ -84,8 +84,15 @@ def sglang_url(model_dir, tmp_path_factory):
     """One real server for the whole tier (its start is the tier's main cost)."""
     log = tmp_path_factory.mktemp("sglang_log") / "server.log"
     flags = ["--dtype", "float32", "--api-key", API_KEY, "--enable-return-routed-experts"]
-    flags += ["--enable-deterministic-inference", "--random-seed", "0", "--log-level", "warning"]
+    flags += ["--random-seed", "0", "--log-level", "warning"]
     with sglang_process(model_dir, log, *flags) as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def standin_url(model_dir, tmp_path_factory):
+    """The project's CPU server on the same checkpoint, for the checks that compare it with SGLang."""
+    with cpu_server(model_dir, tmp_path_factory.mktemp("standin_log") / "server.log", api_key=API_KEY) as url:
         yield url
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import httpx
 import numpy as np
 import pytest
+import safetensors.torch
 import torch
 
 from sapo_megatron.arch import QwenArch
@@ -128,7 +129,7 @@ def test_update_weights_from_disk_and_its_error_reply(client, model_dir, referen
     other = save_demo_model(tmp_path / "seed1", seed=1)
     new_model = type(reference).from_pretrained(other, dtype=torch.float32).eval()
     arch = QwenArch.from_hf_dict(DEMO_MODEL)
-    state = new_model.state_dict()
+    state = safetensors.torch.load_file(other / "model.safetensors")  # the per-expert layout on disk
     export = write_hf_checkpoint(
         ((name, state[name]) for name in hf_expected_shapes(arch)),
         tmp_path / "export",
@@ -143,7 +144,8 @@ def test_update_weights_from_disk_and_its_error_reply(client, model_dir, referen
         assert np.allclose(
             values, reference_logp(new_model, ids)[len(PROMPTS[0]) - 1 :].numpy(), atol=FP32_TOL
         )
-        with pytest.raises(RolloutError, match="update_weights_from_disk failed"):
+        # SGLang answers HTTP 400 {"success": false, "message": ...}: refused, not retried
+        with pytest.raises(RolloutError, match="HTTP 400 from /update_weights_from_disk"):
             client.update_weights_from_disk(str(tmp_path / "missing"))
     finally:
         client.update_weights_from_disk(str(model_dir))
@@ -164,6 +166,30 @@ def test_housekeeping_endpoints_api_key_and_errors(client, sglang_url, model_dir
     assert httpx.post(sglang_url + "/generate", json=body, timeout=30).status_code == 401
     wrong = {"Authorization": "Bearer wrong"}
     assert httpx.post(sglang_url + "/generate", json=body, headers=wrong, timeout=30).status_code == 401
+
+
+BAD_REQUESTS = {
+    "negative temperature": {
+        "input_ids": [1, 5],
+        "sampling_params": {"max_new_tokens": 2, "temperature": -1},
+    },
+    "top_p 0": {"input_ids": [1, 5], "sampling_params": {"max_new_tokens": 2, "top_p": 0}},
+    "longer than the context": {"input_ids": [1, 5], "sampling_params": {"max_new_tokens": 200}},
+    "empty input_ids": {"input_ids": [], "sampling_params": {"max_new_tokens": 2}},
+}
+
+
+@pytest.mark.parametrize("server", ["sglang", "stand-in"])
+def test_error_replies_are_http_400_with_a_message(server, sglang_url, standin_url):
+    """The stand-in refuses what SGLang refuses, with the same status and body shape (``{"error": {"message"}}``);
+    SGLang's messages are kept as measured in the ids. An out-of-vocabulary token id is not sent: it kills real
+    SGLang's scheduler (IndexError in the embedding, the whole server exits) – see docs/cluster.md."""
+    url = sglang_url if server == "sglang" else standin_url
+    for case, body in BAD_REQUESTS.items():
+        reply = httpx.post(url + "/generate", json=body, headers=_auth(), timeout=30)
+        assert reply.status_code == 400, (case, reply.status_code, reply.text)
+        assert reply.json()["error"]["message"], case
+    assert httpx.get(url + "/health_generate", timeout=60).status_code == 200
 
 
 def _auth() -> dict[str, str]:
