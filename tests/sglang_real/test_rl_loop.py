@@ -1,5 +1,6 @@
-"""The RL loop against the real SGLang server on CPU: ``rollout.engine: sglang``, disk weight sync, R3 with the
-server's routes, 3 steps of a 1-process trainer on the tier's shared server (conftest.py).
+"""The RL loop against the real SGLang server on CPU: ``rollout.engine: sglang``, disk or distributed weight sync
+(``init_weights_update_group`` over gloo + ``update_weights_from_distributed``), R3 with the server's routes, 3 steps
+of a 1-process trainer on the tier's shared server (conftest.py).
 
 After each sync the served log-probs must equal the trainer's: ``mismatch/abs_delta_mean`` (mean |rollout - trainer|
 over the response tokens) below ``TOLERANCE`` (both float32 here), and R3 replays the served routes exactly
@@ -9,6 +10,7 @@ over the response tokens) below ``TOLERANCE`` (both float32 here), and R3 replay
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from tests.rl.test_trainer import data_files, metrics, train, write_config  # noqa: F401 - fixture reused
 from tests.sglang_real.conftest import API_KEY
@@ -16,7 +18,9 @@ from tests.sglang_real.conftest import API_KEY
 TOLERANCE = 1e-5  # float32 trainer vs float32 server; measured 9e-8 (docs/cluster.md)
 
 
-def test_rl_steps_against_real_sglang_with_disk_sync_and_r3(
+@pytest.mark.parametrize("weight_sync", ["disk", "distributed"])
+def test_rl_steps_against_real_sglang_with_r3(
+    weight_sync,
     tmp_path,
     data_files,  # noqa: F811 - the fixture imported above
     sglang_url,
@@ -29,7 +33,7 @@ def test_rl_steps_against_real_sglang_with_disk_sync_and_r3(
         "sft.steps": 5,
         "rollout.engine": "sglang",
         "rollout.urls": [sglang_url],
-        "rollout.weight_sync": "disk",
+        "rollout.weight_sync": weight_sync,
         "rollout.api_key_env": "SAPO_TEST_SGLANG_KEY",
         "rollout.routed_experts": True,
         "algorithm.routing_replay": "r3",
