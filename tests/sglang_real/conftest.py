@@ -90,6 +90,14 @@ def sglang_url(model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def sglang_bf16_url(model_dir, tmp_path_factory):
+    """A second real server in bfloat16 (the precision clusters serve in); started when a test asks for it."""
+    log = tmp_path_factory.mktemp("sglang_bf16_log") / "server.log"
+    with sglang_process(model_dir, log, "--dtype", "bfloat16", "--log-level", "warning") as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
 def standin_url(model_dir, tmp_path_factory):
     """The project's CPU server on the same checkpoint, for the checks that compare it with SGLang."""
     with cpu_server(model_dir, tmp_path_factory.mktemp("standin_log") / "server.log", api_key=API_KEY) as url:
