@@ -27,7 +27,7 @@ from tests.servers import save_demo_model
 from tests.sglang_real.conftest import API_KEY, NUM_LAYERS, TOP_K
 
 FP32_TOL = 2e-4  # float32 server vs float32 transformers (different kernels, same math)
-BF16_TOL = 3e-2  # bf16 weights and activations; measured below 1.5e-3 in mean (docs/cluster.md)
+BF16_TOL = 1e-2  # bf16 weights and activations; measured at most 1.8e-3 (docs/cluster.md)
 PROMPTS = [[1, 10, 11, 12, 13], [1, 20, 21, 22, 23, 24, 25]]
 
 
@@ -188,11 +188,6 @@ def test_bf16_server_scores_like_transformers_in_bf16(sglang_bf16_url, reference
     for ids, start, values in zip(sequences, starts, scores):
         expected = reference_logp(bf16, ids)[start - 1 :].numpy()
         exact = reference_logp(reference, ids)[start - 1 :].numpy()
-        print(
-            "bf16 server vs transformers bf16 / fp32, max |d|:",
-            np.abs(np.array(values) - expected).max(),
-            np.abs(np.array(values) - exact).max(),
-        )
         assert np.abs(np.array(values) - expected).max() < BF16_TOL, (values, expected)
         assert np.abs(np.array(values) - exact).max() < BF16_TOL
     info = httpx.get(sglang_bf16_url + "/get_server_info", timeout=30).json()
