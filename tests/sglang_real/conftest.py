@@ -3,8 +3,10 @@ started from the virtualenv that ``tools/sglang_cpu/install.sh`` made (``$SAPO_S
 ``/opt/sapo-sglang-venv``), on the embedded demo's architecture (random weights, the project's character
 tokenizer), in float32, with routed experts and an API key.
 
-Without that virtualenv (or when the server does not start) the tier is skipped, unless SAPO_REQUIRE_SGLANG=1
-(``make test-sglang``), which turns that into a failure, as SAPO_REQUIRE_SLURM does for the Slurm tests.
+The tier runs when asked: SAPO_REQUIRE_SGLANG=1 (``make test-sglang``) or SAPO_SGLANG_VENV set; a plain
+``pytest`` / ``make test`` skips it, even where the virtualenv exists, so that adding it to CI is a decision taken
+in ``.ci/run``. Asked for without the virtualenv (or when the server does not start), it is skipped, unless
+SAPO_REQUIRE_SGLANG=1, which turns that into a failure, as SAPO_REQUIRE_SLURM does for the Slurm tests.
 """
 
 from __future__ import annotations
@@ -40,6 +42,17 @@ def unavailable(reason: str) -> None:
     if os.environ.get("SAPO_REQUIRE_SGLANG") == "1":
         pytest.fail(f"SAPO_REQUIRE_SGLANG=1 but real SGLang is not usable: {reason}")
     pytest.skip(f"no real SGLang here: {reason}")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Skip the tier before any fixture starts a server unless it was asked for."""
+    if os.environ.get("SAPO_REQUIRE_SGLANG") == "1" or os.environ.get("SAPO_SGLANG_VENV"):
+        return
+    reason = "the real-SGLang tier runs with SAPO_REQUIRE_SGLANG=1 (make test-sglang) or SAPO_SGLANG_VENV set"
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(item.fspath).parents:
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(scope="session")
