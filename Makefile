@@ -49,3 +49,10 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+
+# tests/sglang_real against the real SGLang server on CPU (tools/sglang_cpu; docs/cluster.md). Its virtualenv lives
+# outside the clone ($SAPO_SGLANG_VENV, default /opt/sapo-sglang-venv): about 2 min the first time, seconds after.
+.PHONY: test-sglang
+test-sglang: $(STAMP)
+	tools/sglang_cpu/install.sh
+	SAPO_REQUIRE_SGLANG=1 $(BIN)/pytest -q -p no:cacheprovider --durations=10 tests/sglang_real

@@ -279,6 +279,14 @@ def parse_generate_reply(
     )
 
 
+def _clipped_input_id(reported: Any) -> bool:
+    """Real SGLang (0.5.23, ``srt/managers/scheduler_components/logprob_result_processor.py:53``) reports input
+    token ids ``x if x < vocab_size - 1 else 0`` (meant for image-pad hashes), so the last vocabulary id comes back as
+    0 with its correct log-prob. The client does not know the vocabulary size: a reported 0 is accepted for any input
+    id (every other position still checks the alignment)."""
+    return reported == 0
+
+
 def parse_score_reply(reply: Any, *, token_ids: Sequence[int], rid: str, server: str) -> list[float]:
     """``log p(ids[t] | ids[:t])`` for ``t = 1 .. len(ids) - 1`` from a ``logprob_start_len=0`` reply."""
 
@@ -302,7 +310,7 @@ def parse_score_reply(reply: Any, *, token_ids: Sequence[int], rid: str, server:
         field = f"meta_info.input_token_logprobs[{t}]"
         if not isinstance(entry, (list, tuple)) or len(entry) < 2:
             raise fail_field(field, f"must be [logprob, token_id, ...], got {entry!r}")
-        if entry[1] != token_id:
+        if entry[1] != token_id and not _clipped_input_id(entry[1]):
             raise fail_field(field, f"is for token {entry[1]!r}, the input has {token_id}")
         if t == 0:
             continue  # the first token has no prefix; SGLang reports None

@@ -136,6 +136,7 @@ class SGLangClient(RolloutEngine):
         self.weight_sync_timeout_s = weight_sync_timeout_s
         self._serializer = serializer
         self._weight_version = 0
+        self._sessions: set[str] = set()  # workers with an open SGLang weight-update session (begin/end)
         self._lock = threading.Lock()
         self._round_robin = itertools.count()
         self._counters = dict.fromkeys(
@@ -459,6 +460,7 @@ class SGLangClient(RolloutEngine):
         blob = serializer(named)
 
         def load(server: _Server) -> None:
+            self._begin_session(server)
             payload = {
                 "serialized_named_tensors": [blob] * server.tp_size,
                 "load_format": None,
@@ -544,6 +546,7 @@ class SGLangClient(RolloutEngine):
         }
 
         def load(server: _Server) -> None:
+            self._begin_session(server)
             reply = self._post(
                 server,
                 "/update_weights_from_distributed",
@@ -592,6 +595,7 @@ class SGLangClient(RolloutEngine):
             bypass_router = bool(stale) and self._router_usable
             if bypass_router:
                 self._router_usable = False
+        self._end_sessions(updated)
         if stale:
             logger.warning("weight update: unreachable workers keep old weights and are left out: %s", stale)
         if bypass_router:
@@ -635,6 +639,64 @@ class SGLangClient(RolloutEngine):
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._http.close()
+
+    # ------------------------------------------------------------------ weight-update sessions
+    # SGLang 0.5.23 refuses update_weights_from_distributed / _from_tensor outside a session
+    # (srt/managers/scheduler_components/weight_updater.py: "must run between begin_weight_update() and
+    # end_weight_update()"): POST /begin_weight_update before a worker's first call of an update, POST
+    # /end_weight_update when the update finishes. Servers without these endpoints (older SGLang, the CPU stand-in)
+    # answer 404 and need no session.
+    def _begin_session(self, server: _Server) -> None:
+        with self._lock:
+            if server.url in self._sessions:
+                return
+        reply = self._session_call(server, "/begin_weight_update")
+        if reply is not None and reply.get("success") is not True:
+            message = str(reply.get("message", ""))
+            if "already open" not in message:  # left open by an update that failed midway: keep using it
+                raise RolloutError(
+                    f"begin_weight_update failed: {message}", server=server.url, field="success"
+                )
+        with self._lock:
+            self._sessions.add(server.url)
+
+    def _end_sessions(self, servers: Sequence[_Server]) -> None:
+        with self._lock:
+            open_on = [s for s in servers if s.url in self._sessions]
+            self._sessions.difference_update(s.url for s in servers)
+        for outcome in self._for_each_server(open_on, self._end_session):
+            if isinstance(outcome, Exception):
+                raise outcome
+
+    def _end_session(self, server: _Server) -> None:
+        reply = self._session_call(server, "/end_weight_update")
+        if reply is not None and reply.get("success") is not True:
+            raise RolloutError(
+                f"end_weight_update failed: {reply.get('message')}", server=server.url, field="success"
+            )
+
+    def _session_call(self, server: _Server, path: str) -> dict[str, Any] | None:
+        """The reply of ``path`` (200 or 400 with ``success``), or None when the server has no such endpoint."""
+        try:
+            response = self._http.post(server.url + path, json={}, timeout=self.weight_sync_timeout_s)
+        except httpx.TransportError as exc:
+            raise _Transient(f"{type(exc).__name__}: {exc}") from exc
+        if response.status_code == 404:
+            return None
+        if response.status_code not in (200, 400):
+            raise RolloutError(
+                f"HTTP {response.status_code} from {path}: {_error_message(response)}",
+                server=server.url,
+                request=path.lstrip("/"),
+                field="<status>",
+            )
+        try:
+            reply = response.json()
+        except ValueError:
+            reply = None
+        if not isinstance(reply, dict):
+            raise RolloutError(f"reply of {path} is not a JSON object", server=server.url, field="<body>")
+        return reply
 
     # ------------------------------------------------------------------ helpers
     def _update_each_worker(self, load: Callable[[_Server], None], what: str) -> None:
