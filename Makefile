@@ -29,11 +29,12 @@ lint: $(STAMP)
 TEST_JOBS ?= 2
 PYTEST := $(BIN)/pytest -q -p no:cacheprovider
 
+# The real-SGLang tier (tests/sglang_real) has its own target below; .ci/run runs both.
 test: lint
-	$(PYTEST) -n $(TEST_JOBS) --dist loadgroup --durations=15
+	$(PYTEST) -n $(TEST_JOBS) --dist loadgroup --durations=15 --ignore=tests/sglang_real
 
 test-fast: $(STAMP)
-	$(PYTEST) -m "not slow" --durations=10
+	$(PYTEST) -m "not slow" --durations=10 --ignore=tests/sglang_real
 
 # docs/distillation.md: RL / OPD / fixed fusion / SAF from one teacher, then MOPD with two (about 30 min on 2 cores)
 DISTILL := configs/distill
