@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench install clean distill-evidence
+.PHONY: demo test test-fast lint bench install clean distill-evidence
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,8 +23,18 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# make test: everything, on TEST_JOBS pytest-xdist workers (0: in this process); make test-fast: the inner loop,
+# without the tests marked slow (processes, end-to-end runs; tests/conftest.py says how to mark one).
+# python tools/test_times.py on a run's --durations=0 output prints the time per directory.
+TEST_JOBS ?= 2
+PYTEST := $(BIN)/pytest -q -p no:cacheprovider
+
+# The real-SGLang tier (tests/sglang_real) has its own target below; .ci/run runs both.
 test: lint
-	$(BIN)/pytest -q -p no:cacheprovider --durations=15
+	$(PYTEST) -n $(TEST_JOBS) --dist loadgroup --durations=15 --ignore=tests/sglang_real
+
+test-fast: $(STAMP)
+	$(PYTEST) -m "not slow" --durations=10 --ignore=tests/sglang_real
 
 # docs/distillation.md: RL / OPD / fixed fusion / SAF from one teacher, then MOPD with two (about 30 min on 2 cores)
 DISTILL := configs/distill
@@ -40,3 +50,10 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+
+# tests/sglang_real against the real SGLang server on CPU (tools/sglang_cpu; docs/cluster.md). Its virtualenv lives
+# outside the clone ($SAPO_SGLANG_VENV, default /opt/sapo-sglang-venv): about 2 min the first time, seconds after.
+.PHONY: test-sglang
+test-sglang: $(STAMP)
+	tools/sglang_cpu/install.sh
+	SAPO_REQUIRE_SGLANG=1 $(BIN)/pytest -q -p no:cacheprovider --durations=10 tests/sglang_real

@@ -75,6 +75,8 @@ class TrainSequence:
 
 TEACHER_LOGP = "teacher_logp"
 """Micro-batch key of the teacher's log-probs, fp32 per token like ``labels`` (0 off the response)."""
+UNIT_TEMPERATURE_LOGP = "old_logp_t1"
+"""The old-policy log-prob at temperature 1, next to ``old_logp`` when distilling at a rollout temperature ≠ 1."""
 DOMAIN_IDS = "domain_ids"
 """Micro-batch key of the sequences' domain ids, int64 per sequence like ``advantages``."""
 

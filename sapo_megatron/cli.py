@@ -17,17 +17,28 @@ import shlex
 import socket
 import sys
 import traceback
-from typing import Any
-
-import yaml
+from typing import TYPE_CHECKING, Any
 
 from sapo_megatron import __version__, logs
-from sapo_megatron.config import ConfigError, RunConfig, load_config, validate_layout
 from sapo_megatron.errors import RunInterrupted, UserError
-from sapo_megatron.inputs import check_input_files
 from sapo_megatron.interrupts import EXIT_NOW_CODE
-from sapo_megatron.plan.report import PLAN_SCHEMA
-from sapo_megatron.rewards.registry import check_reward_available
+
+if TYPE_CHECKING:
+    from sapo_megatron.config import RunConfig
+
+# Imports of this module stay light (no torch, pydantic or Megatron): `--help`, `--version` and every refusal
+# answer before they are loaded; each command imports what it needs inside its function
+# (tests/test_cli_startup.py checks; bench/bench_cli_startup.py measures).
+
+DESCRIPTION = """\
+sapo-megatron: RL post-training of Mixture-of-Experts models on Megatron-Core.
+
+Commands: train (the RL loop; without CONFIG the embedded tiny demo), compare (losses x routing replays x
+corrections, with a report), plan (memory per GPU and a fits verdict), convert (HF <-> Megatron), serve (the
+CPU rollout server).
+
+An error you can fix (config, data, checkpoint, output directory) prints one line and a hint; --debug shows
+its traceback, which train.log in the run directory keeps either way. --verbose shows Megatron's own log."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,9 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(_normalise_resume(argv))
     args.argv = argv
     debug = bool(getattr(args, "debug", False))
+    verbose = bool(getattr(args, "verbose", False))
     is_main = os.environ.get("RANK", "0") == "0"
-    with logs.console(is_main=is_main, debug=debug):
-        logs.filter_cpu_fallback_warnings()
+    with logs.console(is_main=is_main, debug=debug, verbose=verbose):
+        logs.filter_known_warnings()
         try:
             return int(args.handler(args) or 0)
         except UserError as err:
@@ -62,7 +74,8 @@ def _report_user_error(err: UserError, argv: list[str], *, is_main: bool, debug:
     if isinstance(err, RunInterrupted):
         print(f"sapo-megatron: {err}; resume with: {resume_command(argv)}", file=sys.stderr)
         return err.exit_code
-    kind = "configuration error: " if isinstance(err, ConfigError) else ""
+    config = sys.modules.get("sapo_megatron.config")  # not imported: not a ConfigError (keeps errors light)
+    kind = "configuration error: " if config and isinstance(err, config.ConfigError) else ""
     print(f"sapo-megatron: {kind}{err}", file=sys.stderr)
     if err.hint:
         print(f"hint: {err.hint}", file=sys.stderr)
@@ -101,6 +114,15 @@ def _normalise_resume(argv: list[str]) -> list[str]:
 # --------------------------------------------------------------------------------------------------------
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage error is one line and a hint, as every other error of the command line (exit status 2)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override] - argparse's NoReturn
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        print(f"hint: {self.prog} --help lists the options", file=sys.stderr)
+        sys.exit(2)
+
+
 class _HelpFormatter(argparse.HelpFormatter):
     """Shows each option's default after its help (unless the help already names it, or there is none)."""
 
@@ -112,9 +134,7 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="sapo-megatron", description=__doc__, formatter_class=_HelpFormatter
-    )
+    parser = _Parser(prog="sapo-megatron", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"sapo-megatron {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_train_parser(commands)
@@ -124,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_convert_parser(commands)
     _add_eval_parsers(commands)
     _apply_formatter(parser)
+    parser.formatter_class = _RawDescriptionFormatter  # DESCRIPTION keeps its line breaks
     return parser
 
 
@@ -136,6 +157,10 @@ def _apply_formatter(parser: argparse.ArgumentParser) -> None:
                 _apply_formatter(sub)
         elif not action.help and _shows_default(action):
             action.help = "(default: %(default)s)"
+
+
+class _RawDescriptionFormatter(argparse.RawDescriptionHelpFormatter, _HelpFormatter):
+    """The top-level help: its description keeps its lines; options show their defaults."""
 
 
 def _shows_default(action: argparse.Action) -> bool:
@@ -171,6 +196,7 @@ def _add_train_parser(commands) -> None:
     train.add_argument(
         "--dry-run", action="store_true", help="validate and print the resolved layout, then stop"
     )
+    train.add_argument("--force", action="store_true", help="train even if the planner says it does not fit")
     train.add_argument(
         "--world-size",
         type=int,
@@ -190,15 +216,20 @@ def _add_train_parser(commands) -> None:
         help="override a config field (YAML value); repeatable (default: none)",
     )
     train.add_argument("--debug", action="store_true", help="show the traceback of errors")
+    train.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show Megatron's INFO log on the console and keep it in train.log",
+    )
     train.set_defaults(handler=_train)
 
 
 COMPARE_DEFAULTS = {"losses": "sapo,gspo,grpo", "replay": "none,r2,r3", "corrections": "none"}
+CORRECTION_NAMES = ("none", "tis", "icepop")
+"""The keys of :data:`sapo_megatron.compare.CORRECTIONS`, for the help (importing compare loads the config)."""
 
 
 def _add_compare_parser(commands) -> None:
-    from sapo_megatron.compare import CORRECTIONS
-
     compare = commands.add_parser(
         "compare",
         help="run the same RL job under several losses / routing replays / corrections and write a report",
@@ -235,7 +266,16 @@ def _add_compare_parser(commands) -> None:
     compare.add_argument(
         "--corrections",
         default=COMPARE_DEFAULTS["corrections"],
-        help=f"comma-separated mismatch corrections from {', '.join(CORRECTIONS)} (tis: cap 2.0)",
+        help=f"comma-separated mismatch corrections from {', '.join(CORRECTION_NAMES)} (tis: cap 2.0)",
+    )
+    compare.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2,...",
+        help="a sweep axis: one arm per value (YAML) of the config field KEY, crossed with the other axes, e.g. "
+        "--grid algorithm.loss.tau_pos=1,4,16; linked keys KEY1+KEY2=A1:B1,A2:B2 move together; repeatable "
+        "(Cartesian product); report.json arms carry 'overrides'",
     )
     compare.add_argument("--seeds", type=int, default=1, help="seeds per configuration: 0 .. N-1")
     compare.add_argument("--steps", type=int, required=True, help="RL steps of every arm")
@@ -320,12 +360,12 @@ def _add_plan_options(parser: argparse.ArgumentParser, prefix: str = "") -> None
 
 
 def _add_serve_parser(commands) -> None:
-    from sapo_megatron.rollout.cpu_server import add_serve_arguments
+    from sapo_megatron.serve_flags import add_serve_arguments
 
     serve = commands.add_parser(
         "serve",
         help="serve an HF model with the CPU rollout engine (SGLang's HTTP API and flag names)",
-        description="A stand-in for `python -m sglang.launch_server` on machines without GPUs: the same HTTP API "
+        description="A stand-in for 'python -m sglang.launch_server' on machines without GPUs: the same HTTP API "
         "subset and the same flag names, so SLURM scripts can swap one for the other.",
     )
     add_serve_arguments(serve)
@@ -351,18 +391,38 @@ def _add_convert_parser(commands) -> None:
 
 
 def _parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    import yaml
+
+    from sapo_megatron.config import ConfigError
+
     overrides = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise ConfigError(f"--set {pair!r}: expected KEY=VALUE, e.g. --set parallel.tp=2")
-        overrides[key] = yaml.safe_load(value)
+        try:
+            overrides[key] = yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            raise ConfigError(
+                f"--set {pair!r}: the value is not valid YAML ({_yaml_problem(err)})",
+                hint="values are YAML: 2, 1e-5, true, [1, 2], {a: 1}; quote a string that looks like YAML, "
+                f"e.g. --set \"{key}='{value}'\"",
+            ) from err
     return overrides
+
+
+def _yaml_problem(err: Exception) -> str:
+    """One line of a YAML error: its problem and the column it was found at."""
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    mark = getattr(err, "problem_mark", None)
+    return f"{problem} at character {mark.column + 1}" if mark is not None else problem
 
 
 def resolve_config(
     args: argparse.Namespace, *, world_size: int | None = None, check_layout: bool = True
 ) -> RunConfig:
+    from sapo_megatron.config import load_config
+
     overrides = _parse_overrides(args.set)
     if args.output_dir:
         overrides["output_dir"] = args.output_dir
@@ -382,6 +442,11 @@ def run_mode(args: argparse.Namespace) -> str:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from sapo_megatron.inputs import check_input_files
+    from sapo_megatron.plan.gate import check_layout_fits
+    from sapo_megatron.rewards.registry import check_reward_available
+    from sapo_megatron.run_dir import check_run_dir
+
     cfg = resolve_config(args, world_size=args.world_size if args.dry_run else None)
     if args.launch_info:
         launch = cfg.launch
@@ -391,8 +456,11 @@ def _train(args: argparse.Namespace) -> int:
         return _dry_run(cfg, args)
     mode = run_mode(args)
     check_input_files(cfg)  # before any process starts; each rank checks again when the session opens
+    if "WORLD_SIZE" not in os.environ:  # the command the user typed (not a rank it started): before torch
+        check_run_dir(cfg.output_dir, mode=mode)
     check_reward_available(cfg.algorithm.reward, kwargs=cfg.algorithm.reward_kwargs)
     check_training_precision(cfg)
+    check_layout_fits(cfg, force=args.force)  # the planner's verdict (runs that name launch.gpu_type)
     if cfg.launch.world_size > 1 and "WORLD_SIZE" not in os.environ:
         return _launch_ranks(cfg, args.argv)
     _run_training(cfg, mode)
@@ -409,15 +477,20 @@ def _run_training(cfg: RunConfig, mode: str) -> None:
 
 
 def _dry_run(cfg: RunConfig, args: argparse.Namespace) -> int:
-    """Validate the layout for ``--world-size`` (else ``launch.*``), print the plan, check the inputs. The memory
-    verdict is printed, not enforced: it is an estimate (``plan`` exits 1 on does-not-fit)."""
+    """Validate the layout for ``--world-size`` (else ``launch.*``), print the plan, check the inputs and every
+    row of the data. Exits 1 when the planner's verdict is does-not-fit (like ``plan``)."""
+    from sapo_megatron.config import ConfigError, validate_layout
+    from sapo_megatron.inputs import check_input_files
     from sapo_megatron.plan import build_plan, format_plan
+    from sapo_megatron.plan.gate import unfit_summary
+    from sapo_megatron.rewards.registry import check_reward_available
 
     world = args.world_size or cfg.launch.world_size
     validate_layout(cfg, world)
     check_reward_available(cfg.algorithm.reward, kwargs=cfg.algorithm.reward_kwargs)
     print(f"layout OK: {cfg.name} -> {cfg.output_dir}")
-    print(format_plan(build_plan(cfg, plan_settings(cfg, args, world))))
+    plan = build_plan(cfg, plan_settings(cfg, args, world))
+    print(format_plan(plan))
     try:
         check_input_files(cfg)
     except ConfigError as err:
@@ -425,19 +498,25 @@ def _dry_run(cfg: RunConfig, args: argparse.Namespace) -> int:
         raise
     print("inputs OK: every input file exists")
     from sapo_megatron.data.loading import build_run_data
+    from sapo_megatron.rewards.registry import check_labels
 
     data = build_run_data(
         cfg, verbose=True
     )  # every row's schema, the prompt lengths; prints counts and times
+    check_labels(cfg.algorithm.reward, data.train_rows, cfg.data.train)
     from sapo_megatron.eval.training import describe_training_suite
 
     print("\n".join(describe_training_suite(cfg, data.tokenizer)))  # the eval datasets, read and checked
     print("data OK: every row of the prompt data is usable")
+    if not plan.fits:
+        print(f"error: the layout does not fit: {unfit_summary(plan)} (exit 1)", file=sys.stderr)
+        return 1
     return 0
 
 
 def plan_settings(cfg: RunConfig, args: argparse.Namespace, world: int):
     """The planner's settings from the command line (``plan`` and ``train --dry-run`` share the options)."""
+    from sapo_megatron.config import ConfigError
     from sapo_megatron.plan import PlanSettings
 
     fraction = args.rollout_mem_fraction
@@ -463,6 +542,7 @@ def plan_settings(cfg: RunConfig, args: argparse.Namespace, world: int):
 def _plan(args: argparse.Namespace) -> int:
     """Print the plan (text or JSON); exit 0 when every rank fits, 1 when not. With ``--suggest``, a layout that
     is invalid on this world size is reported and the suggestions still printed."""
+    from sapo_megatron.config import ConfigError, validate_layout
     from sapo_megatron.plan import suggest_layouts
 
     cfg = resolve_config(args, world_size=args.world_size, check_layout=not args.suggest)
@@ -484,7 +564,7 @@ def _plan(args: argparse.Namespace) -> int:
 def _print_plan(cfg: RunConfig, settings, suggestions, invalid: str | None, *, as_json: bool) -> bool:
     import json
 
-    from sapo_megatron.plan import build_plan, format_plan, format_suggestions, plan_to_json
+    from sapo_megatron.plan import PLAN_SCHEMA, build_plan, format_plan, format_suggestions, plan_to_json
 
     plan = None if invalid else build_plan(cfg, settings)
     if as_json:
@@ -503,6 +583,7 @@ def _print_plan(cfg: RunConfig, settings, suggestions, invalid: str | None, *, a
 
 def check_training_precision(cfg: RunConfig) -> None:
     """FP8 training needs Transformer Engine and a GPU that runs the recipe: refuse before any rank starts."""
+    from sapo_megatron.config import ConfigError
     from sapo_megatron.precision import fp8_runtime_problem
 
     if cfg.precision.dtype == "fp8":
@@ -516,6 +597,8 @@ def check_training_precision(cfg: RunConfig) -> None:
 def _launch_ranks(cfg: RunConfig, argv: list[str]) -> int:
     """Start ``procs_per_node`` local ranks of this same command (multi-node jobs start under SLURM, see
     launch/); see :mod:`sapo_megatron.local_launch` for why not torchrun."""
+    from sapo_megatron.config import ConfigError
+
     if cfg.launch.nodes > 1:
         raise ConfigError(
             f"launch.nodes={cfg.launch.nodes}: multi-node jobs start through launch/slurm_train.sbatch, not directly"
@@ -541,9 +624,12 @@ def _compare(args: argparse.Namespace) -> int:
         CompareError,
         build_config_plan,
         build_plan,
+        parse_grid,
         parse_names,
         run_compare,
     )
+
+    grid = parse_grid(args.grid)
 
     if args.arms:
         given = ["CONFIG"] if args.config else []
@@ -557,6 +643,7 @@ def _compare(args: argparse.Namespace) -> int:
             seeds=args.seeds,
             steps=args.steps,
             output_dir=args.output_dir,
+            grid=grid,
         )
     else:
         if args.teachers:
@@ -570,6 +657,7 @@ def _compare(args: argparse.Namespace) -> int:
             seeds=args.seeds,
             steps=args.steps,
             output_dir=args.output_dir,
+            grid=grid,
         )
     outcome = run_compare(plan, overwrite=args.overwrite, debug=args.debug)
     return 1 if outcome.failures else 0

@@ -38,9 +38,9 @@ class ConfigError(UserError, ValueError):
 
 
 class Section(BaseModel):
-    """Base of every config section: unknown keys are errors, assignments are validated."""
+    """Base of every config section: unknown keys are errors, assignments are validated, inf / nan refused."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 RecomputeModule = Literal["core_attn", "mlp", "moe", "moe_act"]
@@ -319,11 +319,11 @@ class RolloutConfig(Section):
     cpu_http: bool = Field(
         default=False, description="run the CPU engine behind its HTTP server and use the client"
     )
-    n_samples: int = Field(default=8, ge=1, description="responses per prompt (the GRPO group size)")
+    n_samples: int = Field(default=8, ge=1, le=4096, description="responses per prompt (the GRPO group size)")
     temperature: float = Field(default=1.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = -1
-    max_new_tokens: int = Field(default=512, ge=1)
+    max_new_tokens: int = Field(default=512, ge=1, le=10_000_000)
     weight_sync: Literal["tensor", "disk", "distributed"] | None = Field(
         default=None,
         description="tensor (colocated engines), disk (shared filesystem) or distributed (NCCL/gloo broadcast); "
@@ -335,8 +335,15 @@ class RolloutConfig(Section):
         "<output_dir>/rollout_weights, made absolute)",
     )
     timeout_s: float = Field(default=600.0, gt=0.0)
+    weight_sync_timeout_s: float = Field(
+        default=1800.0,
+        gt=0.0,
+        le=86400.0,
+        description="how long one weight-sync call (an HTTP reply, a group's forming, a bucket's broadcast) may "
+        "take before the run fails; a stop signal interrupts it at once",
+    )
     max_retries: int = Field(default=3, ge=0)
-    concurrency: int = Field(default=64, ge=1)
+    concurrency: int = Field(default=64, ge=1, le=100_000)
     threads: int | None = Field(default=None, ge=1, description="torch threads of the CPU engine")
 
     @model_validator(mode="after")
@@ -454,11 +461,14 @@ class AlgorithmConfig(Section):
     )
 
 
+MAX_SEQUENCES_PER_STEP = 10_000_000  # far above any real batch; an absurd size fails here, not out of memory
+
+
 class TrainerConfig(Section):
     """The RL loop: steps, batch sizes and checkpoint cadence (evaluation: the ``eval`` section)."""
 
-    steps: int = Field(default=20, ge=0)
-    prompts_per_step: int = Field(default=16, ge=1)
+    steps: int = Field(default=20, ge=0, le=100_000_000)
+    prompts_per_step: int = Field(default=16, ge=1, le=1_000_000)
     mini_batches: int = Field(default=1, ge=1, description="optimizer updates per rollout batch")
     save_every: int = Field(
         default=0, ge=0, description="checkpoint every N steps (0: only at the end, or when interrupted)"
@@ -475,6 +485,11 @@ class TrainerConfig(Section):
         "boundaries, rollout/staleness 1); see docs/rl_loop.md",
     )
     export_hf: bool = Field(default=True, description="write an HF checkpoint at the end")
+    log_ref_kl: bool = Field(
+        default=False,
+        description="log kl/k3_ref, the k3 from the policy as RL starts, also when algorithm.loss.kl_coef is 0 "
+        "(one more forward pass per step, and a frozen copy of the model)",
+    )
     log_samples_every: int = Field(
         default=10, ge=0, description="write a few samples to samples.jsonl every N RL steps (0: never)"
     )
@@ -515,7 +530,12 @@ class RunConfig(Section):
             )
         self._check_fp8_setup()
         check_distillation(
-            self.teachers, self.algorithm.fusion, self.algorithm.loss, self.algorithm.correction.name
+            self.teachers,
+            self.algorithm.fusion,
+            self.algorithm.loss,
+            self.algorithm.correction.name,
+            student_logp=self.algorithm.opd_student_logp,
+            temperature=self.rollout.temperature,
         )
         if self.trainer.async_rollout and self.rollout.colocated:
             raise ValueError(
@@ -523,6 +543,11 @@ class RunConfig(Section):
                 "GPUs; set rollout.colocated: false (servers on other GPUs) or trainer.async_rollout: false"
             )
         batch = self.rollout.n_samples * self.trainer.prompts_per_step
+        if batch > MAX_SEQUENCES_PER_STEP:
+            raise ValueError(
+                f"trainer.prompts_per_step × rollout.n_samples = {batch} sequences per step is above the limit "
+                f"of {MAX_SEQUENCES_PER_STEP}: lower trainer.prompts_per_step or rollout.n_samples"
+            )
         if batch % self.trainer.mini_batches:
             raise ValueError(
                 f"trainer.prompts_per_step × rollout.n_samples = {batch} sequences do not split into "
@@ -785,10 +810,21 @@ def _divisors(n: int) -> list[int]:
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
+    if path.is_dir():
+        raise ConfigError(
+            f"config file {path} is a directory: give the YAML file in it (e.g. {path}/run.yaml)"
+        )
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
+    except _DuplicateKey as err:
+        raise ConfigError(f"{path}: {err}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"{path} is not UTF-8 text (byte {err.start}: {err.object[err.start : err.start + 4]!r}): save it as "
+            "UTF-8"
+        ) from None
     except yaml.YAMLError as err:
         raise ConfigError(f"{path} is not valid YAML: {err}") from None
     if not isinstance(raw, dict):
@@ -796,6 +832,27 @@ def _read_yaml(path: Path) -> dict[str, Any]:
             f"{path} must hold a mapping of sections (model, parallel, ...), got {type(raw).__name__}"
         )
     return raw
+
+
+class _DuplicateKey(yaml.YAMLError):
+    """A mapping key given twice; the message names both lines."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.safe_load`` that refuses a key given twice in one mapping (PyYAML keeps the last one silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise _DuplicateKey(
+                    f"key {key!r} appears twice (lines {seen[key]} and {line}); the second would replace the "
+                    "first: merge them"
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 def _resolve_relative_hf_config(raw: dict[str, Any], base_dir: Path) -> None:

@@ -18,6 +18,10 @@ How it works, and why:
   different times, and every rank must stop after the same step to write one checkpoint together.
 
 SLURM's pre-timeout signal (``#SBATCH --signal=USR1@120``) is SIGUSR1, hence the default set.
+
+Network waits that can last long (weight sync: HTTP replies, broadcasts) wait through :func:`wait_for` or poll
+:func:`stop_requested`: once the first signal arrived they raise :class:`WaitInterrupted` within ``poll_s``, so
+the loop reaches its checkpoint in seconds instead of after the wait's timeout.
 """
 
 from __future__ import annotations
@@ -28,13 +32,40 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future, wait
 from types import FrameType, TracebackType
 from typing import Any
+
+from sapo_megatron.errors import UserError
 
 DEFAULT_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 EXIT_NOW_CODE = 130
 """Exit status after a second signal (and of an interrupted run: ``errors.RunInterrupted.exit_code``)."""
+
+
+_STOP_REQUESTED = threading.Event()  # set by an active guard's first signal, cleared when it exits
+
+
+class WaitInterrupted(UserError):
+    """A network wait gave up because a signal asked the run to stop (nothing is lost: it resumes)."""
+
+    exit_code = EXIT_NOW_CODE
+
+
+def stop_requested() -> bool:
+    """Whether an active :class:`InterruptGuard` of this process received its first signal."""
+    return _STOP_REQUESTED.is_set()
+
+
+def wait_for(futures: Sequence[Future], what: str, poll_s: float = 0.1) -> None:
+    """Wait until every future is done, or raise :class:`WaitInterrupted` soon after a signal (the futures keep
+    running; their own timeouts bound them)."""
+    pending = set(futures)
+    while pending:
+        if _STOP_REQUESTED.is_set():
+            raise WaitInterrupted(f"{what}: interrupted by a signal before it finished")
+        _, pending = wait(pending, timeout=poll_s)
 
 
 def print_line(text: str) -> None:
@@ -149,6 +180,7 @@ class InterruptGuard:
         for sig, handler in self._previous_handlers.items():
             signal.signal(sig, handler)
         self._previous_handlers.clear()
+        _STOP_REQUESTED.clear()
         signal.set_wakeup_fd(self._previous_wakeup_fd)
         if self._pipe is not None:
             read_fd, write_fd = self._pipe
@@ -179,6 +211,7 @@ class InterruptGuard:
             if first is None:
                 self._first = (sig, arrived)
         if first is None:
+            _STOP_REQUESTED.set()
             self._say(
                 f"sapo-megatron: {sig.name}: stopping after the current step; signal again to exit at once"
             )

@@ -2,7 +2,10 @@
 
 :func:`console` (entered by the CLI around a command) sets up, on the main rank:
 
-- Python logging: warnings and errors on the console (stderr), everything from INFO up into the run log;
+- Python logging: warnings and errors on the console (stderr); into the run log, INFO and up of this package
+  and warnings and errors of the libraries. Megatron-Core logs its whole DDP and optimizer config and every
+  gradient bucket's parameter list at INFO: that stays out of ``train.log`` and the console unless
+  ``--verbose`` (then both get every library's INFO too);
 - a tee of ``sys.stdout`` / ``sys.stderr`` into the run log: what the console shows, as a terminal would
   show it (of a line redrawn with carriage returns, as progress bars are, only its final state), without
   colour codes;
@@ -33,6 +36,13 @@ CPU_FALLBACK_WARNINGS = (
     r"Apex is not installed\. Falling back",
 )
 """Megatron-Core's import-time notices that it uses its pure-torch fallbacks: expected on a CPU machine."""
+KNOWN_HARMLESS_WARNINGS = (
+    # megatron-core 0.16.1's TransformerConfig turns its own default cuda_graph_scope "full" into [] with this
+    # notice on every model build; the project never sets the field (transformer_config.py, __post_init__).
+    ("full scope is deprecated", UserWarning, r"megatron\.core"),
+)
+"""(message, category, module) of library warnings that say nothing a user can act on; filtered by name."""
+PACKAGE = "sapo_megatron"
 
 
 class RunLog:
@@ -108,24 +118,28 @@ _active: RunLog | None = None
 
 
 @contextlib.contextmanager
-def console(*, is_main: bool = True, debug: bool = False) -> Iterator[RunLog | None]:
+def console(*, is_main: bool = True, debug: bool = False, verbose: bool = False) -> Iterator[RunLog | None]:
     """Set up logging and the run log for one command (see the module docstring); undone on exit.
 
-    Yields the :class:`RunLog` on the main rank, ``None`` elsewhere. ``debug`` shows INFO messages on the
-    console too.
+    Yields the :class:`RunLog` on the main rank, ``None`` elsewhere. ``debug`` shows this package's INFO
+    messages on the console too; ``verbose`` shows every library's INFO on the console and in the run log.
     """
     global _active
     root = logging.getLogger()
     saved_level = root.level
     # The real stderr, not the tee below: the file handler writes records into the run log itself.
     stream_handler = logging.StreamHandler(sys.stderr)
-    stream_handler.setLevel(logging.INFO if debug else logging.WARNING)
+    stream_handler.setLevel(logging.INFO if debug or verbose else logging.WARNING)
+    if not verbose:
+        stream_handler.addFilter(_quiet_libraries)
     stream_handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
     handlers: list[logging.Handler] = [stream_handler]
     run_log = RunLog() if is_main else None
     if run_log is not None:
         file_handler = logging.StreamHandler(run_log)  # type: ignore[arg-type] - RunLog has write()
         file_handler.setLevel(logging.INFO)
+        if not verbose:
+            file_handler.addFilter(_quiet_libraries)
         file_handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         handlers.append(file_handler)
     for handler in handlers:
@@ -150,6 +164,11 @@ def console(*, is_main: bool = True, debug: bool = False) -> Iterator[RunLog | N
         _active = None
 
 
+def _quiet_libraries(record: logging.LogRecord) -> bool:
+    """Keep this package's records and the libraries' warnings and errors (not their INFO)."""
+    return record.levelno >= logging.WARNING or record.name.split(".")[0] in (PACKAGE, "__main__")
+
+
 def attach_run_log(path: str | Path, header: str = "sapo-megatron") -> bool:
     """Send the run log (buffered so far, and from now on) to ``path`` (``<output_dir>/train.log``).
 
@@ -166,6 +185,12 @@ def record_exception(exc: BaseException) -> None:
     """Write the traceback of ``exc`` into the run log only (the console showed a one-line message)."""
     if _active is not None:
         _active.write("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+
+
+def filter_known_warnings() -> None:
+    """Hide the library warnings of :data:`KNOWN_HARMLESS_WARNINGS` (each by message, category and module)."""
+    for message, category, module in KNOWN_HARMLESS_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
 
 
 def filter_cpu_fallback_warnings() -> bool:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from sapo_megatron.batching import RouteLayout
+from sapo_megatron.batching import UNIT_TEMPERATURE_LOGP, RouteLayout
 from sapo_megatron.megatron.loss_hook import LogprobOutput
 from sapo_megatron.megatron.routing_replay import ENGINE_ROUTES, RECORDED_ROUTES, USED_ROUTES
 from sapo_megatron.megatron.train_step import StepResult, TrainEngine
@@ -50,6 +50,8 @@ class RoutingStep:
         self.engine = engine
         self.mode = cfg.algorithm.routing_replay
         self.temperature = cfg.rollout.temperature
+        # Distilling at a rollout temperature ≠ 1: A_opd needs the student's log-prob at 1, as teachers score.
+        self.unit_logp = bool(cfg.teachers) and self.temperature != 1.0
         self.have_engine_routes = engine.routes is not None and route_layout(cfg) is not None
         self._updates: Updates = []
         self._metrics: dict[str, float] = {}
@@ -61,9 +63,12 @@ class RoutingStep:
         self._updates = updates
         replaying_engine = self.mode == "r3"
         record = self.engine.routes is not None and not replaying_engine
-        _attach(
-            self.engine, updates, "old_logp", LogprobOutput(temperature=self.temperature), record, self.mode
-        )
+        output_fn = LogprobOutput(temperature=self.temperature, with_unit_temperature=self.unit_logp)
+        _attach(self.engine, updates, "old_logp", output_fn, record, self.mode)
+        if self.unit_logp:
+            for batch in _flat(updates):
+                if "old_logp" in batch:
+                    batch["old_logp"], batch[UNIT_TEMPERATURE_LOGP] = batch["old_logp"].unbind(0)
         if not self.have_engine_routes:
             return
         if replaying_engine:  # the live routing at the rollout's weights, for the metric only

@@ -52,6 +52,7 @@ import torch
 from sapo_megatron.batching import TrainSequence
 from sapo_megatron.data.prompts import PromptIterator
 from sapo_megatron.errors import UserError
+from sapo_megatron.interrupts import WaitInterrupted
 from sapo_megatron.session import Session, on_main_rank
 
 logger = logging.getLogger(__name__)
@@ -175,7 +176,12 @@ class RolloutPipeline:
             self._ready = self._timed(lambda: on_main_rank(self.session.info, self._take_background))
             self.prompts.load_state_dict(self._ready.prompt_state)
             self._in_flight = False
-        metrics = self.session.sync.push(module)
+        try:
+            metrics = self.session.sync.push(module)
+        except (
+            WaitInterrupted
+        ):  # a signal during the sync: end_of_step checkpoints and stops (resume re-syncs)
+            return {"weight_sync/interrupted": 1.0}
         self.engine_version += 1
         if self.session.info.is_main:
             metrics["time/rollout_wait_s"] = self._waited

@@ -150,6 +150,17 @@ def prepare_run_dir(path: str | Path, *, mode: str) -> RunStart:
     Call it on the main rank before anything of the run is written; it creates ``path`` when the run may start.
     Raises :class:`RunDirError` (the directory is then left exactly as it was) when it may not.
     """
+    state = check_run_dir(path, mode=mode)
+    if mode == "resume" or (mode == "auto" and state.checkpoint is not None):
+        return _resume(state, mode)
+    return _fresh(state, mode)
+
+
+def check_run_dir(path: str | Path, *, mode: str) -> RunState:
+    """The refusals of :func:`prepare_run_dir` alone: raises the same :class:`RunDirError`, writes nothing.
+
+    The command line calls it before torch is imported, so that a refused start answers in about a second.
+    """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     run_dir = Path(path)
@@ -157,21 +168,21 @@ def prepare_run_dir(path: str | Path, *, mode: str) -> RunStart:
         raise RunDirError(f"output directory {run_dir} is a file", hint="choose another --output-dir")
     state = inspect_run_dir(run_dir)
     if mode == "resume" or (mode == "auto" and state.checkpoint is not None):
-        return _resume(state, mode)
-    if mode == "new" and state.holds_run:
+        if state.checkpoint is None:
+            raise _nothing_to_resume(state)
+    elif mode == "new" and state.holds_run:
         raise _refusal(state)
-    if mode == "auto" and state.finished:
+    elif mode == "auto" and state.finished:
         raise RunDirError(
             f"{run_dir} holds a finished run without a checkpoint ({state.describe()}); "
             "--resume auto does not start it over",
             hint="pass --overwrite to replace it, or choose another --output-dir",
         )
-    return _fresh(state, mode)
+    return state
 
 
 def _resume(state: RunState, mode: str) -> RunStart:
-    if state.checkpoint is None:
-        raise _nothing_to_resume(state)
+    assert state.checkpoint is not None  # check_run_dir refused the start otherwise
     notes = [f"resuming from {state.checkpoint.path.name} ({_steps_text(state.checkpoint.steps)})"]
     if state.checkpoint_note:
         notes.insert(0, state.checkpoint_note)

@@ -31,7 +31,7 @@ from sapo_megatron.interrupts import InterruptGuard, print_line
 from sapo_megatron.megatron.parallel import RankInfo, init_parallel
 from sapo_megatron.megatron.train_step import TrainEngine
 from sapo_megatron.replay import needs_route_capture
-from sapo_megatron.rewards.registry import check_reward_available
+from sapo_megatron.rewards.registry import check_labels, check_reward_available
 from sapo_megatron.rewards.runner import RewardRunner, build_reward_runner
 from sapo_megatron.rollout.base import RolloutEngine
 from sapo_megatron.rollout.topology import Topology, resolve_topology
@@ -95,6 +95,7 @@ def open_session(cfg: RunConfig, *, mode: str) -> Iterator[Session]:
     data, data_error = None, None
     try:  # every row checked, the length policy applied: before any process group forms
         data = build_run_data(cfg)
+        check_labels(cfg.algorithm.reward, data.train_rows, cfg.data.train)
     except UserError as exc:  # raised once the run's train.log is open (below), so the log records it
         data_error = exc
     info = init_parallel(
@@ -205,8 +206,11 @@ def build_rollout(cfg: RunConfig, info: RankInfo, engine: TrainEngine, tokenizer
     if not cfg.rollout.cpu_http:
         return cpu, None, None
     from sapo_megatron.rollout.cpu_server import CPUServer
+    from sapo_megatron.rollout.cpu_server_weights import WeightGuard
 
-    server = CPUServer(cpu).start()
+    # what disk sync writes (its version folders), besides the initial export
+    staging = Path(cfg.rollout.weight_sync_dir or run_dir / "rollout_weights").absolute()
+    server = CPUServer(cpu, guard=WeightGuard(allowed_weight_dirs=[initial.parent, staging])).start()
     topology = broadcast_object(Topology(workers=(server.url,), tp_sizes=(1,)))
     return _sglang_client(cfg, topology, None), server, topology
 
@@ -248,8 +252,10 @@ def _sglang_client(cfg: RunConfig, topology: Topology, api_key: str | None):
         tp_size=list(topology.tp_sizes) or 1,
         num_layers=arch.num_hidden_layers if arch.is_moe else None,
         top_k=arch.num_experts_per_tok if arch.is_moe else None,
+        vocab_size=arch.vocab_size,
         max_concurrency=cfg.rollout.concurrency,
         timeout_s=cfg.rollout.timeout_s,
+        weight_sync_timeout_s=cfg.rollout.weight_sync_timeout_s,
         max_retries=cfg.rollout.max_retries,
         serializer=_cpu_serializer()
         if (cfg.rollout.engine, cfg.rollout.weight_sync) == ("cpu", "tensor")
@@ -285,7 +291,7 @@ def build_weight_sync(
         arch,
         stage=info.pp_rank,
         make_client=lambda: _sglang_client(cfg, topology, api_key),
-        timeout_s=cfg.rollout.timeout_s,
+        timeout_s=cfg.rollout.weight_sync_timeout_s,
     )
 
 

@@ -28,6 +28,7 @@ from sapo_megatron.rollout.collect import CollectSettings, RolloutBatch, collect
 from sapo_megatron.rollout.types import SamplingParams
 from sapo_megatron.rollout_pipeline import RolloutPipeline
 from sapo_megatron.session import Session, open_session
+from sapo_megatron.step_metrics import StepMetrics
 from sapo_megatron.tracking import write_json_atomic
 from sapo_megatron.weight_sync import export_hf
 
@@ -143,8 +144,9 @@ def _check_update(session: Session, result: StepResult, phase: str, step: int) -
 
 
 def _reference_policy(session: Session, state: LoopState) -> ReferenceModel | None:
-    """For ``kl_coef > 0``: the policy as RL starts, frozen; saved once so that a resumed run reuses it."""
-    if session.cfg.algorithm.loss.kl_coef == 0:
+    """For ``kl_coef > 0`` or ``trainer.log_ref_kl``: the policy as RL starts, frozen; saved once so that a
+    resumed run reuses it."""
+    if session.cfg.algorithm.loss.kl_coef == 0 and not session.cfg.trainer.log_ref_kl:
         return None
     from sapo_megatron.megatron.dist_ckpt import load_model_weights, save_model_weights
 
@@ -176,14 +178,16 @@ def rl_step(
     if reference is not None:
         _attach_logp(reference, micro, "ref_logp", session.cfg.rollout.temperature)
     metrics.update(session.distill.fuse(micro))  # teacher advantages into the micro-batches (OPD, SAF, MOPD)
+    pooled = StepMetrics(len(micro))  # token-weighted over the updates; per update; ratio quantiles
     for update in micro:
         result = routing.train_step(update, hook)
-        for name, value in result.metrics.items():
-            metrics[name] = metrics.get(name, 0.0) + value / len(micro)
+        pooled.add(result)
         for name, value in _check_update(session, result, "rl", step + 1).items():
             metrics[name] = metrics.get(name, 0.0) + value if name == "train/update_skipped" else value
         metrics["grad_norm"] = result.grad_norm
         metrics["lr"] = result.lr
+    metrics.update(pooled.finish(hook.take_ratios()))
+    session.distill.observe(metrics)  # SAF's warm-up reads this update's student–teacher KL next step
     metrics.update(routing.metrics())
     train_s = time.perf_counter() - start
     metrics.update(rollouts.push_weights(engine.module))  # waits for a batch in flight first

@@ -254,17 +254,23 @@ def finished_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
     return run_dir, sapo("train", "--output-dir", str(run_dir), *TINY)
 
 
+@pytest.mark.slow
 def test_a_run_writes_its_log_without_megatron_fallback_warnings(finished_run):
     run_dir, proc = finished_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "not installed" not in proc.stderr
+    # quiet: no warning line, no weight-loading bar; Megatron's INFO (DDP config, bucket lists) only with
+    # --verbose
+    assert not re.search(r"warn|deprecat|Loading weights", proc.stderr, flags=re.I), proc.stderr[-3000:]
     log = (run_dir / "train.log").read_text()
+    assert "Params for bucket" not in log and " INFO megatron" not in log and "Warning" not in log
     assert log.startswith("=====") and "mode new, fresh start" in log.splitlines()[0]
     assert re.search(r"^accuracy \d\.\d{3} -> \d\.\d{3} in 2 RL steps", log, flags=re.M)
     assert re.search(r"^rl: 100%.*2/2", log, flags=re.M)  # the bar's final state, once
     assert "\r" not in log
 
 
+@pytest.mark.slow
 def test_a_second_run_into_the_directory_is_refused_and_touches_nothing(finished_run):
     run_dir, _ = finished_run
     before = snapshot(run_dir)
@@ -280,6 +286,7 @@ def test_a_second_run_into_the_directory_is_refused_and_touches_nothing(finished
     assert snapshot(run_dir) == before  # train.log included
 
 
+@pytest.mark.slow
 def test_resume_auto_continues_a_run_with_a_checkpoint(finished_run):
     run_dir, _ = finished_run
     proc = sapo("train", "--output-dir", str(run_dir), *TINY, "--resume", "auto")
@@ -289,6 +296,7 @@ def test_resume_auto_continues_a_run_with_a_checkpoint(finished_run):
     assert log.count("=====") == 4 and "mode auto, resuming from step_000002" in log  # two header lines
 
 
+@pytest.mark.slow
 def test_resume_of_an_empty_directory_is_refused(tmp_path):
     proc = sapo("train", "--output-dir", str(tmp_path / "run"), *TINY, "--resume")
     assert proc.returncode == 1
@@ -299,6 +307,7 @@ def test_resume_of_an_empty_directory_is_refused(tmp_path):
     assert not (tmp_path / "run" / "train.log").exists()
 
 
+@pytest.mark.slow
 def test_a_missing_input_is_refused_before_anything_is_written(tmp_path):
     run_dir = tmp_path / "run"
     proc = sapo(
@@ -308,6 +317,7 @@ def test_a_missing_input_is_refused_before_anything_is_written(tmp_path):
     assert not run_dir.exists()
 
 
+@pytest.mark.slow
 def test_a_failed_start_leaves_only_its_log(tmp_path):
     run_dir, bad = tmp_path / "run", tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "1+1=", "ground_truth": "2"}\n{"prompt": "2+2=",\n')
@@ -318,6 +328,7 @@ def test_a_failed_start_leaves_only_its_log(tmp_path):
     assert prepare_run_dir(run_dir, mode="new").note is None  # the next run starts, with nothing to clean
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("procs", [1, 2])
 def test_ctrl_c_prints_one_line_and_exits_130(tmp_path, procs):
     """SIGINT to the foreground process group, as a terminal sends it (with 2 ranks: to the launcher)."""

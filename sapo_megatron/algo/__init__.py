@@ -46,6 +46,7 @@ from sapo_megatron.algo.opd import (
     fuse_advantages,
     mopd_is_weight,
     opd_advantages,
+    opd_k3,
     opd_reverse_kl,
     route_by_domain,
 )
@@ -89,6 +90,7 @@ __all__ = [
     "mopd_is_weight",
     "nonconstant_groups",
     "opd_advantages",
+    "opd_k3",
     "opd_reverse_kl",
     "overlong_penalty",
     "policy_loss",

@@ -85,6 +85,7 @@ class _PolicyLossBase(BaseModel):
 
         pg_bt, metrics = self._policy_loss_bt(logp, old, adv_bt, mask)
         metrics.update(_ratio_stats("ratio/", _token_ratio(logp, old), mask))
+        metrics["policy/kl_old"] = masked_mean(k3(old, logp.detach()), mask)
         is_weight_bt = correction_weights(correction, old, rollout)  # detached inside
         if is_weight_bt is not None:
             pg_bt = pg_bt * is_weight_bt
@@ -311,10 +312,23 @@ def _clipped_surrogate(
     return loss_bt, clipped
 
 
+def k3(target_logp_bt: torch.Tensor, logp_bt: torch.Tensor) -> torch.Tensor:
+    """Schulman's k3 estimate of KL(π ‖ target) per token, ``exp(d) − d − 1`` with ``d = target − logp``
+    (clamped to ±20 before ``exp``): unbiased, never negative. ``policy/kl_old`` is ``k3(old_logp, logp)``."""
+    d_bt = (target_logp_bt.float() - logp_bt.float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return d_bt.exp() - d_bt - 1.0
+
+
 def _sapo_metrics(w_bt: torch.Tensor, adv_bt: torch.Tensor, mask_bt: torch.Tensor) -> Metrics:
+    """Gate means per advantage sign, the fraction of tokens gated below 0.5, and ``sapo/seq_w_std``: the gate's
+    standard deviation within each sequence (population, over its response tokens), averaged over sequences – the
+    paper's "sequence-coherent" gate reads near 0."""
     pos_bt, neg_bt = mask_bt & (adv_bt > 0), mask_bt & (adv_bt < 0)
     low_bt = (w_bt < 0.5).float()
+    row_mean_b = _row_mean(w_bt, mask_bt)
+    row_var_b = _row_mean((w_bt - row_mean_b[:, None]) ** 2, mask_bt)
     return {
+        "sapo/seq_w_std": masked_mean(row_var_b.sqrt(), mask_bt.any(-1)),
         "sapo/w_mean": masked_mean(w_bt, mask_bt),
         "sapo/w_mean_pos": masked_mean(w_bt, pos_bt),
         "sapo/w_mean_neg": masked_mean(w_bt, neg_bt),

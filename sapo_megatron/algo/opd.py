@@ -56,6 +56,19 @@ def opd_reverse_kl(
     return -float(masked_mean(opd_advantages(teacher_logp_bt, student_logp_bt, mask_bt), mask_bt))
 
 
+def opd_k3(
+    student_logp_bt: torch.Tensor, teacher_logp_bt: torch.Tensor, mask_bt: torch.Tensor
+) -> torch.Tensor:
+    """0-d mean over response tokens of verl's ``low_var_kl`` between the student and the teacher:
+    ``clamp(exp(d) − d − 1, −10, 10)`` with ``d = clamp(teacher − student, −20, 20)``. SAF's authors load the
+    teacher as verl's reference model with ``kl_loss_coef = 0``, so their ``actor/kl_loss`` – the warm-up's KL
+    signal – is this quantity during the update; 0 without response tokens."""
+    mask = _check_same_shape(mask_bt, student_logp_bt=student_logp_bt, teacher_logp_bt=teacher_logp_bt)
+    d_bt = (teacher_logp_bt.detach().float() - student_logp_bt.detach().float()).clamp(-20.0, 20.0)
+    k3_bt = (d_bt.exp() - d_bt - 1.0).clamp(-10.0, 10.0)
+    return masked_mean(torch.where(mask, k3_bt, 0.0), mask)
+
+
 def route_by_domain(logp_by_domain: Mapping[str, torch.Tensor], domains: Sequence[str]) -> torch.Tensor:
     """MOPD routing: row ``i`` of the result is row ``i`` of ``logp_by_domain[domains[i]]``.
 
@@ -137,24 +150,43 @@ class SafCompress(_Settings):
 
 
 class SafWarmup(_Settings):
-    steps: int = Field(100, ge=1, description="W: scale = min(step / W, 1)")
-    kl_drop: float = Field(0.2, gt=0, le=1, description="δ: warm-up ends once KL <= (1 − δ) · first KL")
+    steps: int = Field(100, ge=1, description="W (opd_warmup_steps): scale = min(step / W, 1)")
+    kl_drop: float = Field(
+        0.2,
+        ge=0,
+        le=1,
+        description="δ (kl_drop_delta): warm-up ends once (KL_0 − KL) / KL_0 >= δ; 0: no early stop",
+    )
 
 
 class SafAnneal(_Settings):
-    steps: int = Field(200, ge=1, description="R: coef reaches floor R steps after warm-up ends")
-    floor: float = Field(0.0, ge=0, lt=1, description="m, the final coef (1 would never anneal: use null)")
+    steps: int = Field(
+        200, ge=1, description="R (anneal_steps): coef reaches floor R steps after warm-up ends"
+    )
+    floor: float = Field(
+        0.0, ge=0, lt=1, description="m (anneal_min), the final coef (1 would never anneal: use null)"
+    )
+    total_steps: int | None = Field(
+        None,
+        ge=1,
+        description="S (anneal_total_steps): warm-up + anneal budget, R = max(1, S − warm-up end step); "
+        "null: use steps",
+    )
 
 
 class SafFusion(_Settings):
-    """SAF (arXiv:2607.29209): ``A_t = A_rl + coef · multiplier · compress(sparsify(A_opd))_t``.
+    """SAF (arXiv:2607.29209): ``A_t = grpo_coef · A_rl + opd_coef · multiplier · compress(sparsify(A_opd))_t``.
 
     Each stage is a sub-section holding its own settings; ``null`` switches it off. ``multiplier = scale · coef``
-    comes from :meth:`build_schedule` (None when warm-up and anneal are both off: multiplier 1).
+    comes from :meth:`build_schedule` (None when warm-up and anneal are both off: multiplier 1). The defaults are
+    the authors' selected hyper-parameters (docs/distillation.md has their keys).
     """
 
     mode: Literal["saf"] = "saf"
-    coef: float = Field(1.0, gt=0, description="λ, the weight of the SAF-transformed OPD advantage")
+    grpo_coef: float = Field(1.0, ge=0, description="weight of the RL advantage (the authors' grpo_coef)")
+    opd_coef: float = Field(
+        1.0, gt=0, description="λ, the weight of the SAF-transformed OPD advantage (the authors' opd_coef)"
+    )
     sparsify: SafSparsify | None = Field(default_factory=SafSparsify)
     compress: SafCompress | None = Field(default_factory=SafCompress)
     warmup: SafWarmup | None = Field(default_factory=SafWarmup)
@@ -169,6 +201,7 @@ class SafFusion(_Settings):
             kl_drop=0.2 if self.warmup is None else self.warmup.kl_drop,  # unused without warm-up
             anneal_steps=None if self.anneal is None else self.anneal.steps,
             floor=0.0 if self.anneal is None else self.anneal.floor,
+            anneal_total_steps=None if self.anneal is None else self.anneal.total_steps,
         )
 
     def transform(self, adv_opd_bt: torch.Tensor, mask_bt: torch.Tensor) -> torch.Tensor:
@@ -255,7 +288,7 @@ def fuse_advantages(
 
     Metrics (means over response tokens): ``adv/rl_abs_mean``, ``adv/fused_abs_mean``; given ``A_opd``:
     ``opd/reverse_kl`` (``= −mean A_opd``), ``opd/adv_abs_mean``; for ``saf``: ``opd/adv_abs_mean_after_saf``
-    (of the term added, ``coef · multiplier · compress(sparsify(A_opd))``) and ``saf/kept_frac``; with
+    (of the term added, ``opd_coef · multiplier · compress(sparsify(A_opd))``) and ``saf/kept_frac``; with
     ``domains``: ``opd/reverse_kl/<domain>`` and ``opd/adv_abs_mean/<domain>``.
     """
     mask = mask_bt.bool()
@@ -276,10 +309,11 @@ def fuse_advantages(
     elif fusion.mode == "fixed":
         adv_bt = adv_rl_bt + fusion.coef * adv_opd
     elif fusion.mode == "saf":
-        term_bt = fusion.coef * (1.0 if multiplier is None else multiplier) * fusion.transform(adv_opd, mask)
+        scheduled = 1.0 if multiplier is None else multiplier
+        term_bt = fusion.opd_coef * scheduled * fusion.transform(adv_opd, mask)
         metrics["opd/adv_abs_mean_after_saf"] = _abs_mean(term_bt, mask)
         metrics["saf/kept_frac"] = _kept_frac(fusion, adv_opd, mask)
-        adv_bt = adv_rl_bt + term_bt
+        adv_bt = fusion.grpo_coef * adv_rl_bt + term_bt
     else:
         adv_bt = adv_opd + fusion.alpha * adv_rl_bt
     adv_bt = torch.where(mask, adv_bt, 0.0)

@@ -1,11 +1,13 @@
-"""SAF, Stable Advantage Fusion (arXiv:2607.29209): the four stages applied to the OPD advantage only.
+"""SAF, Stable Advantage Fusion (arXiv:2607.29209): the four stages applied to the OPD advantage only, as the
+authors' code computes them (repository ``kissshhot/SAF-OPD``, ``verl/verl/trainer/ppo/ray_trainer.py``:
+``apply_topk_sparse_filter``, ``apply_tanh_scaling``, ``_apply_token_kl_regularizer``).
 
 Fusing RL advantages with on-policy distillation at a fixed ratio collapses entropy: the token-level OPD advantage
 can dwarf the bounded RL advantage (magnitude mismatch), and it pulls the student to the teacher all through
 training (temporal mismatch). SAF answers the first with :func:`saf_sparsify` and :func:`saf_compress`, the second
 with the warm-up and anneal of :class:`SAFSchedule`::
 
-    A_t = A_rl + λ · scale · coef · compress(sparsify(A_opd))_t
+    A_t = grpo_coef · A_rl + opd_coef · scale · coef · compress(sparsify(A_opd))_t
 
 Tensors are ``[batch, seq]``; the mask is 1 (True) on response tokens.
 """
@@ -17,44 +19,34 @@ from typing import Any
 
 import torch
 
-# ceil(keep · n) in float arithmetic: 0.7 · 10 is 7.000000000000001, whose ceil would keep 8 tokens, not 7.
-_CEIL_SLACK = 1e-9
-
 
 def saf_sparsify(adv_bt: torch.Tensor, mask_bt: torch.Tensor, keep: float = 0.2) -> torch.Tensor:
-    """Per sequence, keep the ``ceil(keep · n)`` response tokens with the largest ``|adv|`` and zero the rest.
-
-    ``n`` is that sequence's number of response tokens; at least one token is kept when ``n > 0`` and a row
-    without response tokens stays all zero, as does everything off the mask. ``keep`` in ``(0, 1]``; 1 keeps
-    every response token. Ties: see :func:`saf_keep_mask`. Returns fp32 ``[batch, seq]``.
-    """
+    """Per sequence, zero every response token whose ``|adv|`` is below ``torch.quantile(|adv| over that
+    sequence's response tokens, 1 − keep)`` (linear interpolation); see :func:`saf_keep_mask`.
+    Returns fp32 ``[batch, seq]``, 0 off the mask."""
     kept_bt = saf_keep_mask(adv_bt, mask_bt, keep)
     return torch.where(kept_bt, adv_bt.float(), 0.0)
 
 
 def saf_keep_mask(adv_bt: torch.Tensor, mask_bt: torch.Tensor, keep: float = 0.2) -> torch.Tensor:
-    """Bool ``[batch, seq]``: the tokens :func:`saf_sparsify` keeps.
+    """Bool ``[batch, seq]``: the tokens :func:`saf_sparsify` keeps, ``mask & (|adv| >= τ_row)``.
 
-    Ties are broken by position: among equal ``|adv|`` the earlier token is kept. So exactly
-    ``min(n, max(1, ceil(keep · n)))`` tokens survive in every row with ``n > 0``, where ALGORITHMS.md's "at or
-    above the (1 − k) quantile" wording would keep every token tied at the threshold. Raises on non-finite values
-    on the mask.
+    ``τ_row`` is the ``1 − keep`` quantile of the row's ``|adv|`` on the mask, as ``torch.quantile`` computes it
+    (the authors' rule): every token tied at the threshold is kept, so a row may keep more than ``keep · n``
+    tokens (all of them when all are equal); ``keep = 1`` keeps the whole mask. A row without response tokens
+    keeps none. ``keep`` in ``(0, 1]``; raises on non-finite values on the mask.
     """
     if not 0.0 < keep <= 1.0:
         raise ValueError(f"saf sparsify needs 0 < keep <= 1, got keep={keep}")
     mask = _check_pair(adv_bt, mask_bt)
-    adv = torch.where(mask, adv_bt.float(), 0.0)
-    if not torch.isfinite(adv).all():
+    abs_bt = torch.where(mask, adv_bt.float(), 0.0).abs()
+    if not torch.isfinite(abs_bt).all():
         raise ValueError("saf_sparsify: adv_bt has non-finite values on response tokens")
-    n_b = mask.sum(-1)
-    k_b = torch.ceil(keep * n_b.double() - _CEIL_SLACK).long().clamp(min=1)
-    # Off-mask tokens sort last (|adv| >= 0 > -1); a stable descending sort puts the earlier of equal keys first.
-    key_bt = torch.where(mask, adv.abs(), -1.0)
-    order_bt = torch.sort(key_bt, dim=-1, descending=True, stable=True).indices
-    rank_bt = torch.empty_like(order_bt)
-    positions = torch.arange(adv.shape[-1], device=adv.device).expand_as(order_bt)
-    rank_bt.scatter_(-1, order_bt, positions)
-    return mask & (rank_bt < k_b[:, None])
+    if keep == 1.0:
+        return mask.clone()
+    # nanquantile over the masked values of each row = torch.quantile of that row's response tokens.
+    tau_b = torch.nanquantile(torch.where(mask, abs_bt, float("nan")), 1.0 - keep, dim=-1)
+    return mask & (abs_bt >= tau_b[:, None])
 
 
 def saf_compress(adv_bt: torch.Tensor, c: float = 0.1) -> torch.Tensor:
@@ -65,19 +57,21 @@ def saf_compress(adv_bt: torch.Tensor, c: float = 0.1) -> torch.Tensor:
 
 
 class SAFSchedule:
-    """SAF's warm-up and anneal: the per-step multiplier ``scale · coef`` of the OPD term.
+    """SAF's warm-up and anneal: the per-step multiplier ``scale · coef`` of the OPD term (the authors' Stage 3
+    and Stage 4 of ``_apply_token_kl_regularizer``).
 
-    Call :meth:`update` once per RL step (the first call is step 1) with that step's mean student–teacher reverse
-    KL. With ``s`` the step where warm-up ends:
+    Call :meth:`update` once per RL step (the first call is global step 1) with the KL signal available at that
+    step: the previous update's k3 (``low_var_kl``) between the student and the teacher, None at the first step.
 
-    - ``scale = min(step / warmup_steps, 1)`` until warm-up ends at the first step where ``step >= warmup_steps``
-      or ``kl <= (1 − kl_drop) · kl_first``; from then on the scale stays at its value at ``s``.
-      The early stop needs ``kl_first > 0``: a first KL at or below 0 (teacher and student already agree, or a
-      negative sample estimate) has nothing to drop from, so warm-up then runs to ``warmup_steps``.
-    - ``coef = 1`` up to ``s``, then ``floor + (1 − floor) · max(0, 1 − (step − s) / anneal_steps)``.
+    Warm-up (``warmup_steps`` W; None = off, scale 1): ``scale = min(step / W, 1)``. ``KL_0`` is the first KL
+    seen. Warm-up ends at the first step where ``step >= W``, or where ``kl_drop`` δ > 0, ``KL_0 > 0``, this
+    step has a KL and ``(KL_0 − KL) / KL_0 >= δ`` (δ = 0: no early stop); the scale is then frozen at its value
+    at that step ``s``.
 
-    ``warmup_steps=None`` switches warm-up off: scale 1 and warm-up counts as ended at step 0, so the anneal
-    reaches ``floor`` at step ``anneal_steps``. ``anneal_steps=None`` switches the anneal off (coef 1).
+    Anneal (``anneal_steps`` R; None = off, coef 1): activates on the first step that warm-up is not in
+    progress (step ``s``; step 1 without warm-up) with its own counter t = 0 there, +1 each step after:
+    ``coef = floor + (1 − floor) · max(0, 1 − t / R)``; with ``anneal_total_steps`` S, R = max(1, S − s)
+    (s = 0 without warm-up).
     """
 
     def __init__(
@@ -86,11 +80,15 @@ class SAFSchedule:
         kl_drop: float = 0.2,
         anneal_steps: int | None = 200,
         floor: float = 0.0,
+        anneal_total_steps: int | None = None,
     ) -> None:
         _check_steps("warmup_steps", warmup_steps)
         _check_steps("anneal_steps", anneal_steps)
-        if not 0.0 < kl_drop <= 1.0:
-            raise ValueError(f"SAFSchedule needs 0 < kl_drop <= 1 (relative KL drop), got kl_drop={kl_drop}")
+        _check_steps("anneal_total_steps", anneal_total_steps)
+        if not 0.0 <= kl_drop <= 1.0:
+            raise ValueError(
+                f"SAFSchedule needs 0 <= kl_drop <= 1 (relative KL drop; 0: no early stop), got kl_drop={kl_drop}"
+            )
         if not 0.0 <= floor <= 1.0:
             raise ValueError(f"SAFSchedule needs 0 <= floor <= 1 (the final coef), got floor={floor}")
         self._settings = {
@@ -98,44 +96,58 @@ class SAFSchedule:
             "kl_drop": float(kl_drop),
             "anneal_steps": anneal_steps,
             "floor": float(floor),
+            "anneal_total_steps": anneal_total_steps,
         }
         self._step = 0
         self._kl_first: float | None = None
         self._warmup_end_step: int | None = 0 if warmup_steps is None else None
+        self._anneal_t: int | None = None  # None until the anneal activates
+        self._anneal_span: int | None = None  # R in effect once active
         self._scale: float | None = None
         self._coef: float | None = None
 
-    def update(self, kl: float) -> float:
-        """Advance one RL step with its mean reverse KL; returns that step's multiplier ``scale · coef``."""
-        kl = float(kl)
-        if not math.isfinite(kl):
-            raise ValueError(f"SAFSchedule.update needs a finite reverse KL, got {kl}")
+    def update(self, kl: float | None) -> float:
+        """Advance one RL step with its KL signal (None: none yet); returns that step's ``scale · coef``."""
+        if kl is not None:
+            kl = float(kl)
+            if not math.isfinite(kl):
+                raise ValueError(f"SAFSchedule.update needs a finite KL (or None), got {kl}")
         self._step += 1
-        if self._kl_first is None:
-            self._kl_first = kl
         self._scale = self._next_scale(kl)
         self._coef = self._next_coef()
         return self._scale * self._coef
 
-    def _next_scale(self, kl: float) -> float:
+    def _next_scale(self, kl: float | None) -> float:
         warmup_steps = self._settings["warmup_steps"]
         if warmup_steps is None:
             return 1.0
         if self.warmup_ended:
             return self._scale  # frozen at its value at the end of warm-up
-        scale = min(self._step / warmup_steps, 1.0)
-        kl_first = self._kl_first
-        dropped = kl_first > 0 and kl <= (1.0 - self._settings["kl_drop"]) * kl_first
+        if self._kl_first is None and kl is not None:
+            self._kl_first = kl
+        delta, kl_first = self._settings["kl_drop"], self._kl_first
+        dropped = (
+            delta > 0.0
+            and kl_first is not None
+            and kl_first > 0.0
+            and kl is not None
+            and (kl_first - kl) / kl_first >= delta
+        )
         if self._step >= warmup_steps or dropped:
             self._warmup_end_step = self._step
-        return scale
+        return min(self._step / warmup_steps, 1.0)
 
     def _next_coef(self) -> float:
         anneal_steps, floor = self._settings["anneal_steps"], self._settings["floor"]
-        if anneal_steps is None or not self.warmup_ended or self._step <= self._warmup_end_step:
+        if anneal_steps is None or not self.warmup_ended:
             return 1.0
-        progress = (self._step - self._warmup_end_step) / anneal_steps
-        return floor + (1.0 - floor) * max(0.0, 1.0 - progress)
+        if self._anneal_t is None:
+            self._anneal_t = 0
+            total = self._settings["anneal_total_steps"]
+            self._anneal_span = anneal_steps if total is None else max(1, total - self._warmup_end_step)
+        else:
+            self._anneal_t += 1
+        return floor + (1.0 - floor) * max(0.0, 1.0 - self._anneal_t / self._anneal_span)
 
     @property
     def step(self) -> int:
@@ -166,9 +178,17 @@ class SAFSchedule:
         """The step ``s`` where warm-up ended (0 when warm-up is off), None while it runs."""
         return self._warmup_end_step
 
+    @property
+    def kl_first(self) -> float | None:
+        """``KL_0``: the first KL signal the warm-up saw (None before one, or without warm-up)."""
+        return self._kl_first
+
     def metrics(self) -> dict[str, float]:
-        """``saf/scale``, ``saf/coef``, ``saf/multiplier`` of the last step."""
-        return {"saf/scale": self.scale, "saf/coef": self.coef, "saf/multiplier": self.multiplier}
+        """``saf/scale``, ``saf/coef``, ``saf/multiplier`` of the last step (and ``saf/anneal_t`` once active)."""
+        out = {"saf/scale": self.scale, "saf/coef": self.coef, "saf/multiplier": self.multiplier}
+        if self._anneal_t is not None:
+            out["saf/anneal_t"] = float(self._anneal_t)
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         """Plain Python values (JSON-safe, exact floats) to resume the schedule with :meth:`load_state_dict`."""
@@ -177,6 +197,8 @@ class SAFSchedule:
             "step": self._step,
             "kl_first": self._kl_first,
             "warmup_end_step": self._warmup_end_step,
+            "anneal_t": self._anneal_t,
+            "anneal_span": self._anneal_span,
             "scale": self._scale,
             "coef": self._coef,
         }
@@ -193,6 +215,8 @@ class SAFSchedule:
         self._step = int(state["step"])
         self._kl_first = state["kl_first"]
         self._warmup_end_step = state["warmup_end_step"]
+        self._anneal_t = state.get("anneal_t")
+        self._anneal_span = state.get("anneal_span")
         self._scale = state["scale"]
         self._coef = state["coef"]
 

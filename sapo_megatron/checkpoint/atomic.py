@@ -75,8 +75,21 @@ def write_json_durably(path: Path, data: dict[str, Any]) -> None:
 
 
 def write_marker(directory: Path, kind: str, **info: Any) -> dict[str, Any]:
-    """Write the completion marker into ``directory`` (call after everything else is written)."""
-    marker = {"format": FORMAT, "kind": kind, "complete": True, "created_unix": time.time(), **info}
+    """Write the completion marker into ``directory`` (call after everything else is written). It lists every
+    file's size, so that :func:`read_marker` tells a truncated or missing file from a complete checkpoint."""
+    files = {
+        str(path.relative_to(directory)): path.stat().st_size
+        for path in sorted(directory.rglob("*"))
+        if path.is_file() and path.name != MARKER
+    }
+    marker = {
+        "format": FORMAT,
+        "kind": kind,
+        "complete": True,
+        "created_unix": time.time(),
+        "files": files,
+        **info,
+    }
     write_json_durably(directory / MARKER, marker)
     return marker
 
@@ -105,7 +118,27 @@ def read_marker(directory: str | Path) -> dict[str, Any]:
         ) from err
     if not marker.get("complete"):
         raise IncompleteCheckpointError(f"{path} does not mark {directory} as complete")
+    _check_files(directory, marker.get("files"))
     return marker
+
+
+def _check_files(directory: Path, files: Any) -> None:
+    """Every file the marker lists is there with the size it was written with (markers of older releases list
+    none: nothing to check)."""
+    if not isinstance(files, dict):
+        return
+    for name, size in files.items():
+        path = directory / name
+        try:
+            actual = path.stat().st_size
+        except OSError:
+            raise IncompleteCheckpointError(
+                f"{path} is missing from the checkpoint (its marker lists it); the checkpoint is damaged"
+            ) from None
+        if actual != size:
+            raise IncompleteCheckpointError(
+                f"{path} has {actual} bytes, the save wrote {size}: the file is truncated or damaged"
+            )
 
 
 RUN_CHECKPOINTS = "checkpoints"

@@ -46,6 +46,7 @@ class HFCheckpointReader:
 
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
+        check_safetensors_complete(self.directory)
         self.weight_map = _weight_map(self.directory)
         self._handles: dict[str, object] = {}
         self._raw: dict[str, tuple[int, dict, int]] = {}
@@ -160,6 +161,50 @@ class HFCheckpointReader:
         if problems:
             head = f"HF checkpoint {self.directory} does not match its config ({len(problems)} problems):\n"
             raise CheckpointError(head + "\n".join(f"  - {p}" for p in problems[:20]))
+
+
+def check_safetensors_complete(directory: str | Path) -> None:
+    """Raise :class:`CheckpointError` naming the first safetensors file of ``directory`` whose header is unreadable
+    or whose tensor bytes end beyond the file (a truncated copy or download); reads only the headers."""
+    directory = Path(directory)
+    index = directory / INDEX_FILE
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError, UnicodeDecodeError) as err:
+            raise CheckpointError(f"{index} is not a valid safetensors index: {err}") from err
+    else:
+        names = [SINGLE_FILE] if (directory / SINGLE_FILE).is_file() else []
+    for name in names:
+        _check_safetensors_file(directory / name)
+
+
+def _check_safetensors_file(path: Path) -> None:
+    hint = "copy or convert the checkpoint again"
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as file:
+            head = file.read(8)
+            length = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+            if length is None or length > size - 8:
+                raise CheckpointError(
+                    f"{path} is truncated ({size} bytes; its header alone needs more): {hint}"
+                )
+            header = json.loads(file.read(length))
+    except OSError as err:
+        raise CheckpointError(f"{path} cannot be read: {err}") from err
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} has a damaged safetensors header ({err}): {hint}") from err
+    ends = [
+        entry["data_offsets"][1]
+        for key, entry in header.items()
+        if key != "__metadata__" and isinstance(entry, dict) and len(entry.get("data_offsets", ())) == 2
+    ]
+    needed = 8 + length + max(ends, default=0)
+    if needed > size:
+        raise CheckpointError(
+            f"{path} is truncated: its header describes {needed} bytes, the file has {size}: {hint}"
+        )
 
 
 def _weight_map(directory: Path) -> dict[str, str]:

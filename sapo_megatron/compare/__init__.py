@@ -19,6 +19,8 @@ from sapo_megatron.compare.arms import (
     PlannedRun,
     build_config_plan,
     build_plan,
+    grid_points,
+    parse_grid,
     parse_names,
     plan_arms,
 )
@@ -40,7 +42,9 @@ __all__ = [
     "WarmStartError",
     "build_config_plan",
     "build_plan",
+    "grid_points",
     "load_arm_result",
+    "parse_grid",
     "parse_names",
     "plan_arms",
     "report_json",

@@ -23,11 +23,14 @@ and every arm's teacher of that name is pointed at the teacher's HF export.
 from __future__ import annotations
 
 import difflib
+import itertools
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args
+
+import yaml
 
 from sapo_megatron.config import AlgorithmConfig, RunConfig, load_config
 from sapo_megatron.errors import UserError
@@ -60,9 +63,15 @@ SHARED_LOSS_KEYS = ("kl_coef", "entropy_coef", "max_len")
 WARM_START_DIR = "warm_start"
 ARM_CONFIG_FILE = "compare.yaml"
 """The config compare wrote for a run (its own resolved copy is ``config.yaml``)."""
-ARM_NAME = re.compile(r"^(?P<loss>[a-z_]+)-(?P<replay>[a-z0-9]+)-(?P<correction>[a-z]+)-s(?P<seed>\d+)$")
-CONFIG_ARM_NAME = re.compile(r"^(?P<label>[a-z0-9_]+)-s(?P<seed>\d+)$")
-"""Run directories of config arms: ``<config file stem>-s<seed>``."""
+ARM_NAME = re.compile(
+    r"^(?P<loss>[a-z_]+)-(?P<replay>[a-z0-9]+)-(?P<correction>[a-z]+)(?P<grid>(-[a-z0-9_.]+)*)-s(?P<seed>\d+)$"
+)
+CONFIG_ARM_NAME = re.compile(r"^(?P<label>[a-z0-9_]+)(?P<grid>(-[a-z0-9_.]+)*)-s(?P<seed>\d+)$")
+"""Run directories of config arms: ``<config file stem>[-<grid point>]-s<seed>``."""
+GridPoint = tuple[tuple[str, Any], ...]
+"""One point of ``--grid``: (dotted config key, value) pairs in the order the options were given."""
+GridAxis = tuple[tuple[str, ...], list[tuple[Any, ...]]]
+"""One ``--grid`` option: its keys (one, or several linked with ``+``) and the value tuples it takes."""
 TEACHERS_DIR = "teachers"
 """Where ``--teachers`` runs go: ``<output_dir>/teachers/<teacher config name>``."""
 DEMO_MISMATCH = {"rollout.precision": "fp8"}
@@ -85,6 +94,8 @@ class Arm:
     seed: int
     label: str | None = None
     """A config arm's name (its config file's stem); None for a (loss, replay, correction) arm."""
+    grid: GridPoint = ()
+    """The ``--grid`` overrides of this arm (applied after the arm's own), empty without ``--grid``."""
 
     @property
     def name(self) -> str:
@@ -95,26 +106,91 @@ class Arm:
     def configuration(self) -> str:
         """``sapo-r2-none`` (or ``<label>``): the arm's name without its seed; the seeds of one configuration
         share it."""
-        return self.label if self.label is not None else f"{self.loss}-{self.replay}-{self.correction}"
+        base = self.label if self.label is not None else f"{self.loss}-{self.replay}-{self.correction}"
+        return base + "".join(f"-{_grid_part(key, value)}" for key, value in self.grid)
 
     @property
     def colour_key(self) -> tuple[str, ...]:
-        """What the plots colour by: the config arm's label, else (loss, correction)."""
-        return (self.label,) if self.label is not None else (self.loss, self.correction)
+        """What the plots colour by: the config arm's label, else (loss, correction); and the grid point."""
+        base = (self.label,) if self.label is not None else (self.loss, self.correction)
+        return base + tuple(_grid_part(key, value) for key, value in self.grid)
 
     def overrides(self) -> dict[str, Any]:
         """Dotted config overrides of this arm, in the order they must be applied (the loss's ``name`` first:
         switching the variant drops the other variant's keys and keeps the shared ones). A config arm sets only
         its seed: the rest is its config."""
         if self.label is not None:
-            return {"seed": self.seed}
+            return {"seed": self.seed, **dict(self.grid)}
         loss = LOSSES[self.loss]
         out: dict[str, Any] = {"algorithm.loss.name": loss["name"]}
         out.update({f"algorithm.loss.{key}": value for key, value in loss.items() if key != "name"})
         out["algorithm.correction"] = dict(CORRECTIONS[self.correction])
         out["algorithm.routing_replay"] = self.replay
         out["seed"] = self.seed
+        out.update(self.grid)  # after the loss's paper settings: a grid over tau_pos replaces the paper's
         return out
+
+
+def _grid_part(key: str, value: Any) -> str:
+    """``algorithm.loss.tau_pos`` = 4 → ``tau_pos4``: the grid point's part of an arm name (a directory name)."""
+    shown = "null" if value is None else str(value).lower()  # YAML's spelling of None / True / False
+    text = f"{key.rsplit('.', 1)[-1]}{shown}".lower()
+    return re.sub(r"[^a-z0-9_.]", "_", text)
+
+
+def parse_grid(options: Sequence[str]) -> list[GridAxis]:
+    """``["algorithm.loss.tau_pos=1,4,16"]`` → ``[(("algorithm.loss.tau_pos",), [(1,), (4,), (16,)])]``, each
+    value read as YAML (``null`` switches a section off). Linked keys move together:
+    ``algorithm.loss.tau_pos+algorithm.loss.tau_neg=1:1.05,4:4.2`` is one axis of two points. Raises
+    :class:`CompareError` naming the option on a malformed one, a repeated key or value, or a key the arms set
+    themselves (seed, steps, replay, correction, loss name)."""
+    axes: list[GridAxis] = []
+    seen: list[str] = []
+    for option in options:
+        text_keys, sep, text = option.partition("=")
+        keys = tuple(key.strip() for key in text_keys.split("+"))
+        parts = [part.strip() for part in text.split(",")]
+        split = (
+            [[item.strip() for item in part.split(":")] for part in parts]
+            if len(keys) > 1
+            else [[p] for p in parts]
+        )
+        if not sep or not all(keys) or not all(parts) or any(len(items) != len(keys) for items in split):
+            raise CompareError(
+                f"--grid {option!r}: expected KEY=V1,V2,... (or KEY1+KEY2=A1:B1,A2:B2), e.g. "
+                "--grid algorithm.loss.tau_pos=1,4,16"
+            )
+        for key in keys:
+            owner = _arm_owned(key) if not _is_grid_loss_key(key) else None
+            if owner:
+                raise CompareError(
+                    f"--grid {key}: {owner}", hint="the arms set this key; grid over another one"
+                )
+            if key in seen:
+                raise CompareError(
+                    f"--grid {key}: given twice; list all its values in one --grid {key}=V1,V2"
+                )
+            seen.append(key)
+        values = [tuple(yaml.safe_load(item) for item in items) for items in split]
+        texts = [str(v) for v in values]
+        if len(set(texts)) != len(texts):
+            raise CompareError(f"--grid {option!r}: a value is listed twice")
+        axes.append((keys, values))
+    return axes
+
+
+def grid_points(axes: Sequence[GridAxis]) -> list[GridPoint]:
+    """The Cartesian product of the axes (the first axis varies slowest); ``[()]`` without any."""
+    return [
+        tuple(pair for (keys, _), value in zip(axes, choice) for pair in zip(keys, value))
+        for choice in itertools.product(*[values for _, values in axes])
+    ]
+
+
+def _is_grid_loss_key(key: str) -> bool:
+    """A loss setting (not the loss's name): --grid may sweep it; the arm's loss must have that field."""
+    parts = key.split(".")
+    return len(parts) == 3 and parts[:2] == ["algorithm", "loss"] and parts[2] != "name"
 
 
 @dataclass(frozen=True)
@@ -148,6 +224,8 @@ class ComparePlan:
     """The ``--set`` overrides every run got."""
     teachers: tuple[PlannedRun, ...] = ()
     """Teacher runs (``--teachers``), trained before the warm start; arms score with their HF exports."""
+    grid: tuple[GridAxis, ...] = ()
+    """The ``--grid`` axes the arms cross (:func:`parse_grid`)."""
 
 
 def parse_names(text: str, known: Sequence[str], option: str) -> list[str]:
@@ -168,18 +246,23 @@ def parse_names(text: str, known: Sequence[str], option: str) -> list[str]:
 
 
 def plan_arms(
-    losses: Sequence[str], replays: Sequence[str], corrections: Sequence[str], seeds: int
+    losses: Sequence[str],
+    replays: Sequence[str],
+    corrections: Sequence[str],
+    seeds: int,
+    grid: Sequence[GridPoint] = ((),),
 ) -> list[Arm]:
     """Every combination, seed-major (all configurations of seed 0 first, so an early stop leaves whole seeds),
-    then in the order given on the command line."""
+    then in the order given on the command line, the grid points last."""
     if seeds < 1:
         raise CompareError(f"--seeds {seeds}: need at least one seed")
     return [
-        Arm(loss, replay, correction, seed)
+        Arm(loss, replay, correction, seed, grid=point)
         for seed in range(seeds)
         for loss in losses
         for replay in replays
         for correction in corrections
+        for point in grid
     ]
 
 
@@ -193,13 +276,16 @@ def build_plan(
     seeds: int,
     steps: int,
     output_dir: str | Path,
+    grid: Sequence[GridAxis] = (),
 ) -> ComparePlan:
     """Validate the request and every arm's config; raises :class:`CompareError` (or ``ConfigError``) on bad
-    input. ``config`` None: the embedded demo with :data:`DEMO_MISMATCH`. ``overrides``: the ``--set`` pairs."""
+    input. ``config`` None: the embedded demo with :data:`DEMO_MISMATCH`. ``overrides``: the ``--set`` pairs;
+    ``grid``: the ``--grid`` axes (:func:`parse_grid`), crossed with the losses, replays and corrections."""
     if steps < 1:
         raise CompareError(f"--steps {steps}: each arm needs at least one RL step")
     check_overrides(overrides)
-    arms = plan_arms(losses, replays, corrections, seeds)
+    _check_grid_against_set(grid, overrides)
+    arms = plan_arms(losses, replays, corrections, seeds, grid_points(grid))
     root = Path(output_dir).resolve()
     shared = {**(DEMO_MISMATCH if config is None else {}), **overrides, "trainer.steps": steps}
     base = load_config(config, shared)
@@ -221,7 +307,13 @@ def build_plan(
         for arm in arms
     )
     source = config or "the embedded tiny MoE demo (sapo_megatron/defaults.py)"
-    return ComparePlan(root, base, warm_start, planned, steps, source, dict(overrides))
+    return ComparePlan(root, base, warm_start, planned, steps, source, dict(overrides), grid=tuple(grid))
+
+
+def _check_grid_against_set(grid: Sequence[GridAxis], overrides: Mapping[str, Any]) -> None:
+    both = [key for keys, _ in grid for key in keys if key in overrides]
+    if both:
+        raise CompareError(f"--grid {both[0]} and --set {both[0]}: give the key one way (the grid's values)")
 
 
 def _warm_start(config: str | None, shared: Mapping[str, Any], run_dir: Path) -> PlannedRun:
@@ -295,14 +387,18 @@ def build_config_plan(
     seeds: int,
     steps: int,
     output_dir: str | Path,
+    grid: Sequence[GridAxis] = (),
 ) -> ComparePlan:
-    """A comparison whose arms are whole run configs (one per file, named after its stem), plus teachers to
-    train first. Raises :class:`CompareError` (or ``ConfigError``) on bad input; nothing runs."""
+    """A comparison whose arms are whole run configs (one per file, named after its stem) crossed with the
+    ``grid`` points, plus teachers to train first. Raises :class:`CompareError` (or ``ConfigError``) on bad
+    input; nothing runs."""
     if steps < 1:
         raise CompareError(f"--steps {steps}: each arm needs at least one RL step")
     if seeds < 1:
         raise CompareError(f"--seeds {seeds}: need at least one seed")
     check_overrides({k: v for k, v in overrides.items() if not k.startswith("algorithm.")})
+    _check_grid_against_set(grid, overrides)
+    points = grid_points(grid)
     root = Path(output_dir).resolve()
     labels = [_arm_label(path) for path in arm_configs]
     repeated = sorted({label for label in labels if labels.count(label) > 1})
@@ -316,32 +412,35 @@ def build_config_plan(
     base = bases[0]
     _check_base(base, ["none"])
     _check_alike(arm_configs, bases)
+    made = {run.cfg.name: run.run_dir / "hf" for run in teachers}
     warm_start = None
     if base.sft.steps > 0:
-        warm_start = _warm_start(arm_configs[0], shared, root / WARM_START_DIR)
+        # The warm start loads the first arm's config, teachers included: they must point at what compare trains.
+        pointed = {"teachers": _teachers_pointed_at(base, made)} if made and base.teachers else {}
+        warm_start = _warm_start(arm_configs[0], {**shared, **pointed}, root / WARM_START_DIR)
         shared.update({"model.init": "hf", "model.init_path": str(warm_start.run_dir / "hf"), "sft.steps": 0})
-    made = {run.cfg.name: run.run_dir / "hf" for run in teachers}
     planned = []
-    for seed in range(seeds):
-        for path, label, cfg in zip(arm_configs, labels, bases):
-            arm = Arm(
-                cfg.algorithm.loss.name,
-                cfg.algorithm.routing_replay,
-                cfg.algorithm.correction.name,
-                seed,
-                label,
-            )
-            arm_overrides = {
-                **shared,
-                **arm.overrides(),
-                "name": arm.name,
-                "output_dir": str(root / arm.name),
-            }
-            if made and cfg.teachers:
-                arm_overrides["teachers"] = _teachers_pointed_at(cfg, made)
-            planned.append(PlannedRun(arm.name, load_config(path, arm_overrides), arm))
+    arm_configs_and_points = [
+        (seed, path, label, cfg, point)
+        for seed in range(seeds)
+        for path, label, cfg in zip(arm_configs, labels, bases)
+        for point in points
+    ]
+    for seed, path, label, cfg, point in arm_configs_and_points:
+        loss, replay, correction = (
+            cfg.algorithm.loss.name,
+            cfg.algorithm.routing_replay,
+            cfg.algorithm.correction.name,
+        )
+        arm = Arm(loss, replay, correction, seed, label, point)
+        arm_overrides = {**shared, **arm.overrides(), "name": arm.name, "output_dir": str(root / arm.name)}
+        if made and cfg.teachers:
+            arm_overrides["teachers"] = _teachers_pointed_at(cfg, made)
+        planned.append(PlannedRun(arm.name, load_config(path, arm_overrides), arm))
     source = "configs " + ", ".join(arm_configs)
-    return ComparePlan(root, base, warm_start, tuple(planned), steps, source, dict(overrides), teachers)
+    return ComparePlan(
+        root, base, warm_start, tuple(planned), steps, source, dict(overrides), teachers, tuple(grid)
+    )
 
 
 def _arm_label(path: str) -> str:

@@ -227,7 +227,8 @@ class ReportFiles:
 
 
 def report_json(results: Sequence[ArmResult]) -> dict[str, Any]:
-    """The stable shape: ``{"arms": [{name, loss, replay, correction, seed, run_dir, steps, final: {...}}]}``."""
+    """The stable shape: ``{"arms": [{name, loss, replay, correction, seed, overrides, run_dir, steps,
+    final: {...}}]}``; ``overrides`` holds the arm's ``--grid`` point (dotted key → value, {} without a grid)."""
     return {
         "arms": [
             {
@@ -236,6 +237,7 @@ def report_json(results: Sequence[ArmResult]) -> dict[str, Any]:
                 "replay": r.arm.replay,
                 "correction": r.arm.correction,
                 "seed": r.arm.seed,
+                "overrides": dict(r.arm.grid),
                 "run_dir": str(r.run_dir),
                 "steps": r.completed_steps,
                 "final": r.final,

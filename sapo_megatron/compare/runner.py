@@ -402,6 +402,10 @@ def describe(plan: ComparePlan, *, markdown: bool = False) -> list[str]:
             f"losses {listed(a.loss for a in arms)} × replay {listed(a.replay for a in arms)} × "
             f"corrections {listed(a.correction for a in arms)}"
         )
+    what += "".join(
+        f" × {code('+'.join(keys))} {', '.join(':'.join(map(str, value)) for value in values)}"
+        for keys, values in plan.grid
+    )
     lines = [
         f"{len(arms)} arms: {what} × seeds {listed(map(str, seeds))}, "
         f"{plan.steps} RL steps each, into {code(str(plan.output_dir))}.",

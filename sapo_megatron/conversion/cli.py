@@ -19,7 +19,6 @@ from pathlib import Path
 
 from sapo_megatron.checkpoint import atomic
 from sapo_megatron.checkpoint.atomic import IncompleteCheckpointError
-from sapo_megatron.checkpoint.mapping import MappingError
 from sapo_megatron.errors import UserError
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*$", re.IGNORECASE)
@@ -96,8 +95,9 @@ def _fail(err: BaseException) -> int:
     return 2
 
 
-_INPUT_ERRORS = (UserError, ValueError, MappingError, FileExistsError, IncompleteCheckpointError)
-"""Bad input, reported as one line (ConversionError, ArchError, CheckpointMismatchError are ValueErrors)."""
+_INPUT_ERRORS = (UserError, ValueError, FileExistsError, IncompleteCheckpointError)
+"""Bad input, reported as one line (ConversionError, ArchError, CheckpointMismatchError are ValueErrors;
+MappingError is a UserError: its module imports torch, so it is not named here)."""
 
 
 def run_hf_to_megatron(args: argparse.Namespace) -> int:

@@ -351,6 +351,11 @@ def _optional(record: dict[str, Any], key: str | None) -> Any:
 def _prompt(record: dict[str, Any], where: str, key: str | None) -> str | list[dict[str, str]]:
     value = _required(record, where, key, "prompt_key")
     if isinstance(value, str):
+        if not value.strip():
+            raise DatasetError(
+                f"{where}: field {key!r} (the prompt) is empty",
+                hint="drop the row or fill in its prompt: an empty prompt gives the policy nothing to answer",
+            )
         return value
     if isinstance(value, list) and value:
         for index, message in enumerate(value):

@@ -139,9 +139,19 @@ def check_distillation(
     fusion: Fusion,
     loss: PolicyLoss,
     correction_name: str,
+    *,
+    student_logp: str = "trainer",
+    temperature: float = 1.0,
 ) -> None:
     """Config-time checks of ``teachers`` with ``algorithm.fusion`` (raise ValueError naming the fields)."""
     check_fusion_loss(fusion, loss)
+    if teachers and student_logp == "engine" and temperature != 1.0:
+        raise ValueError(
+            f"algorithm.opd_student_logp='engine' takes the rollout engine's log-probs, which are at "
+            f"rollout.temperature={temperature}, while teachers score at temperature 1 (an identical teacher would "
+            "give A_opd != 0); use algorithm.opd_student_logp: trainer (computed at temperature 1) or "
+            "rollout.temperature: 1.0"
+        )
     names = [t.name for t in teachers]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:

@@ -1,6 +1,6 @@
 """The RL step's distillation, on every rank: after the old-log-prob pass, turn each micro-batch's teacher
 log-probs into token-level advantages ``[b, s]`` fused with the RL advantage (``algorithm.fusion``), step the SAF
-schedule with the step's reverse KL, and report the metrics.
+schedule with the previous update's student–teacher k3 (:meth:`DistillStep.observe`), and report the metrics.
 
 Where the numbers live: ``old_logp`` (the default student log-prob) exists only on the last pipeline stage, where
 the loss runs, so the fusion happens there; other stages keep their ``[b]`` advantages, which nothing reads. The
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from sapo_megatron.algo import MismatchCorrection, SafFusion, fuse_advantages, opd_advantages
-from sapo_megatron.batching import DOMAIN_IDS, TEACHER_LOGP
+from sapo_megatron.batching import DOMAIN_IDS, TEACHER_LOGP, UNIT_TEMPERATURE_LOGP
 from sapo_megatron.distill.config import safe_metric_name
 from sapo_megatron.packing import SequenceView
 
@@ -41,6 +41,9 @@ class DistillStep:
         self.enabled = bool(cfg.teachers)
         self.fusion = cfg.algorithm.fusion
         self.student_key = STUDENT_KEYS[cfg.algorithm.opd_student_logp]
+        if self.student_key == "old_logp" and cfg.rollout.temperature != 1.0:
+            self.student_key = UNIT_TEMPERATURE_LOGP  # teachers score at temperature 1: so does the student
+        self._kl_signal: float | None = None  # the last update's k3 student–teacher (SAF's warm-up signal)
         self.domain_names = list(domains)  # a row's domain_id indexes this list
         self.domains = [safe_metric_name(d) for d in domains]  # the same, as metric-name parts
         self.schedule = self.fusion.build_schedule() if isinstance(self.fusion, SafFusion) else None
@@ -62,7 +65,8 @@ class DistillStep:
         gap = [self._reverse_kl_sums(batch, adv) for batch, adv in zip(local, adv_opd)]
         kl_sum, tokens = _all_reduce(torch.tensor(gap, dtype=torch.float64).reshape(-1, 2).sum(0)).tolist()
         kl = kl_sum / max(tokens, 1.0)
-        multiplier = self.schedule.update(kl) if self.schedule is not None else None
+        # SAF's authors step the schedule with the previous update's actor/kl_loss (None at the first step).
+        multiplier = self.schedule.update(self._kl_signal) if self.schedule is not None else None
         sums = torch.zeros(len(self._keys), 2, dtype=torch.float64)
         for batch, adv in zip(local, adv_opd):
             sums += self._fuse_batch(batch, adv, multiplier)
@@ -75,7 +79,15 @@ class DistillStep:
         metrics["opd/reverse_kl"] = kl
         if self.schedule is not None:
             metrics.update(self.schedule.metrics())
+            if self._kl_signal is not None:
+                metrics["saf/kl_signal"] = self._kl_signal
         return metrics
+
+    def observe(self, train_metrics: dict[str, float]) -> None:
+        """After the step's updates: keep their ``opd/student_teacher_k3`` (the loss hook's token mean of verl's
+        ``low_var_kl`` between the student during the update and the teacher) for the next step's schedule."""
+        if self.enabled and "opd/student_teacher_k3" in train_metrics:
+            self._kl_signal = float(train_metrics["opd/student_teacher_k3"])
 
     def _adv_opd(self, batch: dict) -> torch.Tensor:
         if TEACHER_LOGP not in batch:
@@ -142,12 +154,16 @@ class DistillStep:
         return parts[2] if len(parts) == 3 else NO_DOMAIN
 
     def state_dict(self) -> dict[str, Any]:
-        """The SAF schedule's state (empty without one): plain values for the checkpoint's loop state."""
-        return {"saf_schedule": self.schedule.state_dict()} if self.schedule is not None else {}
+        """The SAF schedule's state and its pending KL signal (empty without a schedule): plain values for the
+        checkpoint's loop state."""
+        if self.schedule is None:
+            return {}
+        return {"saf_schedule": self.schedule.state_dict(), "kl_signal": self._kl_signal}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.schedule is not None and state.get("saf_schedule"):
             self.schedule.load_state_dict(state["saf_schedule"])
+            self._kl_signal = state.get("kl_signal")
 
 
 def _all_reduce(values: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,11 @@ Call :func:`apply` once, before building a model. It is idempotent. What it patc
 8. megatron-core 0.16.x only: ``moe_utils.te_general_gemm`` is undefined without Transformer Engine.
 9. megatron-core 0.19.x only: ``moe/ops/paged_stash.py`` imports triton unconditionally; a stub module is
    registered for that single module (a fake top-level ``triton`` would break torch itself).
+10. ``megatron/core/jit.py`` makes ``torch.compile`` its ``jit_fuser``, and a dozen functions (activations, the
+   router's expert-bias update, the dispatcher's preprocessing) are decorated with it at import: that imports
+   torch's compiler stack (about 1.2 s of CPU per process) for kernels fused for GPUs. Without CUDA, Megatron is
+   imported with ``torch.compile`` standing in as the identity and its ``jit_fuser`` then disabled, so these
+   functions run eagerly (:func:`import_megatron_eagerly`, called by ``sapo_megatron.megatron`` on import).
 """
 
 from __future__ import annotations
@@ -273,6 +278,25 @@ def register_import_stubs() -> None:
     stub.paged_stash_pop_kernel = _unavailable_kernel
     stub.__all__ = ["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"]
     sys.modules[_PAGED_STASH_OPS] = stub
+
+
+def _identity_compile(model: Any = None, **kwargs: Any) -> Any:
+    """``torch.compile`` as the identity, as a decorator with and without arguments."""
+    return model if model is not None else (lambda fn: fn)
+
+
+def import_megatron_eagerly() -> None:
+    """Patch 10: import ``megatron.core`` without ``torch.compile`` (no-op with CUDA, or once imported)."""
+    if torch.cuda.is_available() or "megatron.core" in sys.modules:
+        return
+    real_compile = torch.compile
+    torch.compile = _identity_compile
+    try:
+        import megatron.core  # noqa: F401 - the import is the point
+        from megatron.core import jit
+    finally:
+        torch.compile = real_compile
+    jit.jit_fuser = jit.noop_decorator  # functions decorated later (inside constructors) run eagerly too
 
 
 def apply() -> bool:

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import logging
+import pickle
 import queue
 import random
 import shutil
@@ -254,6 +256,33 @@ def _sharded_metadata() -> dict[str, Any]:
     }
 
 
+class CheckpointWriteError(UserError):
+    """A checkpoint could not be written (disk full, quota, permissions); earlier checkpoints are intact."""
+
+
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+@contextlib.contextmanager
+def _explain_disk_errors(final: Path) -> Iterator[None]:
+    """A full disk or a write error while saving, as one line naming the checkpoint and what is still intact."""
+    try:
+        yield
+    except (OSError, RuntimeError) as exc:
+        text = str(exc)
+        full = getattr(exc, "errno", None) in _DISK_FULL or "No space left" in text or "quota" in text.lower()
+        if not isinstance(exc, OSError) and not full:
+            raise
+        cause = (
+            "the disk is full" if full else f"{type(exc).__name__}: {text.splitlines()[0] if text else exc}"
+        )
+        raise CheckpointWriteError(
+            f"cannot write checkpoint {final}: {cause}; the checkpoints before it (see {final.parent}/latest) "
+            "are intact",
+            hint=f"free space under {final.parent} (or lower trainer.keep_checkpoints), then resume with --resume",
+        ) from exc
+
+
 def _save_atomically(
     directory: str | Path,
     state: dict[str, Any],
@@ -274,20 +303,21 @@ def _save_atomically(
             shutil.rmtree(tmp)  # left by an interrupted save of the same name
         tmp.mkdir()
     _barrier()
-    with _in_process_write_results():
+    with _in_process_write_results(), _explain_disk_errors(final):
         dist_checkpointing.save(state, str(tmp))
     _barrier()
     if _is_rank0():
-        if hf_config is not None:
-            (tmp / atomic.HF_CONFIG).write_text(json.dumps(hf_config, indent=2) + "\n")
-        for name, data in (files or {}).items():
-            (tmp / name).write_bytes(data)
-        atomic.fsync_tree(tmp)
-        atomic.write_marker(tmp, kind, megatron_core=_megatron_version(), **info)
-        atomic.fsync_path(tmp)
-        atomic.publish(tmp, final, replace=True)
-        if point_latest:
-            atomic.update_latest(final)
+        with _explain_disk_errors(final):
+            if hf_config is not None:
+                (tmp / atomic.HF_CONFIG).write_text(json.dumps(hf_config, indent=2) + "\n")
+            for name, data in (files or {}).items():
+                (tmp / name).write_bytes(data)
+            atomic.fsync_tree(tmp)
+            atomic.write_marker(tmp, kind, megatron_core=_megatron_version(), **info)
+            atomic.fsync_path(tmp)
+            atomic.publish(tmp, final, replace=True)
+            if point_latest:
+                atomic.update_latest(final)
     _barrier()
     return final
 
@@ -549,6 +579,18 @@ def _restore_adam_steps(optimizer) -> None:
                     state["step"] = torch.tensor(float(group["step"]), dtype=state["step"].dtype)
 
 
+def _load_or_explain(state: dict[str, Any], path: Path) -> dict[str, Any]:
+    """``dist_checkpointing.load``, with a damaged file (truncated shard, missing ``.metadata``) named in one line
+    instead of a bare ``EOFError``; read_marker's size check catches most of these before (and resume falls back)."""
+    try:
+        return dist_checkpointing.load(state, str(path))
+    except (EOFError, OSError, pickle.UnpicklingError, ValueError) as exc:
+        raise IncompleteCheckpointError(
+            f"{path} cannot be read ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'truncated'})"
+            "; the checkpoint is damaged: resume from the previous one (remove this directory)"
+        ) from exc
+
+
 @torch.no_grad()
 def load_train_state(engine, directory: str | Path) -> dict[str, Any]:
     """Restore what :func:`save_train_state` wrote into ``engine`` (every rank calls it); returns ``extra``.
@@ -576,7 +618,7 @@ def load_train_state(engine, directory: str | Path) -> dict[str, Any]:
         )
     for name in [k for k in state if k.startswith("model")]:
         state[name] = _fit_to_checkpoint(state[name], path)
-    loaded = dist_checkpointing.load(state, str(path))
+    loaded = _load_or_explain(state, path)
     for i, chunk in enumerate(engine.model):
         key = "model" if len(engine.model) == 1 else f"model{i}"
         missing, unexpected = unwrap(chunk).load_state_dict(loaded[key], strict=False)

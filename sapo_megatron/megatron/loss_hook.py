@@ -39,7 +39,10 @@ from sapo_megatron.algo import (
     NoCorrection,
     PolicyLoss,
     build_policy_loss,
+    opd_k3,
 )
+from sapo_megatron.algo.losses import LOG_RATIO_CLAMP
+from sapo_megatron.batching import TEACHER_LOGP
 from sapo_megatron.megatron.logprobs import (
     DEFAULT_CHUNK_TOKENS,
     MEGATRON_GROUP,
@@ -94,11 +97,16 @@ class PolicyLossHook:
         # The logits a GPTModel hands to the loss are used by nothing else: their storage can take the gradient.
         self.inplace_backward = inplace_backward
         self.tp_group = tp_group
+        self.ratios: list[torch.Tensor] = []  # per call, for the step's ratio quantiles (take_ratios)
 
     def __call__(self, logits: torch.Tensor, batch: MicroBatch) -> tuple[torch.Tensor, Metrics]:
         _refuse_context_parallel()
         device = logits.device
         labels = _get(batch, "labels", device)
+        # Teachers score at temperature 1: the student's KL to them is taken there too (before the in-place
+        # backward may reuse the logits' storage).
+        distilling = TEACHER_LOGP in batch
+        logp_t1_bt = self._unit_temperature_logp(logits, labels) if distilling else None
         logp_bt, entropy_bt = vocab_parallel_logprobs(
             logits,
             labels,
@@ -126,41 +134,79 @@ class PolicyLossHook:
             num_sequences=num_sequences,
             num_tokens=num_tokens,
         )
+        if distilling:
+            student_bt = view(logp_bt if logp_t1_bt is None else logp_t1_bt).detach()
+            metrics["opd/student_teacher_k3"] = opd_k3(student_bt, view.get(TEACHER_LOGP), mask_bt)
+        self.ratios.append(_token_ratios(view(logp_bt), view.get("old_logp"), mask_bt))
         adv_bt = adv[:, None].expand(mask_bt.shape) if adv.dim() == 1 else adv
         weights = _metric_weights(
             mask_bt, adv_bt, num_tokens, per_sequence_clip=isinstance(self.loss, GspoLoss)
         )
         return loss, _engine_metrics(metrics, weights)
 
+    def take_ratios(self) -> list[torch.Tensor]:
+        """The token ratios ``exp(logp − old_logp)`` (1-d, response tokens) of every call since the last take."""
+        ratios, self.ratios = self.ratios, []
+        return ratios
+
+    def _unit_temperature_logp(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+        if self.temperature == 1.0:
+            return None  # the main log-probs already are at temperature 1
+        with torch.no_grad():
+            logp_bt, _ = vocab_parallel_logprobs(
+                logits.detach(),
+                labels,
+                tp_group=self.tp_group,
+                temperature=1.0,
+                chunk_tokens=self.chunk_tokens,
+            )
+        return logp_bt
+
 
 class LogprobOutput:
     """``output_fn`` for ``TrainEngine.forward_only``: fp32 log-probs of ``batch["labels"]`` ``[b, s]`` at
     ``temperature`` (the old-policy pass of an RL step, or the reference pass at temperature 1), or, with
-    ``with_entropy``, ``[2, b, s]`` holding log-probs and entropies (``logp, entropy = output``)."""
+    ``with_entropy``, ``[2, b, s]`` holding log-probs and entropies (``logp, entropy = output``), or, with
+    ``with_unit_temperature``, ``[2, b, s]`` holding the log-probs at ``temperature`` and at 1 (on-policy
+    distillation sampled at temperature ≠ 1: ``A_opd`` compares the teacher's temperature-1 log-prob)."""
 
     def __init__(
         self,
         *,
         temperature: float = 1.0,
         with_entropy: bool = False,
+        with_unit_temperature: bool = False,
         chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
         tp_group: GroupArg = MEGATRON_GROUP,
     ) -> None:
+        if with_entropy and with_unit_temperature:
+            raise ValueError("LogprobOutput: with_entropy and with_unit_temperature exclude each other")
         self.temperature = temperature
         self.with_entropy = with_entropy
+        self.with_unit_temperature = with_unit_temperature
         self.chunk_tokens = chunk_tokens
         self.tp_group = tp_group
 
     def __call__(self, logits: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
         _refuse_context_parallel()
+        labels = _get(batch, "labels", logits.device)
         logp_bt, entropy_bt = vocab_parallel_logprobs(
             logits.detach(),
-            _get(batch, "labels", logits.device),
+            labels,
             tp_group=self.tp_group,
             temperature=self.temperature,
             with_entropy=self.with_entropy,
             chunk_tokens=self.chunk_tokens,
         )
+        if self.with_unit_temperature:  # the same forward's logits at temperature 1 (what teachers score at)
+            unit_bt, _ = vocab_parallel_logprobs(
+                logits.detach(),
+                labels,
+                tp_group=self.tp_group,
+                temperature=1.0,
+                chunk_tokens=self.chunk_tokens,
+            )
+            return torch.stack((logp_bt, unit_bt))
         return torch.stack((logp_bt, entropy_bt)) if self.with_entropy else logp_bt
 
 
@@ -237,7 +283,7 @@ def _weight_kind(name: str) -> str | None:
         return None
     if name.startswith("loss/"):
         return "sum"
-    if name.startswith("ratio/seq_"):
+    if name.startswith(("ratio/seq_", "sapo/seq_")):
         return "sequences"
     if name.startswith("clip/"):
         return "clip"
@@ -258,6 +304,11 @@ def _engine_metrics(metrics: Metrics, weights: dict[str, torch.Tensor]) -> Metri
         weighted = value.double() if kind == "sum" else value.double() * weight
         out[name] = torch.stack((weighted, weight)).detach()
     return out
+
+
+def _token_ratios(logp_bt: torch.Tensor, old_logp_bt: torch.Tensor, mask_bt: torch.Tensor) -> torch.Tensor:
+    log_ratio = (logp_bt.detach().float() - old_logp_bt.float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return log_ratio[mask_bt].exp()
 
 
 def _get(batch: MicroBatch, key: str, device: torch.device) -> torch.Tensor:

@@ -68,6 +68,9 @@ class StepResult:
     lr: float
     update_successful: bool
     metrics: dict[str, float] = field(default_factory=dict)
+    metric_sums: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """``metrics`` before division: ``(weighted sum, weight)`` over every micro-batch and rank, to pool several
+    optimizer steps exactly (:class:`sapo_megatron.step_metrics.StepMetrics`)."""
 
 
 class TrainEngine:
@@ -156,7 +159,7 @@ class TrainEngine:
             update_successful, grad_norm = False, float("nan")
         if update_successful:
             self.scheduler.step(increment=1)
-        loss, reduced = _reduce_metrics(losses, metrics)
+        loss, sums = _reduce_metrics(losses, metrics)
         return StepResult(
             loss=loss,
             grad_norm=float("nan")
@@ -164,7 +167,8 @@ class TrainEngine:
             else float(grad_norm or 0.0),
             lr=float(self.optimizer.param_groups[0]["lr"]),
             update_successful=bool(update_successful),
-            metrics=reduced,
+            metrics={name: total / max(weight, 1e-12) for name, (total, weight) in sums.items()},
+            metric_sums=sums,
         )
 
     def forward_only(
@@ -359,7 +363,9 @@ def _grad_tensors(model: list[torch.nn.Module]) -> list[torch.Tensor]:
     return grads
 
 
-def _reduce_metrics(losses: list[torch.Tensor], metrics: list[Metrics]) -> tuple[float, dict[str, float]]:
+def _reduce_metrics(
+    losses: list[torch.Tensor], metrics: list[Metrics]
+) -> tuple[float, dict[str, tuple[float, float]]]:
     """Sum loss contributions and ``(weighted_sum, weight)`` metrics over micro-batches, DP ranks, and
     broadcast from the last pipeline stage so that every rank returns the same numbers."""
     names = _metric_names_from_last_stage(sorted(metrics[0]) if metrics else [])
@@ -370,8 +376,8 @@ def _reduce_metrics(losses: list[torch.Tensor], metrics: list[Metrics]) -> tuple
             packed[1 + 2 * i : 3 + 2 * i] = torch.stack([m[name].double().cpu() for m in metrics]).sum(0)
     packed = _broadcast_from_last_stage(packed)
     dist.all_reduce(packed, group=parallel_state.get_data_parallel_group())
-    reduced = {n: float(packed[1 + 2 * i] / packed[2 + 2 * i].clamp_min(1e-12)) for i, n in enumerate(names)}
-    return float(packed[0]), reduced
+    sums = {n: (float(packed[1 + 2 * i]), float(packed[2 + 2 * i])) for i, n in enumerate(names)}
+    return float(packed[0]), sums
 
 
 def _metric_names_from_last_stage(names: list[str]) -> list[str]:

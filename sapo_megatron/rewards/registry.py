@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from sapo_megatron.errors import UserError
-from sapo_megatron.rewards.answers import exact_match, numeric_match
+from sapo_megatron.rewards.answers import exact_match, extract_last_number, numeric_match
 from sapo_megatron.rewards.calling import to_output
 from sapo_megatron.rewards.code_exec import code_exec
 from sapo_megatron.rewards.dapo import dapo_math
@@ -99,6 +99,36 @@ register_reward("math_verify", missing_dependency=lambda: None if math_verify_av
 )
 register_reward("dapo_math")(dapo_math)
 register_reward("code_exec")(code_exec)
+
+
+NUMERIC_REWARDS = ("numeric_match",)
+"""Registered rewards that compare numbers: a label without a number always scores 0 with them."""
+
+
+def check_labels(spec: object, rows: Sequence[Any], where: str) -> None:
+    """A numeric reward over labels without a number: every label → :class:`ConfigError`; some → one warning
+    naming how many and the first (those prompts can only score 0)."""
+    if spec not in NUMERIC_REWARDS:
+        return
+    bad = [i for i, row in enumerate(rows) if extract_last_number(str(row.ground_truth)) is None]
+    if not bad:
+        return
+    first = f"row {bad[0]} ({str(rows[bad[0]].ground_truth)!r:.60})"
+    if len(bad) == len(rows):
+        from sapo_megatron.config import ConfigError
+
+        raise ConfigError(
+            f"algorithm.reward={spec!r} compares numbers, but no label of {where} holds one (first: {first})",
+            hint="use exact_match, math_verify or your own reward for non-numeric answers",
+        )
+    logger.warning(
+        "%s: %d of %d labels hold no number, so %s scores those prompts 0 (first: %s)",
+        where,
+        len(bad),
+        len(rows),
+        spec,
+        first,
+    )
 
 
 class SafeReward:

@@ -524,11 +524,21 @@ def _torch_threads(num_threads: int | None):
 
 def _load_model(model_dir: str | Path) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from sapo_megatron.checkpoint.hf_io import check_safetensors_complete
 
     path = Path(model_dir)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{path} is not an HF checkpoint directory (no config.json)")
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    check_safetensors_complete(path)  # a truncated file named, not a bare SafetensorError
+    bar_was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # transformers 5 draws a "Loading weights" bar for a local load
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    finally:
+        if bar_was_on:
+            hf_logging.enable_progress_bar()
 
 
 def _new_cache():

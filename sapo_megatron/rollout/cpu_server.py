@@ -10,7 +10,10 @@ Endpoints (what each checks):
   (only the keys in ``_SAMPLING_KEYS``), ``return_logprob``, ``logprob_start_len`` (-1 or a prompt position),
   ``return_routed_experts`` (MoE models only), ``rid``; prompt + ``max_new_tokens`` within the context length.
   Errors: 400 ``{"error": {"message"}}``. Concurrent requests are gathered for a few milliseconds and run as one
-  batch (the client sends one HTTP request per sample).
+  batch (the client sends one HTTP request per sample). Every field is checked before a request joins a batch
+  (types, finite temperature / top_p, ``sampling_seed`` in [0, 2^63), at most ``max_rows_per_request`` rows), so
+  one bad request never fails its batch-mates; if a batch fails anyway, its requests are retried one by one. A
+  request whose client hung up before its batch ran is dropped without computing it.
 - ``GET /health`` (200 at once), ``GET /health_generate`` (200 after generating one token).
 - ``GET /get_model_info``: SGLang's ``model_path``, ``tokenizer_path``, ``is_generation``,
   ``preferred_sampling_params``, ``weight_version``, plus the model's shape facts.
@@ -32,8 +35,11 @@ port) or from the shell with SGLang's flags: ``python -m sapo_megatron.rollout.c
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import ipaddress
 import json
 import logging
+import math
 import queue
 import signal
 import sys
@@ -47,20 +53,31 @@ from pathlib import Path
 from typing import Any
 
 from sapo_megatron import __version__
+from sapo_megatron.checkpoint.hf_io import CheckpointError
 from sapo_megatron.errors import UserError
 from sapo_megatron.rollout.cpu_engine import CPUEngine, RowResult, RowSpec
 from sapo_megatron.rollout.cpu_server_http import (
-    UNAUTHORIZED,
     HTTPServer,
+    Limits,
+    Request,
     Response,
     authorized,
     json_response,
     text_response,
 )
-from sapo_megatron.rollout.cpu_server_weights import InvalidRequest, WeightEndpoints
+from sapo_megatron.rollout.cpu_server_weights import (
+    InvalidRequest,
+    WeightEndpoints,
+    WeightGuard,
+)
 from sapo_megatron.rollout.protocol import encode_routed_experts, finish_reason_json
 from sapo_megatron.rollout.types import SamplingParams
 from sapo_megatron.rollout.weight_group import DEFAULT_TIMEOUT_S
+from sapo_megatron.serve_flags import (  # re-exported
+    DEFAULT_MAX_ROWS_PER_REQUEST,
+    DTYPE_CHOICES,
+    add_serve_arguments,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +95,7 @@ _SAMPLING_KEYS = {
     "spaces_between_special_tokens",
 }
 SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
+MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed's signed range, the one every engine accepts
 
 
 class BadRequest(ValueError):
@@ -91,13 +109,14 @@ class _Batcher:
         self.engine = engine
         self.window_s = window_s
         self.max_rows = max_rows
-        self._queue: queue.Queue[tuple[list[RowSpec], Future] | None] = queue.Queue()
+        self.dropped = 0  # requests dropped because their client hung up
+        self._queue: queue.Queue[_Item | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="cpu-server-batcher", daemon=True)
         self._thread.start()
 
-    def submit(self, rows: list[RowSpec]) -> Future:
+    def submit(self, rows: list[RowSpec], client_gone: Callable[[], bool] = lambda: False) -> Future:
         future: Future = Future()
-        self._queue.put((rows, future))
+        self._queue.put(_Item(rows, future, client_gone))
         return future
 
     def stop(self) -> None:
@@ -112,7 +131,7 @@ class _Batcher:
             items = [item]
             deadline = time.monotonic() + self.window_s
             stopping = False
-            while sum(len(rows) for rows, _ in items) < self.max_rows:
+            while sum(len(it.rows) for it in items) < self.max_rows:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break
@@ -133,28 +152,51 @@ class _Batcher:
             except queue.Empty:
                 break
             if item is not None:
-                item[1].set_exception(RuntimeError("server stopped"))
+                item.future.set_exception(RuntimeError("server stopped"))
 
-    def _run(self, items: list[tuple[list[RowSpec], Future]]) -> None:
-        all_rows = [row for rows, _ in items for row in rows]
+    def _run(self, items: list[_Item]) -> None:
+        live = []
+        for item in items:
+            if item.client_gone():  # nobody waits for it: do not compute it
+                item.future.set_exception(ClientGone("the client closed its connection"))
+                self.dropped += 1
+            else:
+                live.append(item)
+        if not live:
+            return
         try:
-            results = self.engine.generate_rows(all_rows)
-        except Exception as exc:  # handed to each waiting request, which answers 500
-            logger.exception("generation failed")
-            for _, future in items:
-                future.set_exception(exc)
+            results = self.engine.generate_rows([row for it in live for row in it.rows])
+        except Exception as exc:
+            if len(live) > 1:  # find the request that failed; the others get their results
+                logger.warning("a batch of %d requests failed (%s); running them one by one", len(live), exc)
+                for item in live:
+                    self._run([item])
+                return
+            logger.exception("generation failed")  # handed to the waiting request, which answers 500
+            live[0].future.set_exception(exc)
             return
         offset = 0
-        for rows, future in items:
-            future.set_result(results[offset : offset + len(rows)])
-            offset += len(rows)
+        for item in live:
+            item.future.set_result(results[offset : offset + len(item.rows)])
+            offset += len(item.rows)
+
+
+@dataclasses.dataclass
+class _Item:
+    rows: list[RowSpec]
+    future: Future
+    client_gone: Callable[[], bool]
+
+
+class ClientGone(RuntimeError):
+    """The client of a queued request hung up; its rows are not computed and nothing is answered."""
 
 
 class ServeError(UserError):
     """The server cannot start with these settings (bad flag, model directory, address)."""
 
 
-Handler = Callable[[dict[str, Any]], tuple[HTTPStatus, Any]]
+Handler = Callable[[dict[str, Any], Request], tuple[HTTPStatus, Any]]
 FLUSH_CACHE_TEXT = (
     "Cache flushed.\nPlease check backend logs for more details. "
     "(When there are running or waiting requests, the operation will not be performed.)\n"
@@ -178,6 +220,9 @@ class CPUServer:
         tokenizer: Any = None,
         api_key: str | None = None,
         dist_timeout_s: float = DEFAULT_TIMEOUT_S,
+        limits: Limits | None = None,
+        max_rows_per_request: int = DEFAULT_MAX_ROWS_PER_REQUEST,
+        guard: WeightGuard | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -185,11 +230,12 @@ class CPUServer:
             None if tokenizer is None else str(getattr(tokenizer, "directory", engine.model_path))
         )
         self.api_key = api_key
+        self.max_rows_per_request = max_rows_per_request
         self.batcher = _Batcher(engine, batch_window_s, engine.max_batch_size)
-        self.weights = WeightEndpoints(engine, dist_timeout_s=dist_timeout_s)
+        self.weights = WeightEndpoints(engine, dist_timeout_s=dist_timeout_s, guard=guard)
         self.stopped = False
         self._routes = self._build_routes()
-        self._httpd = HTTPServer((host, port), self)
+        self._httpd = HTTPServer((host, port), self, limits)
         self._thread: threading.Thread | None = None
         self._serving = False
         self._closed = False
@@ -244,16 +290,16 @@ class CPUServer:
     def _build_routes(self) -> dict[str, tuple[tuple[str, ...], Handler]]:
         weights = self.weights
         return {
-            "/generate": (("POST", "PUT"), lambda body: (HTTPStatus.OK, self.generate(body))),
-            "/health": (("GET",), lambda _: (HTTPStatus.OK, "")),
-            "/health_generate": (("GET",), lambda _: (HTTPStatus.OK, self.health_generate())),
-            "/get_model_info": (("GET",), lambda _: (HTTPStatus.OK, self.model_info())),
-            "/get_server_info": (("GET",), lambda _: (HTTPStatus.OK, self.server_info())),
+            "/generate": (("POST", "PUT"), lambda body, req: (HTTPStatus.OK, self.generate(body, req))),
+            "/health": (("GET",), lambda *_: (HTTPStatus.OK, "")),
+            "/health_generate": (("GET",), lambda *_: (HTTPStatus.OK, self.health_generate())),
+            "/get_model_info": (("GET",), lambda *_: (HTTPStatus.OK, self.model_info())),
+            "/get_server_info": (("GET",), lambda *_: (HTTPStatus.OK, self.server_info())),
             "/get_weight_version": (
                 ("GET",),
-                lambda _: (HTTPStatus.OK, {"weight_version": weights.weight_version}),
+                lambda *_: (HTTPStatus.OK, {"weight_version": weights.weight_version}),
             ),
-            "/flush_cache": (("GET", "POST"), lambda _: (HTTPStatus.OK, FLUSH_CACHE_TEXT)),
+            "/flush_cache": (("GET", "POST"), lambda *_: (HTTPStatus.OK, FLUSH_CACHE_TEXT)),
             "/update_weights_from_disk": (("POST",), weights.update_from_disk),
             "/update_weights_from_tensor": (("POST",), weights.update_from_tensor),
             "/init_weights_update_group": (("POST",), weights.init_group),
@@ -261,10 +307,19 @@ class CPUServer:
             "/update_weights_from_distributed": (("POST",), weights.update_from_distributed),
         }
 
-    def handle(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> Response:
-        """One request: authorization, route, JSON body, and SGLang's error shapes."""
-        if not authorized(method, path, headers, self.api_key):
-            return UNAUTHORIZED
+    def authorize(self, method: str, path: str, headers: Mapping[str, str]) -> bool:
+        return authorized(method, path, headers, self.api_key)
+
+    def handle(
+        self,
+        method: str,
+        path: str,
+        headers: Mapping[str, str],
+        body: bytes,
+        request: Request | None = None,
+    ) -> Response:
+        """One authorized request: route, JSON body, and SGLang's error shapes."""
+        request = request or Request(peer_host="127.0.0.1")
         route = self._routes.get(path)
         if route is None:
             return json_response(HTTPStatus.NOT_FOUND, {"detail": "Not Found"})
@@ -272,7 +327,7 @@ class CPUServer:
         if method not in methods:
             return json_response(HTTPStatus.METHOD_NOT_ALLOWED, {"detail": "Method Not Allowed"})
         try:
-            status, payload = handler(_json_body(body) if method != "GET" else {})
+            status, payload = handler(_json_body(body) if method != "GET" else {}, request)
         except InvalidRequest as exc:  # FastAPI's RequestValidationError, as SGLang answers it
             return json_response(HTTPStatus.BAD_REQUEST, _validation_error(str(exc)))
         except BadRequest as exc:  # SGLang's _create_error_response
@@ -282,14 +337,15 @@ class CPUServer:
         return json_response(status, payload)
 
     # ------------------------------------------------------------------ endpoints
-    def generate(self, body: dict[str, Any]) -> Any:
-        rows, echo, batched = _parse_generate(self._with_input_ids(body))
+    def generate(self, body: dict[str, Any], request: Request | None = None) -> Any:
+        rows, echo, batched = _parse_generate(self._with_input_ids(body), self.max_rows_per_request)
         for row in rows:
             try:
                 self.engine.validate_row(row)
             except ValueError as exc:
                 raise BadRequest(str(exc)) from exc
-        results: list[RowResult] = self.batcher.submit(rows).result()
+        client_gone = request.client_gone if request is not None else lambda: False
+        results: list[RowResult] = self.batcher.submit(rows, client_gone).result()
         replies = [self._reply(row, res, info) for row, res, info in zip(rows, results, echo)]
         return replies if batched else replies[0]
 
@@ -419,21 +475,54 @@ def _sampling(params: Any) -> tuple[SamplingParams, int | None, bool]:
     unknown = set(params) - _SAMPLING_KEYS
     if unknown:
         raise BadRequest(f"sampling_params has unsupported keys {sorted(unknown)}")
+    stop = params.get("stop_token_ids") or []
+    if not isinstance(stop, list):
+        raise BadRequest(f"sampling_params.stop_token_ids must be a list of token ids, got {stop!r}")
     try:
         sampling = SamplingParams(
-            temperature=float(params.get("temperature", 1.0)),
-            top_p=float(params.get("top_p", 1.0)),
-            top_k=int(params.get("top_k", -1)),
-            max_new_tokens=int(params.get("max_new_tokens", SGLANG_DEFAULT_MAX_NEW_TOKENS)),
-            stop_token_ids=tuple(params.get("stop_token_ids") or ()),
+            temperature=_number(params.get("temperature", 1.0), "sampling_params.temperature"),
+            top_p=_number(params.get("top_p", 1.0), "sampling_params.top_p"),
+            top_k=_integer(params.get("top_k", -1), "sampling_params.top_k"),
+            max_new_tokens=_integer(
+                params.get("max_new_tokens", SGLANG_DEFAULT_MAX_NEW_TOKENS), "sampling_params.max_new_tokens"
+            ),
+            stop_token_ids=tuple(_integer(t, "sampling_params.stop_token_ids") for t in stop),
         )
-    except (TypeError, ValueError) as exc:
+    except ValueError as exc:
         raise BadRequest(f"bad sampling_params: {exc}") from exc
     seed = params.get("sampling_seed")
-    return sampling, None if seed is None else int(seed), bool(params.get("ignore_eos", False))
+    if seed is not None:
+        seed = _integer(seed, "sampling_params.sampling_seed")
+        if not 0 <= seed <= MAX_SEED:
+            raise BadRequest(f"sampling_params.sampling_seed must be in [0, 2^63 - 1], got {seed}")
+    return sampling, seed, _flag(params.get("ignore_eos", False), "sampling_params.ignore_eos")
 
 
-def _parse_generate(body: dict[str, Any]) -> tuple[list[RowSpec], list[dict[str, Any]], bool]:
+def _number(value: Any, name: str) -> float:
+    """A finite JSON number (SGLang's pydantic float, but inf and nan refused)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise BadRequest(f"{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _integer(value: Any, name: str) -> int:
+    """A JSON integer (an integral float such as 8.0 is taken, as pydantic does; 1e400 or "abc" are not)."""
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        return int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(f"{name} must be an integer, got {value!r}")
+    return value
+
+
+def _flag(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise BadRequest(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def _parse_generate(
+    body: dict[str, Any], max_rows: int = DEFAULT_MAX_ROWS_PER_REQUEST
+) -> tuple[list[RowSpec], list[dict[str, Any]], bool]:
     """Rows to run, what each reply must echo, and whether the request was a batch."""
     if body.get("text") is not None:
         raise BadRequest("this server has no tokenizer: send input_ids, not text")
@@ -450,6 +539,11 @@ def _parse_generate(body: dict[str, Any]) -> tuple[list[RowSpec], list[dict[str,
         ):
             raise BadRequest("input_ids must contain only integer token ids")
     n = len(prompts)
+    if n > max_rows:
+        raise BadRequest(
+            f"input_ids has {n} rows; this server takes at most {max_rows} per request (--max-rows-per-request): "
+            "send several requests"
+        )
     sampling = _as_list(body.get("sampling_params"), n, "sampling_params")
     rids = body.get("rid")
     if isinstance(rids, str):
@@ -458,11 +552,11 @@ def _parse_generate(body: dict[str, Any]) -> tuple[list[RowSpec], list[dict[str,
     rids = _as_list(rids, n, "rid")
     return_logprob = _as_list(body.get("return_logprob") or False, n, "return_logprob")
     start_lens = _as_list(body.get("logprob_start_len", -1), n, "logprob_start_len")
-    routed = bool(body.get("return_routed_experts", False))
+    routed = _flag(body.get("return_routed_experts", False), "return_routed_experts")
     rows, echo = [], []
     for i, prompt in enumerate(prompts):
         params, seed, ignore_eos = _sampling(sampling[i])
-        start = -1 if start_lens[i] is None else int(start_lens[i])
+        start = -1 if start_lens[i] is None else _integer(start_lens[i], "logprob_start_len")
         if start < -1:
             raise BadRequest(f"logprob_start_len must be -1 or >= 0, got {start}")
         rows.append(
@@ -476,7 +570,7 @@ def _parse_generate(body: dict[str, Any]) -> tuple[list[RowSpec], list[dict[str,
             )
         )
         rid = rids[i] if rids[i] is not None else uuid.uuid4().hex
-        echo.append({"rid": str(rid), "return_logprob": bool(return_logprob[i])})
+        echo.append({"rid": str(rid), "return_logprob": _flag(return_logprob[i], "return_logprob")})
     return rows, echo, batched
 
 
@@ -513,12 +607,15 @@ def serve(
     api_key: str | None = None,
     dist_timeout_s: float = DEFAULT_TIMEOUT_S,
     precision: str = "fp32",
+    limits: Limits | None = None,
+    max_rows_per_request: int = DEFAULT_MAX_ROWS_PER_REQUEST,
+    guard: WeightGuard | None = None,
 ) -> CPUServer:
     """Load ``model_dir`` and serve it in ``precision`` (fp32, bf16, fp8). ``block=False`` returns the started
     server (stop it with ``.stop()``)."""
     try:
         engine = CPUEngine.from_pretrained(model_dir, seed=seed, num_threads=num_threads, precision=precision)
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, CheckpointError) as exc:
         raise ServeError(f"--model-path {model_dir}: {exc}") from exc
     try:
         server = CPUServer(
@@ -528,6 +625,9 @@ def serve(
             tokenizer=_load_tokenizer(Path(model_dir)),
             api_key=api_key,
             dist_timeout_s=dist_timeout_s,
+            limits=limits,
+            max_rows_per_request=max_rows_per_request,
+            guard=guard,
         )
     except OSError as exc:
         raise ServeError(f"cannot listen on {host}:{port}: {exc}") from exc
@@ -541,82 +641,6 @@ def serve(
     finally:
         server.stop()
     return server
-
-
-def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """SGLang's ``launch_server`` flags that mean something here (same names, so scripts can swap servers)."""
-    parser.add_argument(
-        "--model-path",
-        "--model",
-        dest="model_path",
-        required=True,
-        help="HF checkpoint directory (config.json)",
-    )
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
-    parser.add_argument(
-        "--port",
-        type=int,
-        default=30000,
-        help="port to listen on, 0 for any free port (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--api-key",
-        default=None,
-        help="require 'Authorization: Bearer KEY' on every endpoint but /health* (default: %(default)s, no key)",
-    )
-    parser.add_argument(
-        "--tp-size",
-        "--tensor-parallel-size",
-        "--tp",
-        dest="tp_size",
-        type=int,
-        default=1,
-        help="tensor-parallel size; the CPU server runs one rank, so only 1 (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--enable-return-routed-experts",
-        action="store_true",
-        help="accepted for SGLang compatibility: MoE models always return routed experts on request "
-        "(default: %(default)s)",
-    )
-    parser.add_argument(
-        "--dtype",
-        default="auto",
-        choices=DTYPE_CHOICES,
-        help="weights and activations: bfloat16 or float32 (float); auto is float32 without --quantization and "
-        "bfloat16 with it (SGLang's auto would serve a float32 checkpoint in float16); half/float16 are refused "
-        "(default: %(default)s)",
-    )
-    parser.add_argument(
-        "--quantization",
-        default=None,
-        help="fp8: SGLang's block-wise W8A8 fp8 (128x128 weight blocks) on the decoder's linear layers, with "
-        "bfloat16 activations; the only method here (default: %(default)s, none)",
-    )
-    parser.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch threads for the forwards (default: %(default)s: torch's)",
-    )
-    parser.add_argument(
-        "--seed",
-        "--random-seed",
-        dest="seed",
-        type=int,
-        default=0,
-        help="seed for requests without sampling_seed (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--dist-timeout",
-        type=float,
-        default=DEFAULT_TIMEOUT_S,
-        help="seconds a weights update group may take to form, and each broadcast over it (default: %(default)s)",
-    )
-
-
-# SGLang's --dtype choices (server_args.py): "float" means float32 and "half" float16.
-DTYPE_CHOICES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 
 
 def precision_from_flags(dtype: str = "auto", quantization: str | None = None) -> str:
@@ -650,6 +674,10 @@ def serve_from_args(args: argparse.Namespace) -> int:
         )
     if args.dist_timeout <= 0:
         raise ServeError(f"--dist-timeout must be positive, got {args.dist_timeout}")
+    for flag in ("max_body_bytes", "max_connections", "max_rows_per_request", "weight_group_connect_timeout"):
+        if getattr(args, flag) <= 0:
+            raise ServeError(f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+    warn_if_exposed(args.host, args.api_key)
     stop_requested = threading.Event()
     with _stop_on_signals(stop_requested):
         server = serve(
@@ -662,6 +690,14 @@ def serve_from_args(args: argparse.Namespace) -> int:
             api_key=args.api_key,
             dist_timeout_s=args.dist_timeout,
             precision=precision,
+            limits=Limits(max_body_bytes=args.max_body_bytes, max_connections=args.max_connections),
+            max_rows_per_request=args.max_rows_per_request,
+            guard=WeightGuard(
+                allowed_weight_dirs=args.allowed_weight_dir or [Path(args.model_path).resolve().parent],
+                allowed_master_addresses=args.allowed_master_address,
+                tensor_sender_pids=args.tensor_sender_pid,
+                connect_timeout_s=args.weight_group_connect_timeout,
+            ),
         )
         print(f"serving {args.model_path} at {server.url}", flush=True)
         try:
@@ -670,6 +706,23 @@ def serve_from_args(args: argparse.Namespace) -> int:
         finally:
             server.stop()
     return 0
+
+
+def warn_if_exposed(host: str, api_key: str | None) -> bool:
+    """Print a warning (and return True) when the server listens beyond loopback without an API key."""
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if loopback or api_key is not None:
+        return False
+    print(
+        f"warning: --host {host} without --api-key: anyone who reaches this address can generate and replace the "
+        "served weights; set --api-key (the trainer reads it from rollout.api_key_env)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return True
 
 
 class _stop_on_signals:

@@ -19,14 +19,23 @@ releases: ``add_api_key_middleware`` in ``python/sglang/srt/utils/common.py``): 
 ``OPTIONS`` and paths starting with ``/health``, ``/ready`` or ``/metrics``; others get HTTP 401
 ``{"error": "Unauthorized"}``. Weight-update endpoints are ``ADMIN_OPTIONAL`` in SGLang, which with only
 ``--api-key`` set (no ``--admin-api-key``) means the same: the API key.
+
+Limits (:class:`Limits`; hostile or broken clients must not cost memory, threads or other clients' requests):
+the key is checked from the headers before any body byte is read (401, connection closed); a ``Content-Length``
+above ``max_body_bytes`` is answered 413 at once without reading it (a chunked body as soon as it grows past
+it); at most ``max_connections`` connections are served at a time, each on its own thread, and a connection
+beyond that gets 503 and is closed before a thread is made; :meth:`Request.client_gone` tells the application
+that the client hung up, so that queued work for it is dropped.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import secrets
+import select
 import socket
 import threading
 from collections.abc import Mapping
@@ -34,6 +43,8 @@ from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
 from urllib.parse import urlsplit
+
+from sapo_megatron.serve_flags import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS
 
 logger = logging.getLogger(__name__)
 
@@ -44,10 +55,42 @@ _AUTH_EXEMPT_PREFIXES = ("/health", "/ready", "/metrics")
 Response = tuple[int, bytes, str]  # status, body, content type
 
 
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """What a handler may know about the request besides its body: the peer and whether it is still there."""
+
+    peer_host: str
+    connection: socket.socket | None = None
+
+    @property
+    def from_loopback(self) -> bool:
+        return self.peer_host in ("127.0.0.1", "::1", "localhost") or self.peer_host.startswith("127.")
+
+    def client_gone(self) -> bool:
+        """True once the client closed its connection (readable, and a peek returns no byte)."""
+        if self.connection is None:
+            return False
+        try:
+            readable, _, _ = select.select([self.connection], [], [], 0)
+            return bool(readable) and self.connection.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except (OSError, ValueError):  # reset or already closed
+            return True
+
+
 class App(Protocol):
     stopped: bool
 
-    def handle(self, method: str, path: str, headers: Mapping[str, str], body: bytes) -> Response: ...
+    def authorize(self, method: str, path: str, headers: Mapping[str, str]) -> bool: ...
+
+    def handle(
+        self, method: str, path: str, headers: Mapping[str, str], body: bytes, request: Request
+    ) -> Response: ...
 
 
 def json_response(status: int, payload: Any) -> Response:
@@ -73,6 +116,10 @@ def authorized(method: str, path: str, headers: Mapping[str, str], api_key: str 
 UNAUTHORIZED: Response = json_response(HTTPStatus.UNAUTHORIZED, {"error": "Unauthorized"})
 
 
+class BodyTooLarge(ValueError):
+    """A body longer than ``Limits.max_body_bytes``; answered 413 and the connection closed."""
+
+
 class HTTPServer(ThreadingHTTPServer):
     """Binds and listens on construction; one thread per connection; knows its open connections."""
 
@@ -80,11 +127,32 @@ class HTTPServer(ThreadingHTTPServer):
     allow_reuse_address = True
     request_queue_size = LISTEN_BACKLOG
 
-    def __init__(self, address: tuple[str, int], app: App) -> None:
+    def __init__(self, address: tuple[str, int], app: App, limits: Limits | None = None) -> None:
         self.app = app
+        self.limits = limits or Limits()
+        self._slots = threading.BoundedSemaphore(self.limits.max_connections)
         self._connections: set[socket.socket] = set()
         self._connections_lock = threading.Lock()
         super().__init__(address, _Handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """A thread per connection while a slot is free; beyond ``max_connections``: 503 and close, no thread."""
+        if not self._slots.acquire(blocking=False):
+            with contextlib.suppress(OSError):
+                request.sendall(_BUSY)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
     def track(self, connection: socket.socket, alive: bool) -> None:
         with self._connections_lock:
@@ -127,16 +195,25 @@ class _Handler(BaseHTTPRequestHandler):
         self._dispatch("PUT")
 
     def _dispatch(self, method: str) -> None:
+        path = urlsplit(self.path).path
+        app = self.server.app
+        if not app.authorize(method, path, self.headers):  # before reading a byte of the body
+            self.close_connection = True
+            self._send(*UNAUTHORIZED)
+            return
         try:
             body = self._read_body()
+        except BodyTooLarge as exc:
+            self.close_connection = True
+            self._send(*json_response(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, {"error": {"message": str(exc)}}))
+            return
         except ValueError as exc:  # the stream position is unknown now: answer and close
             self.close_connection = True
             self._send(*json_response(HTTPStatus.BAD_REQUEST, {"error": {"message": str(exc)}}))
             return
-        path = urlsplit(self.path).path
-        app = self.server.app
+        request = Request(peer_host=str(self.client_address[0]), connection=self.connection)
         try:
-            response = app.handle(method, path, self.headers, body)
+            response = app.handle(method, path, self.headers, body, request)
         except Exception as exc:
             if app.stopped:
                 self.close_connection = True  # a stopped server answers nothing, like a crashed one
@@ -155,10 +232,18 @@ class _Handler(BaseHTTPRequestHandler):
             raise ValueError(f"bad Content-Length {self.headers.get('Content-Length')!r}") from None
         if length < 0:
             raise ValueError(f"bad Content-Length {length}")
+        self._check_size(length)
         return self.rfile.read(length) if length else b""
 
+    def _check_size(self, length: int) -> None:
+        limit = self.server.limits.max_body_bytes
+        if length > limit:
+            raise BodyTooLarge(
+                f"request body of {length} bytes exceeds the server's limit of {limit} bytes (--max-body-bytes)"
+            )
+
     def _read_chunked(self) -> bytes:
-        chunks = []
+        chunks, total = [], 0
         while True:
             line = self.rfile.readline(65537)
             try:
@@ -169,6 +254,8 @@ class _Handler(BaseHTTPRequestHandler):
                 while self.rfile.readline(65537) not in (b"\r\n", b"\n", b""):
                     pass  # trailers
                 return b"".join(chunks)
+            total += size
+            self._check_size(total)
             chunks.append(self.rfile.read(size))
             self.rfile.readline()  # the CRLF after each chunk
 
@@ -179,5 +266,13 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", content_type)
         self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:  # the body was not read: the client must not send more on this connection
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(data)
+
+
+_BUSY = (
+    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nConnection: close\r\n"
+    b'Content-Length: 59\r\n\r\n{"error": {"message": "too many connections, retry later"}}'
+)

@@ -21,6 +21,13 @@ Where this server differs from SGLang, on purpose:
   :func:`~sapo_megatron.rollout.weight_group.broadcast_bucket` watches the HTTP reply and stops when it fails.
 - The group uses ``--dist-timeout`` (default 30 min, torch's default, which SGLang's groups get) for forming and
   for each broadcast; SGLang has no per-request timeout either.
+- Guards (:class:`WeightGuard`; SGLang has none of them, see ``docs/cluster.md``): ``/update_weights_from_tensor``
+  is answered 403 unless the request comes from a loopback address, and its payload's handles are checked before
+  anything is opened (:func:`~sapo_megatron.rollout.tensor_transport.deserialize_named_tensors`; names, shapes and
+  a floating-point dtype against the model); ``/update_weights_from_disk`` loads only directories inside
+  ``allowed_weight_dirs`` (symlinks resolved); ``/init_weights_update_group`` dials only the request's own peer
+  address (or loopback, or one of ``allowed_master_addresses``), and first checks within ``connect_timeout_s``
+  that the master's port answers.
 - Accepted fields that mean nothing on a CPU server and are ignored: ``flush_cache`` (no prefix cache),
   ``abort_all_requests`` (requests in flight finish on the old weights; the update waits for the running batch),
   ``torch_empty_cache``, ``disable_draft_model``, ``is_async``, ``keep_pause``, ``recapture_cuda_graph``,
@@ -31,13 +38,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import pickle
+import socket
 import threading
+import time
+from collections.abc import Sequence
 from http import HTTPStatus
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from sapo_megatron.rollout.cpu_engine import CPUEngine
+from sapo_megatron.rollout.cpu_server_http import Request
 from sapo_megatron.rollout.tensor_transport import TensorTransportError, deserialize_named_tensors
 from sapo_megatron.rollout.weight_group import (
     DEFAULT_TIMEOUT_S,
@@ -48,6 +61,7 @@ from sapo_megatron.rollout.weight_group import (
     init_custom_process_group,
     parse_dtype,
 )
+from sapo_megatron.serve_flags import DEFAULT_CONNECT_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +80,25 @@ class InvalidRequest(ValueError):
     """The body does not fit the endpoint's request class; answered like FastAPI's validation error (400)."""
 
 
+_LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightGuard:
+    """What the weight endpoints accept beyond a well-formed body (see the module docstring).
+
+    ``allowed_weight_dirs``: directories ``update_weights_from_disk`` may load from (their subdirectories too);
+    ``None`` means the parent directory of the model the engine loaded first. ``allowed_master_addresses``: master
+    addresses besides the request's own peer and loopback. ``tensor_sender_pids``: processes besides this one
+    whose shared-memory (``file_system``) tensor handles may be opened.
+    """
+
+    allowed_weight_dirs: Sequence[str | Path] | None = None
+    allowed_master_addresses: Sequence[str] = ()
+    tensor_sender_pids: Sequence[int] = ()
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
+
+
 @dataclasses.dataclass
 class _Group:
     group: Any  # torch.distributed.ProcessGroup
@@ -80,9 +113,20 @@ class WeightEndpoints:
     transfer is received and pauses only for the copy into the model.
     """
 
-    def __init__(self, engine: CPUEngine, *, dist_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        engine: CPUEngine,
+        *,
+        dist_timeout_s: float = DEFAULT_TIMEOUT_S,
+        guard: WeightGuard | None = None,
+    ) -> None:
         self.engine = engine
         self.dist_timeout_s = dist_timeout_s
+        self.guard = guard or WeightGuard()
+        dirs = self.guard.allowed_weight_dirs
+        if dirs is None:
+            dirs = [Path(engine.model_path).parent] if engine.model_path else []
+        self.allowed_weight_dirs = [Path(d).resolve() for d in dirs]
         self.version_label: str | None = None  # set by a request's weight_version, as SGLang does
         self._groups: dict[str, _Group] = {}
         self._update_lock = threading.Lock()
@@ -96,7 +140,7 @@ class WeightEndpoints:
             self._destroy(name)
 
     # ------------------------------------------------------------------ disk
-    def update_from_disk(self, body: dict[str, Any]) -> Reply:
+    def update_from_disk(self, body: dict[str, Any], request: Request | None = None) -> Reply:
         fields = _fields(
             body,
             {
@@ -112,16 +156,30 @@ class WeightEndpoints:
         if fields["load_format"] not in (None, "auto", "safetensors"):
             message = f"Failed to update weights: load_format {fields['load_format']!r} is not supported"
             return _failure(message, num_paused_requests=0)
+        refused = self._refused_dir(fields["model_path"])
+        if refused is not None:
+            return _failure(f"Failed to update weights: {refused}", num_paused_requests=0)
         with self._update_lock:
             try:
                 self.engine.update_weights_from_disk(fields["model_path"])
-            except (OSError, ValueError) as exc:
+            except (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
                 return _failure(f"Failed to update weights: {exc}", num_paused_requests=0)
             message = self._label("Succeeded to update model weights.", fields["weight_version"])
         return HTTPStatus.OK, {"success": True, "message": message, "num_paused_requests": 0}
 
+    def _refused_dir(self, model_path: str) -> str | None:
+        """Why ``model_path`` may not be loaded, or None (inside an allowed directory, symlinks resolved)."""
+        resolved = Path(model_path).resolve()
+        if any(resolved == d or d in resolved.parents for d in self.allowed_weight_dirs):
+            return None
+        allowed = ", ".join(str(d) for d in self.allowed_weight_dirs) or "none"
+        return (
+            f"{model_path} is outside the directories this server loads weights from ({allowed}); start the "
+            "server with --allowed-weight-dir DIR for the trainer's weight_sync_dir"
+        )
+
     # ------------------------------------------------------------------ tensor
-    def update_from_tensor(self, body: dict[str, Any]) -> Reply:
+    def update_from_tensor(self, body: dict[str, Any], request: Request | None = None) -> Reply:
         fields = _fields(
             body,
             {
@@ -131,6 +189,13 @@ class WeightEndpoints:
                 "disable_draft_model": ((bool, type(None)), None),
             },
         )
+        if request is not None and not request.from_loopback:
+            return HTTPStatus.FORBIDDEN, {
+                "success": False,
+                "message": f"update_weights_from_tensor is only taken from this machine (loopback), not from "
+                f"{request.peer_host}: tensor payloads are handles to the sender's memory. Use "
+                "update_weights_from_distributed or update_weights_from_disk across machines",
+            }
         entries = fields["serialized_named_tensors"]
         if not entries or not all(isinstance(e, str) for e in entries):
             raise InvalidRequest(
@@ -142,15 +207,22 @@ class WeightEndpoints:
             )
         with self._update_lock:
             try:
-                named = deserialize_named_tensors(entries[0])  # this server is TP rank 0 of 1
+                named = deserialize_named_tensors(  # this server is TP rank 0 of 1
+                    entries[0], check=self._check_tensor, allowed_pids=self.guard.tensor_sender_pids
+                )
                 self.engine.update_weights_from_tensors(named)
             except (TensorTransportError, ValueError) as exc:
                 return _failure(f"Failed to update weights from tensor: {exc}")
             message = self._label("Success", fields["weight_version"])
         return HTTPStatus.OK, {"success": True, "message": message}
 
+    def _check_tensor(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        if not dtype.is_floating_point:
+            raise ValueError(f"weight {name} has dtype {dtype}, the model's weights are floating point")
+        self.engine.weight_targets([(name, shape)])  # unknown name, other shape: ValueError
+
     # ------------------------------------------------------------------ distributed
-    def init_group(self, body: dict[str, Any]) -> Reply:
+    def init_group(self, body: dict[str, Any], request: Request | None = None) -> Reply:
         fields = _fields(
             body,
             {
@@ -167,6 +239,13 @@ class WeightEndpoints:
             return _failure(f"Failed to initialize custom process group: group {name!r} already exists.")
         try:
             check_backend(backend)
+        except WeightGroupError as exc:
+            return _failure(f"Failed to initialize custom process group: {exc}.")
+        refused = self._refused_master(fields["master_address"], fields["master_port"], request)
+        if refused is not None:
+            logger.error("init_weights_update_group refused: %s", refused)
+            return _failure(f"Failed to initialize custom process group: {refused}.")
+        try:
             group = init_custom_process_group(
                 backend,
                 fields["master_address"],
@@ -185,14 +264,45 @@ class WeightEndpoints:
         self._groups[name] = _Group(group, device, backend)
         return HTTPStatus.OK, {"success": True, "message": "Succeeded to initialize custom process group."}
 
-    def destroy_group(self, body: dict[str, Any]) -> Reply:
+    def _refused_master(self, address: str, port: int, request: Request | None) -> str | None:
+        """Why the group's master may not be dialled, or None: it must be the requester (or loopback, or listed)
+        and answer on its port within ``connect_timeout_s``, so that the endpoint can neither probe other hosts
+        nor hold a thread for ``--dist-timeout``."""
+        allowed = {*_LOOPBACK, *self.guard.allowed_master_addresses}
+        if request is not None:
+            allowed.add(request.peer_host)
+        try:
+            resolved = {info[4][0] for info in socket.getaddrinfo(address, port, type=socket.SOCK_STREAM)}
+        except (OSError, UnicodeError):
+            resolved = set()
+        if address not in allowed and not (resolved and resolved <= allowed):
+            return (
+                f"master_address {address} is neither the requesting trainer nor an allowed address; start the "
+                "server with --allowed-master-address ADDR to join groups hosted elsewhere"
+            )
+        if not 0 < port < 65536:
+            return f"master_port {port} is not a TCP port"
+        deadline = time.monotonic() + self.guard.connect_timeout_s
+        while True:  # the trainer may still be starting its store: retry until the connect timeout
+            try:
+                with socket.create_connection((address, port), timeout=max(0.1, deadline - time.monotonic())):
+                    return None
+            except OSError:
+                if time.monotonic() >= deadline:
+                    return (
+                        f"nothing answered at {address}:{port} within {self.guard.connect_timeout_s:g}s "
+                        "(--weight-group-connect-timeout); the trainer must host the group's store there"
+                    )
+                time.sleep(0.1)
+
+    def destroy_group(self, body: dict[str, Any], request: Request | None = None) -> Reply:
         name = _fields(body, {"group_name": (str, "weight_update_group")})["group_name"]
         if name not in self._groups:
             return _failure("The group to be destroyed does not exist.")
         self._destroy(name)
         return HTTPStatus.OK, {"success": True, "message": "Succeeded to destroy custom process group."}
 
-    def update_from_distributed(self, body: dict[str, Any]) -> Reply:
+    def update_from_distributed(self, body: dict[str, Any], request: Request | None = None) -> Reply:
         fields = _fields(
             body,
             {

@@ -198,8 +198,10 @@ def parse_generate_reply(
     want_routed_experts: bool,
     num_layers: int | None,
     top_k: int | None,
+    vocab_size: int | None = None,
 ) -> ParsedGeneration:
-    """Check a ``/generate`` reply for one sample against its request and extract what the trainer needs."""
+    """Check a ``/generate`` reply for one sample against its request and extract what the trainer needs
+    (``vocab_size``: the trainer's vocabulary, which every output id must be in)."""
 
     def fail_field(field: str, problem: str) -> RolloutError:
         return RolloutError(
@@ -216,6 +218,13 @@ def parse_generate_reply(
     output_ids = _require(reply, "output_ids", list, fail_field)
     if not all(_is_token_id(t) for t in output_ids):
         raise fail_field("output_ids", "must be a list of non-negative token ids")
+    outside = [t for t in output_ids if vocab_size is not None and t >= vocab_size]
+    if outside:
+        raise fail_field(
+            "output_ids",
+            f"has ids outside the trainer's vocabulary of {vocab_size}: {outside[:5]} (does the server serve "
+            "another model or tokenizer?)",
+        )
     if len(output_ids) > max_new_tokens:
         raise fail_field(
             "output_ids", f"has {len(output_ids)} tokens, more than max_new_tokens={max_new_tokens}"
@@ -270,6 +279,14 @@ def parse_generate_reply(
     )
 
 
+def _clipped_input_id(reported: Any) -> bool:
+    """Real SGLang (0.5.23, ``srt/managers/scheduler_components/logprob_result_processor.py:53``) reports input
+    token ids ``x if x < vocab_size - 1 else 0`` (meant for image-pad hashes), so the last vocabulary id comes back as
+    0 with its correct log-prob. The client does not know the vocabulary size: a reported 0 is accepted for any input
+    id (every other position still checks the alignment)."""
+    return reported == 0
+
+
 def parse_score_reply(reply: Any, *, token_ids: Sequence[int], rid: str, server: str) -> list[float]:
     """``log p(ids[t] | ids[:t])`` for ``t = 1 .. len(ids) - 1`` from a ``logprob_start_len=0`` reply."""
 
@@ -293,7 +310,7 @@ def parse_score_reply(reply: Any, *, token_ids: Sequence[int], rid: str, server:
         field = f"meta_info.input_token_logprobs[{t}]"
         if not isinstance(entry, (list, tuple)) or len(entry) < 2:
             raise fail_field(field, f"must be [logprob, token_id, ...], got {entry!r}")
-        if entry[1] != token_id:
+        if entry[1] != token_id and not _clipped_input_id(entry[1]):
             raise fail_field(field, f"is for token {entry[1]!r}, the input has {token_id}")
         if t == 0:
             continue  # the first token has no prefix; SGLang reports None

@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 import httpx
 import torch
 
+from sapo_megatron.interrupts import wait_for
 from sapo_megatron.rollout.base import RolloutEngine, RolloutError, normalize_response_starts
 from sapo_megatron.rollout.protocol import (
     generate_payload,
@@ -77,6 +78,8 @@ class SGLangClient(RolloutEngine):
         api_key: sent as ``Authorization: Bearer <key>`` (SGLang's and sglang-router's ``--api-key``).
         num_layers / top_k: shape of ``routed_experts`` (``num_hidden_layers`` / ``num_experts_per_tok`` of the
             model); ``num_layers`` is required to request routed experts, ``top_k`` is inferred when None.
+        vocab_size: the trainer's vocabulary; a reply with an output id outside it is a ``RolloutError`` naming the
+            server (None: not checked).
         max_concurrency: HTTP requests in flight at once.
         timeout_s: per-request timeout (one sample's generation).
         max_retries: further attempts per sample after the first.
@@ -97,6 +100,7 @@ class SGLangClient(RolloutEngine):
         api_key: str | None = None,
         num_layers: int | None = None,
         top_k: int | None = None,
+        vocab_size: int | None = None,
         max_concurrency: int = 64,
         timeout_s: float = 600.0,
         max_retries: int = 3,
@@ -123,6 +127,7 @@ class SGLangClient(RolloutEngine):
         )
         self.num_layers = num_layers
         self.top_k = top_k
+        self.vocab_size = vocab_size
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s
@@ -131,6 +136,7 @@ class SGLangClient(RolloutEngine):
         self.weight_sync_timeout_s = weight_sync_timeout_s
         self._serializer = serializer
         self._weight_version = 0
+        self._sessions: set[str] = set()  # workers with an open SGLang weight-update session (begin/end)
         self._lock = threading.Lock()
         self._round_robin = itertools.count()
         self._counters = dict.fromkeys(
@@ -220,6 +226,7 @@ class SGLangClient(RolloutEngine):
                 want_routed_experts=req.return_routed_experts,
                 num_layers=self.num_layers,
                 top_k=self.top_k,
+                vocab_size=self.vocab_size,
             )
             return parsed
 
@@ -396,8 +403,11 @@ class SGLangClient(RolloutEngine):
                 field="<body>",
             ) from exc
 
-    def _for_each_server(self, servers: list[_Server], fn: Callable[[_Server], T]) -> list[T | Exception]:
-        """Run ``fn`` on every server in parallel; results or the exceptions raised, in server order."""
+    def _for_each_server(
+        self, servers: list[_Server], fn: Callable[[_Server], T], *, interruptible: bool = False
+    ) -> list[T | Exception]:
+        """Run ``fn`` on every server in parallel; results or the exceptions raised, in server order.
+        ``interruptible``: a stop signal ends the wait (weight updates; see ``interrupts.wait_for``)."""
 
         def guarded(server: _Server) -> T | Exception:
             try:
@@ -405,7 +415,16 @@ class SGLangClient(RolloutEngine):
             except Exception as exc:
                 return exc
 
+        if interruptible:
+            return self._wait_all([lambda s=server: guarded(s) for server in servers])
         return list(self._pool.map(guarded, servers))
+
+    def _wait_all(self, calls: list[Callable[[], T]]) -> list[T]:
+        """Run each call on its own daemon thread; their results, waiting so that a stop signal ends the wait
+        (``WaitInterrupted``) and leaves no thread that the exit or :meth:`close` would wait for."""
+        futures = [self._background(call) for call in calls]
+        wait_for(futures, "waiting for the rollout servers")
+        return [future.result() for future in futures]
 
     # ------------------------------------------------------------------ weights and housekeeping
     def update_weights_from_disk(self, path: str, *, flush_cache: bool = True) -> None:
@@ -441,6 +460,7 @@ class SGLangClient(RolloutEngine):
         blob = serializer(named)
 
         def load(server: _Server) -> None:
+            self._begin_session(server)
             payload = {
                 "serialized_named_tensors": [blob] * server.tp_size,
                 "load_format": None,
@@ -526,6 +546,7 @@ class SGLangClient(RolloutEngine):
         }
 
         def load(server: _Server) -> None:
+            self._begin_session(server)
             reply = self._post(
                 server,
                 "/update_weights_from_distributed",
@@ -574,6 +595,7 @@ class SGLangClient(RolloutEngine):
             bypass_router = bool(stale) and self._router_usable
             if bypass_router:
                 self._router_usable = False
+        self._end_sessions(updated)
         if stale:
             logger.warning("weight update: unreachable workers keep old weights and are left out: %s", stale)
         if bypass_router:
@@ -618,10 +640,68 @@ class SGLangClient(RolloutEngine):
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._http.close()
 
+    # ------------------------------------------------------------------ weight-update sessions
+    # SGLang 0.5.23 refuses update_weights_from_distributed / _from_tensor outside a session
+    # (srt/managers/scheduler_components/weight_updater.py: "must run between begin_weight_update() and
+    # end_weight_update()"): POST /begin_weight_update before a worker's first call of an update, POST
+    # /end_weight_update when the update finishes. Servers without these endpoints (older SGLang, the CPU stand-in)
+    # answer 404 and need no session.
+    def _begin_session(self, server: _Server) -> None:
+        with self._lock:
+            if server.url in self._sessions:
+                return
+        reply = self._session_call(server, "/begin_weight_update")
+        if reply is not None and reply.get("success") is not True:
+            message = str(reply.get("message", ""))
+            if "already open" not in message:  # left open by an update that failed midway: keep using it
+                raise RolloutError(
+                    f"begin_weight_update failed: {message}", server=server.url, field="success"
+                )
+        with self._lock:
+            self._sessions.add(server.url)
+
+    def _end_sessions(self, servers: Sequence[_Server]) -> None:
+        with self._lock:
+            open_on = [s for s in servers if s.url in self._sessions]
+            self._sessions.difference_update(s.url for s in servers)
+        for outcome in self._for_each_server(open_on, self._end_session):
+            if isinstance(outcome, Exception):
+                raise outcome
+
+    def _end_session(self, server: _Server) -> None:
+        reply = self._session_call(server, "/end_weight_update")
+        if reply is not None and reply.get("success") is not True:
+            raise RolloutError(
+                f"end_weight_update failed: {reply.get('message')}", server=server.url, field="success"
+            )
+
+    def _session_call(self, server: _Server, path: str) -> dict[str, Any] | None:
+        """The reply of ``path`` (200 or 400 with ``success``), or None when the server has no such endpoint."""
+        try:
+            response = self._http.post(server.url + path, json={}, timeout=self.weight_sync_timeout_s)
+        except httpx.TransportError as exc:
+            raise _Transient(f"{type(exc).__name__}: {exc}") from exc
+        if response.status_code == 404:
+            return None
+        if response.status_code not in (200, 400):
+            raise RolloutError(
+                f"HTTP {response.status_code} from {path}: {_error_message(response)}",
+                server=server.url,
+                request=path.lstrip("/"),
+                field="<status>",
+            )
+        try:
+            reply = response.json()
+        except ValueError:
+            reply = None
+        if not isinstance(reply, dict):
+            raise RolloutError(f"reply of {path} is not a JSON object", server=server.url, field="<body>")
+        return reply
+
     # ------------------------------------------------------------------ helpers
     def _update_each_worker(self, load: Callable[[_Server], None], what: str) -> None:
         """Run one call of a weight update on every worker; remember which acknowledged it."""
-        outcomes = self._for_each_server(self._servers, load)
+        outcomes = self._for_each_server(self._servers, load, interruptible=True)
         for outcome in outcomes:
             if isinstance(outcome, Exception) and not isinstance(outcome, _Transient):
                 raise outcome  # the server answered and refused: the checkpoint or the request is wrong
@@ -640,7 +720,7 @@ class SGLangClient(RolloutEngine):
             self._acknowledged = urls if self._acknowledged is None else self._acknowledged & urls
 
     def _all_or_raise(self, arg_tuples: list[tuple], fn: Callable[..., None]) -> None:
-        outcomes = list(self._pool.map(lambda args: _capture(fn, *args), arg_tuples))
+        outcomes = self._wait_all([lambda a=args: _capture(fn, *a) for args in arg_tuples])
         for args, outcome in zip(arg_tuples, outcomes):
             if isinstance(outcome, _Transient):
                 raise RolloutError(
@@ -649,16 +729,16 @@ class SGLangClient(RolloutEngine):
             if isinstance(outcome, Exception):
                 raise outcome
 
-    def _background(self, fn: Callable[[], None]) -> Future:
+    def _background(self, fn: Callable[[], Any]) -> Future:
         future: Future = Future()
 
         def runner() -> None:
             try:
-                fn()
+                result = fn()
             except BaseException as exc:
                 future.set_exception(exc)
             else:
-                future.set_result(None)
+                future.set_result(result)
 
         threading.Thread(target=runner, name="sglang-client-weight-sync", daemon=True).start()
         return future

@@ -24,46 +24,54 @@ payload stays small and only a process that can open the handle can read the ten
   name devices by UUID (``monkey_patch_torch_reductions``), which this module does not: against a real SGLang on
   GPUs prefer ``sglang.srt.utils.MultiprocessingSerializer``. The CPU server refuses CUDA payloads.
 
-Reading is restricted like SGLang's ``SafeUnpickler`` (CVE-2025-10164), but narrower: only the globals that torch's
-CPU tensor reductions emit are resolved; anything else raises :class:`TensorTransportError`.
+Reading is restricted like SGLang's ``SafeUnpickler`` (CVE-2025-10164), but narrower, and checks the *arguments*
+of every handle, not only the callables a payload names (see ``docs/cluster.md``, "Tensor updates"):
+
+- only the globals that torch's CPU tensor reductions emit resolve (``rebuild_tensor``, ``rebuild_typed_storage``,
+  ``rebuild_storage_{fd,filename,empty}``, ``DupFd``, ``Tensor``, ``Parameter``, ``UntypedStorage``, ``Size`` and
+  dtypes); anything else raises :class:`TensorTransportError`;
+- nothing is opened while the pickle is read: every storage and tensor is first a *pending* record, checked, and
+  opened only after the caller's ``check(name, shape, dtype)`` accepted every pair;
+- a file-descriptor handle (``DupFd``) may only name a Unix socket owned by this user (the sender's
+  ``multiprocessing`` listener), never a TCP address, and the file it lends must hold the storage's bytes;
+- a file-name handle must be torch's ``/torch_<pid>_<n>_<n>`` of an allowed sender pid (this process, or the
+  pids passed as ``allowed_pids``), an existing ``/dev/shm`` file of this user at least the storage's size, and
+  its manager a Unix socket of this user;
+- a view must lie inside its storage (offset, sizes and strides non-negative, last element < storage size) and
+  a storage may be at most :data:`MAX_STORAGE_BYTES`.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import errno
 import io
+import math
 import multiprocessing
+import os
 import pickle
+import re
+import stat
+from collections.abc import Callable, Collection
 from multiprocessing import resource_sharer
 from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
+from typing import Any
 
 import torch
+from torch.multiprocessing import reductions
 
 from sapo_megatron.errors import UserError
 
-# Globals that a ForkingPickler dump of [(str, CPU tensor or Parameter)] refers to (torch 2.6 - 2.13).
-_ALLOWED_GLOBALS: dict[str, frozenset[str]] = {
-    "builtins": frozenset({"list", "tuple", "dict", "str", "int", "float", "bool", "bytes", "slice"}),
-    "collections": frozenset({"OrderedDict"}),
-    "torch": frozenset({"Tensor", "Size"}),
-    "torch.storage": frozenset({"UntypedStorage", "TypedStorage"}),
-    "torch.nn.parameter": frozenset({"Parameter"}),
-    "torch._utils": frozenset({"_rebuild_tensor_v2", "_rebuild_parameter"}),
-    "torch.multiprocessing.reductions": frozenset(
-        {
-            "rebuild_tensor",
-            "rebuild_parameter",
-            "rebuild_storage_fd",
-            "rebuild_storage_filename",
-            "rebuild_storage_empty",
-            "rebuild_typed_storage",
-            "rebuild_typed_storage_child",
-        }
-    ),
-}
+MAX_STORAGE_BYTES = 1 << 40  # 1 TiB: above any one weight; a larger claimed size is a forged handle
+SHM_DIR = Path("/dev/shm")
+_TORCH_SHM_NAME = re.compile(r"^/torch_(?P<pid>\d+)_\d+_\d+$")  # THManagedMapAllocator's names
 _CUDA_REBUILDERS = {"rebuild_cuda_tensor", "_rebuild_cuda_tensor_modified", "rebuild_event"}
+
+# (name, shape, dtype) -> None, raising ValueError for a pair the receiver will not take.
+PairCheck = Callable[[str, tuple[int, ...], torch.dtype], None]
 
 
 class TensorTransportError(UserError):
@@ -85,20 +93,40 @@ def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def deserialize_named_tensors(data: str | bytes) -> list[tuple[str, torch.Tensor]]:
-    """The (name, tensor) pairs of one entry (base64 text as sent over HTTP, or the raw pickle bytes)."""
+def deserialize_named_tensors(
+    data: str | bytes,
+    *,
+    check: PairCheck | None = None,
+    allowed_pids: Collection[int] = (),
+) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) pairs of one entry (base64 text as sent over HTTP, or the raw pickle bytes).
+
+    ``check(name, shape, dtype)`` runs on every pair before any storage is opened (a ValueError refuses the whole
+    payload); ``allowed_pids``: sender processes besides this one whose file-name (``file_system``) handles open.
+    """
     raw = _decode(data) if isinstance(data, str) else data
+    unpickler = _RestrictedUnpickler(io.BytesIO(raw), allowed_pids={os.getpid(), *allowed_pids})
     try:
-        loaded = _RestrictedUnpickler(io.BytesIO(raw)).load()
+        loaded = unpickler.load()
     except TensorTransportError:
         raise
-    except (OSError, RuntimeError) as exc:  # a shared-memory file that cannot be opened
-        raise TensorTransportError(_unreachable_message(exc)) from exc
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as exc:
         raise TensorTransportError(
             f"serialized_named_tensors is not a tensor payload: {type(exc).__name__}: {exc}"
         ) from exc
-    return _check_pairs(loaded)
+    pending = _check_pairs(loaded)
+    if check is not None:
+        for name, tensor in pending:
+            try:
+                check(name, tensor.shape, tensor.typed.dtype)
+            except ValueError as exc:
+                raise TensorTransportError(f"{exc}; nothing was opened or changed") from exc
+    try:
+        return [(name, tensor.open()) for name, tensor in pending]
+    except TensorTransportError:
+        raise
+    except (OSError, RuntimeError) as exc:  # a shared-memory file that cannot be opened
+        raise TensorTransportError(_unreachable_message(exc)) from exc
 
 
 def _decode(text: str) -> bytes:
@@ -108,7 +136,7 @@ def _decode(text: str) -> bytes:
         raise TensorTransportError(f"serialized_named_tensors entry is not valid base64: {exc}") from exc
 
 
-def _check_pairs(loaded: object) -> list[tuple[str, torch.Tensor]]:
+def _check_pairs(loaded: object) -> list[tuple[str, _PendingTensor]]:
     if not isinstance(loaded, (list, tuple)):
         raise TensorTransportError(
             f"serialized_named_tensors must hold a list of (name, tensor) pairs, got {type(loaded).__name__}"
@@ -119,7 +147,7 @@ def _check_pairs(loaded: object) -> list[tuple[str, torch.Tensor]]:
             isinstance(item, (list, tuple))
             and len(item) == 2
             and isinstance(item[0], str)
-            and isinstance(item[1], torch.Tensor)
+            and isinstance(item[1], _PendingTensor)
         ):
             raise TensorTransportError("serialized_named_tensors must hold (name, tensor) pairs")
         pairs.append((item[0], item[1]))
@@ -141,8 +169,43 @@ def _unreachable_message(exc: BaseException) -> str:
     )
 
 
+def _refuse(message: str) -> TensorTransportError:
+    return TensorTransportError(f"serialized_named_tensors: {message}; nothing was opened")
+
+
+def _own_unix_socket(address: object, what: str) -> str:
+    """``address`` if it is the path of a Unix socket owned by this user, else refused (no TCP, no other user)."""
+    if isinstance(address, bytes):
+        address = address.decode("utf-8", "replace")
+    if not isinstance(address, str) or not address.startswith("/"):
+        raise _refuse(f"{what} {address!r} is not a local Unix socket path (network addresses are refused)")
+    try:
+        info = os.stat(address)
+    except OSError:
+        raise _refuse(f"{what} {address!r} does not exist") from None
+    if not stat.S_ISSOCK(info.st_mode) or info.st_uid != os.getuid():
+        raise _refuse(f"{what} {address!r} is not a Unix socket of this user")
+    return address
+
+
+def _storage_size(size: object) -> int:
+    if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= MAX_STORAGE_BYTES:
+        raise _refuse(f"storage size {size!r} is not an int in [0, {MAX_STORAGE_BYTES}]")
+    return size
+
+
 class _SharedFd(resource_sharer.DupFd):
-    """``DupFd`` whose fetch from the sender's resource sharer fails with a message that says why."""
+    """``DupFd`` whose address is checked when unpickled and whose fetch failure says why (no fd is fetched
+    until the payload is accepted)."""
+
+    def __setstate__(self, state: object) -> None:
+        ident = state.get("_id") if isinstance(state, dict) else None
+        if not (isinstance(ident, tuple) and len(ident) == 2 and isinstance(ident[1], int)):
+            raise _refuse("a DupFd handle without an (address, key) identifier")
+        own = getattr(resource_sharer._resource_sharer, "_address", None)
+        if ident[0] != own:
+            _own_unix_socket(ident[0], "DupFd address")
+        self._id = ident
 
     def detach(self) -> int:
         try:
@@ -151,7 +214,165 @@ class _SharedFd(resource_sharer.DupFd):
             raise TensorTransportError(_unreachable_message(exc)) from exc
 
 
+@dataclasses.dataclass(eq=False)
+class _PendingStorage:
+    """An untyped CPU storage named by a handle, opened on :meth:`open` (once; shared by the views of it)."""
+
+    nbytes: int
+    opener: Callable[[], torch.UntypedStorage]
+    opened: torch.UntypedStorage | None = None
+
+    def open(self) -> torch.UntypedStorage:
+        if self.opened is None:
+            self.opened = self.opener()
+        return self.opened
+
+
+@dataclasses.dataclass(eq=False)
+class _PendingTyped:
+    storage: _PendingStorage
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return self.storage.nbytes // self.dtype.itemsize
+
+
+@dataclasses.dataclass(eq=False)
+class _PendingTensor:
+    cls: type
+    typed: _PendingTyped
+    offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    requires_grad: bool
+
+    def open(self) -> torch.Tensor:
+        typed = reductions.rebuild_typed_storage(self.typed.storage.open(), self.typed.dtype)
+        metadata = (self.offset, torch.Size(self.shape), self.stride, self.requires_grad)
+        return reductions.rebuild_tensor(self.cls, typed, metadata)
+
+
+def _ints(value: object, what: str) -> tuple[int, ...]:
+    if not isinstance(value, (tuple, list)) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+    ):
+        raise _refuse(f"tensor {what} {value!r} is not a list of non-negative ints")
+    return tuple(value)
+
+
+def _pending_tensor(cls: object, typed: object, metadata: object) -> _PendingTensor:
+    if cls not in (torch.Tensor, torch.nn.Parameter):
+        raise _refuse(f"tensor class {cls!r} is not Tensor or Parameter")
+    if not isinstance(typed, _PendingTyped):
+        raise _refuse("a tensor without a shared storage handle")
+    if not (isinstance(metadata, tuple) and len(metadata) == 4):
+        raise _refuse("tensor metadata is not (offset, size, stride, requires_grad)")
+    offset, shape, strides, requires_grad = metadata
+    (offset,) = _ints((offset,), "storage offset")
+    shape, strides = _ints(shape, "size"), _ints(strides, "stride")
+    if len(shape) != len(strides):
+        raise _refuse(f"tensor size {list(shape)} and stride {list(strides)} differ in length")
+    if math.prod(shape) > 0:
+        last = offset + sum((n - 1) * s for n, s in zip(shape, strides))
+        if last >= typed.numel:
+            raise _refuse(
+                f"a {list(shape)} view (offset {offset}, stride {list(strides)}) reaches element {last} of a "
+                f"{typed.numel}-element storage"
+            )
+    return _PendingTensor(cls, typed, offset, shape, strides, bool(requires_grad))
+
+
+def _pending_typed(storage: object, dtype: object) -> _PendingTyped:
+    if not isinstance(storage, _PendingStorage) or not isinstance(dtype, torch.dtype):
+        raise _refuse("a typed storage that is not (shared storage handle, dtype)")
+    return _PendingTyped(storage, dtype)
+
+
+def _pending_fd(cls: object, handle: object, size: object) -> _PendingStorage:
+    if cls is not torch.UntypedStorage or not isinstance(handle, _SharedFd):
+        raise _refuse("a file-descriptor storage that is not (UntypedStorage, DupFd, size)")
+    nbytes = _storage_size(size)
+
+    def opener() -> torch.UntypedStorage:
+        fd = handle.detach()
+        try:
+            if os.fstat(fd).st_size < nbytes:
+                raise _refuse(f"the lent file holds fewer than the {nbytes} bytes its handle claims")
+            return reductions.rebuild_storage_fd(cls, _Detached(os.dup(fd)), nbytes)
+        finally:
+            os.close(fd)
+
+    return _PendingStorage(nbytes, opener)
+
+
+class _Detached:
+    """The ``df`` argument of torch's ``rebuild_storage_fd``: an fd already fetched and checked."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def detach(self) -> int:
+        return self.fd
+
+
+def _pending_filename(
+    allowed_pids: Collection[int],
+) -> Callable[..., _PendingStorage]:
+    def pending(
+        cls: object, manager: object, handle: object, size: object, dtype: object = None
+    ) -> _PendingStorage:
+        if cls is not torch.UntypedStorage or dtype is not None:
+            raise _refuse("a file-name storage that is not (UntypedStorage, manager, name, size)")
+        name = handle.decode("utf-8", "replace") if isinstance(handle, bytes) else handle
+        match = _TORCH_SHM_NAME.match(name) if isinstance(name, str) else None
+        if match is None or int(match["pid"]) not in allowed_pids:
+            raise _refuse(
+                f"shared-memory name {handle!r} is not one torch made in an allowed sender process "
+                f"(pids {sorted(allowed_pids)}; a server in another process takes the trainer's pid by "
+                "--tensor-sender-pid)"
+            )
+        nbytes = _storage_size(size)
+        cached = reductions.storage_from_cache(torch.UntypedStorage, handle)
+        if cached is None:  # not this process's own storage: the file must be the sender's, already that big
+            _own_unix_socket(manager, "torch shared-memory manager")
+            try:
+                info = os.stat(SHM_DIR / name.lstrip("/"))
+            except OSError:
+                raise _refuse(f"shared-memory file {name!r} does not exist") from None
+            if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_size < nbytes:
+                raise _refuse(
+                    f"shared-memory file {name!r} is not a file of this user holding {nbytes} bytes"
+                )
+        return _PendingStorage(
+            nbytes, lambda: reductions.rebuild_storage_filename(cls, manager, handle, nbytes)
+        )
+
+    return pending
+
+
+def _pending_empty(cls: object) -> _PendingStorage:
+    if cls is not torch.UntypedStorage:
+        raise _refuse("an empty storage that is not an UntypedStorage")
+    return _PendingStorage(0, lambda: reductions.rebuild_storage_empty(cls))
+
+
 class _RestrictedUnpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, *, allowed_pids: Collection[int]) -> None:
+        super().__init__(file)
+        self._globals: dict[tuple[str, str], Any] = {
+            ("torch", "Tensor"): torch.Tensor,
+            ("torch", "Size"): torch.Size,
+            ("torch.storage", "UntypedStorage"): torch.UntypedStorage,
+            ("torch.nn.parameter", "Parameter"): torch.nn.Parameter,
+            ("multiprocessing.resource_sharer", "DupFd"): _SharedFd,
+            ("torch.multiprocessing.reductions", "rebuild_tensor"): _pending_tensor,
+            ("torch.multiprocessing.reductions", "rebuild_typed_storage"): _pending_typed,
+            ("torch.multiprocessing.reductions", "rebuild_storage_fd"): _pending_fd,
+            ("torch.multiprocessing.reductions", "rebuild_storage_filename"): _pending_filename(allowed_pids),
+            ("torch.multiprocessing.reductions", "rebuild_storage_empty"): _pending_empty,
+        }
+
     def find_class(self, module: str, name: str) -> object:
         if name in _CUDA_REBUILDERS or module.startswith("torch.cuda"):
             raise TensorTransportError(
@@ -160,10 +381,8 @@ class _RestrictedUnpickler(pickle.Unpickler):
             )
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        if (module, name) == ("multiprocessing.resource_sharer", "DupFd"):
-            return _SharedFd
-        if name in _ALLOWED_GLOBALS.get(module, ()):
-            return super().find_class(module, name)
+        if (module, name) in self._globals:
+            return self._globals[(module, name)]
         raise TensorTransportError(
             f"serialized_named_tensors refers to {module}.{name}, which is not allowed"
         )

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from sapo_megatron.errors import UserError
+from sapo_megatron.interrupts import WaitInterrupted, stop_requested
 
 DEFAULT_TIMEOUT_S = 1800.0  # torch's default_pg_timeout; SGLang passes none, so its groups use this too
 SUPPORTED_BACKENDS = ("gloo", "nccl")
@@ -120,6 +121,8 @@ def broadcast_bucket(
     for work in works:
         while not work.is_completed():
             _raise_if_refused(reply)
+            if stop_requested():  # a signal on the trainer: stop waiting, the run checkpoints and resumes
+                raise WaitInterrupted(f"broadcast of {len(works)} tensors: interrupted by a signal")
             if deadline is not None and time.monotonic() > deadline:
                 raise WeightGroupError(
                     f"broadcast of {len(works)} tensors did not complete in {timeout_s:g}s"

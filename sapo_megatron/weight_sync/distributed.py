@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from sapo_megatron.arch import QwenArch
+from sapo_megatron.interrupts import WaitInterrupted, wait_for
 from sapo_megatron.rollout.base import RolloutEngine, RolloutError
 from sapo_megatron.weight_sync.hf_export import DEFAULT_BUCKET_BYTES, Bucket, bucket_bytes_of, hf_buckets
 from sapo_megatron.weight_sync.modes import WeightSync
@@ -85,6 +86,7 @@ class DistributedSync(WeightSync):
             broadcast_bucket(
                 self._group, [t for _, t in bucket], reply=acknowledged, timeout_s=self.timeout_s
             )
+            wait_for([acknowledged], "update_weights_from_distributed")
             acknowledged.result(timeout=self.timeout_s)
         except Exception:
             self._drop_group()  # unmatched sends may remain in it: the next push forms a new one
@@ -115,6 +117,7 @@ class DistributedSync(WeightSync):
             group_name=self.group_name,
             timeout=timedelta(seconds=self.timeout_s),
         )
+        wait_for([joined], "init_weights_update_group")
         joined.result(timeout=self.timeout_s)
         return client
 
@@ -146,6 +149,8 @@ def _raise_on_every_rank(error: BaseException | None) -> None:
     failed = [(rank, m) for rank, m in enumerate(messages) if m is not None]
     if failed:
         rank, message = failed[0]
+        if message.startswith(WaitInterrupted.__name__):  # every rank stops at the step's end, checkpointing
+            raise WaitInterrupted(f"distributed weight sync on trainer rank {rank}: {message}") from error
         raise RolloutError(f"distributed weight sync failed on trainer rank {rank}: {message}") from error
 
 

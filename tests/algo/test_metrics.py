@@ -57,6 +57,18 @@ def test_sapo_gate_metrics_split_by_advantage_sign():
     assert on_policy["sapo/frac_w_lt_half_neg"].item() == 0.0
 
 
+def test_kl_to_the_old_policy_and_the_gates_spread_within_sequences():
+    # Row 0: r = 1, 3 (A > 0, τ_pos 1); row 1: r = 2 alone (A < 0, τ_neg 2); row 1's second token is padding.
+    ratios = [[1.0, 3.0], [2.0, 5.0]]
+    logp, old, _, mask = make_batch(ratios, [[1, 1], [1, 0]], [1.0, -1.0])
+    _, metrics = SapoLoss(tau_pos=1.0, tau_neg=2.0).compute(logp, old, torch.tensor([1.0, -1.0]), mask)
+    # k3(old ‖ π) per token with d = log(1/r): 1/r − log(1/r) − 1 = 1/r + log r − 1.
+    k3 = [1 / r + math.log(r) - 1 for r in (1.0, 3.0, 2.0)]
+    assert metrics["policy/kl_old"].item() == pytest.approx(sum(k3) / 3, rel=1e-5)
+    # Row 0's gates 1 and sech²(1): population std |1 − sech²(1)| / 2; row 1 has one token: std 0.
+    assert metrics["sapo/seq_w_std"].item() == pytest.approx(abs(1 - sech2(1.0)) / 2 / 2, rel=1e-5)
+
+
 def test_mismatch_metrics_hand_values():
     deltas = [math.log(3.0), math.log(0.4), 0.1, 5.0]
     old = torch.tensor([[0.0, 0.0], [0.0, 0.0]])
@@ -83,6 +95,9 @@ def test_is_weight_metric():
     assert icepop["mismatch/is_weight_mean"].item() == pytest.approx(0.8 / 2, rel=1e-5)
 
 
+METRIC_GROUPS = {"loss", "sapo", "clip", "ratio", "mismatch", "kl", "entropy", "policy"}
+
+
 @pytest.mark.parametrize(
     "loss_fn", [SapoLoss(), SapoLoss(level="sequence"), GrpoLoss(dual_clip=3.0), GspoLoss()]
 )
@@ -101,5 +116,5 @@ def test_metrics_are_detached_scalars(loss_fn):
     )
     for key, value in metrics.items():
         assert value.dim() == 0 and not value.requires_grad and value.dtype == torch.float32, key
-        assert key.split("/")[0] in {"loss", "sapo", "clip", "ratio", "mismatch", "kl", "entropy"}, key
+        assert key.split("/")[0] in METRIC_GROUPS, key
     assert {"loss/total", "loss/pg", "loss/kl", "loss/entropy_bonus", "kl/k3_ref", "entropy"} <= set(metrics)

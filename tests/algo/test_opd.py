@@ -153,7 +153,7 @@ def test_opd_and_fixed_modes():
     assert metrics["adv/fused_abs_mean"] == pytest.approx(float((rl + 0.5 * opd).abs().sum()) / N_TOKENS)
 
 
-SAF_ALL = SafFusion(coef=2.0, sparsify=SafSparsify(keep=0.5), compress=SafCompress(c=0.1))
+SAF_ALL = SafFusion(opd_coef=2.0, sparsify=SafSparsify(keep=0.5), compress=SafCompress(c=0.1))
 
 
 def test_saf_all_stages_by_hand():
@@ -202,11 +202,17 @@ def test_each_saf_stage_switched_off_changes_the_result_as_specified():
 
 
 def test_saf_settings_reach_the_result():
-    keep_more = SAF_ALL.model_copy(update={"sparsify": SafSparsify(keep=0.75)})  # row 0: 3 tokens, row 1: 3
-    assert fuse(keep_more, multiplier=1.0)[1]["saf/kept_frac"] == pytest.approx(6 / N_TOKENS)
+    # keep 0.75: row 0's τ = quantile([0.1, 0.5, 2, 3], 0.25) = 0.4 keeps 3 tokens; row 1's
+    # τ = quantile([0, 0.2, 0.4], 0.25) = 0.1 keeps 2 (the 0.0 token falls below it).
+    keep_more = SAF_ALL.model_copy(update={"sparsify": SafSparsify(keep=0.75)})
+    assert fuse(keep_more, multiplier=1.0)[1]["saf/kept_frac"] == pytest.approx(5 / N_TOKENS)
+    rl_weight = SAF_ALL.model_copy(update={"grpo_coef": 0.5})  # the authors' grpo_coef scales A_rl only
+    assert_bt(
+        fuse(rl_weight, multiplier=0.5)[0] - 0.5 * torch.tensor(RL_BT), opd_term(SAF_ALL, multiplier=0.5)
+    )
     wider = SAF_ALL.model_copy(update={"compress": SafCompress(c=0.3)})
     assert_bt(opd_term(wider, multiplier=0.5), 3 * opd_term(SAF_ALL, multiplier=0.5))
-    half_coef = SAF_ALL.model_copy(update={"coef": 1.0})
+    half_coef = SAF_ALL.model_copy(update={"opd_coef": 1.0})
     assert_bt(opd_term(half_coef, multiplier=0.5), opd_term(SAF_ALL, multiplier=0.5) / 2)
 
 
@@ -219,7 +225,7 @@ def test_saf_schedule_built_from_the_config():
     assert direct.state_dict()["settings"] == schedule.state_dict()["settings"]
     assert [s for s in (direct.warmup_end_step, direct.scale, direct.coef)] == [3, 0.75, 0.5]
     anneal_only = SafFusion(warmup=None, anneal=SafAnneal(steps=4)).build_schedule()
-    assert [anneal_only.update(1.0) for _ in range(2)] == [0.75, 0.5]
+    assert [anneal_only.update(1.0) for _ in range(3)] == [1.0, 0.75, 0.5]  # t = 0 on step 1
     warmup_only = SafFusion(anneal=None, warmup=SafWarmup(steps=2)).build_schedule()
     assert [warmup_only.update(1.0) for _ in range(4)] == [0.5, 1.0, 1.0, 1.0]
 

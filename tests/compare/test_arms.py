@@ -223,6 +223,8 @@ def test_config_arms_run_their_own_configs_and_read_the_teachers_compare_trains(
     (teacher,) = plan.teachers
     assert teacher.run_dir == tmp_path / "teachers" / "addition" and teacher.cfg.sft.steps == 1500
     assert plan.warm_start is not None and plan.warm_start.cfg.sft.steps == 150
+    # The warm start reads the trained teacher too (its config lists it): any --output-dir works.
+    assert plan.warm_start.cfg.teachers[0].model_path == str(tmp_path / "teachers" / "addition" / "hf")
     for run in plan.arms:
         cfg = run.cfg
         assert cfg.seed == run.arm.seed and cfg.trainer.steps == 5 and cfg.sft.steps == 0

@@ -22,7 +22,7 @@ FINAL_KEYS = [
     "reverse_kl",
     "collapsed",
 ]
-ARM_KEYS = ["name", "loss", "replay", "correction", "seed", "run_dir", "steps", "final"]
+ARM_KEYS = ["name", "loss", "replay", "correction", "seed", "overrides", "run_dir", "steps", "final"]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SAPO_BLUE, GRPO_ORANGE = (0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)
 

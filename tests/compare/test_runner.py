@@ -17,9 +17,18 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sapo_megatron.compare import CompareError, CompareInterrupted, build_plan, run_compare
+from sapo_megatron.compare import (
+    Arm,
+    CompareError,
+    CompareInterrupted,
+    build_plan,
+    grid_points,
+    parse_grid,
+    plan_arms,
+    run_compare,
+)
 from sapo_megatron.compare.report import require_matplotlib
-from sapo_megatron.compare.runner import WarmStartError, error_line
+from sapo_megatron.compare.runner import WarmStartError, describe, error_line
 
 FAKE = Path(__file__).with_name("fake_train.py")
 SMALL = {"sft.steps": 20, "sft.global_batch": 16, "trainer.prompts_per_step": 4, "rollout.n_samples": 4}
@@ -240,3 +249,75 @@ def test_a_signal_reaches_the_running_arm_and_stops_the_compare(root, monkeypatc
 )
 def test_the_error_line_of_a_failed_run(stderr, line):
     assert error_line(stderr) == line
+
+
+def test_a_grid_compare_runs_one_arm_per_value_records_its_overrides_and_resumes(root):
+    grid = parse_grid(["algorithm.loss.tau_pos=1,4,16"])
+    plan = build_plan(
+        None,
+        SMALL,
+        losses=["sapo"],
+        replays=["none"],
+        corrections=["none"],
+        seeds=1,
+        steps=2,
+        output_dir=root,
+        grid=grid,
+    )
+    names = ["sapo-none-none-tau_pos1-s0", "sapo-none-none-tau_pos4-s0", "sapo-none-none-tau_pos16-s0"]
+    assert [run.name for run in plan.arms] == names
+    assert [run.cfg.algorithm.loss.tau_pos for run in plan.arms] == [1.0, 4.0, 16.0]
+    assert {run.cfg.algorithm.loss.tau_neg for run in plan.arms} == {1.05}  # the paper's, untouched
+    out = io.StringIO()
+    outcome = run_compare(plan, out=out, command=fake)
+    assert outcome.ran == ["warm_start", *names]
+    assert "× `algorithm.loss.tau_pos` 1, 4, 16 × seeds 0" in (root / "report.md").read_text()
+    linked = parse_grid(["algorithm.loss.tau_pos+algorithm.loss.tau_neg=1:1.05,4:8"])
+    linked_plan = build_plan(
+        None,
+        SMALL,
+        losses=["sapo"],
+        replays=["none"],
+        corrections=["none"],
+        seeds=1,
+        steps=2,
+        output_dir=root,
+        grid=linked,
+    )
+    assert "× algorithm.loss.tau_pos+algorithm.loss.tau_neg 1:1.05, 4:8 × seeds 0" in describe(linked_plan)[0]
+    arms = json.loads((root / "report.json").read_text())["arms"]
+    assert [arm["overrides"] for arm in arms] == [{"algorithm.loss.tau_pos": v} for v in (1, 4, 16)]
+    assert len({run.arm.colour_key for run in plan.arms}) == 3  # the plots tell the grid points apart
+    again = run_compare(plan, out=io.StringIO(), command=fake)
+    assert again.ran == [] and started(root) == ["warm_start", *names]
+
+
+def test_grid_axes_cross_the_losses_and_bad_axes_are_refused():
+    two = grid_points(parse_grid(["algorithm.loss.kl_coef=0,0.1", "trainer.mini_batches=1,2"]))
+    assert two[1] == (("algorithm.loss.kl_coef", 0), ("trainer.mini_batches", 2)) and len(two) == 4
+    arms = plan_arms(["sapo", "grpo"], ["none"], ["none"], 1, two)
+    assert len(arms) == 8 and arms[7].name == "grpo-none-none-kl_coef0.1-mini_batches2-s0"
+    assert (
+        arms[7].overrides()["trainer.mini_batches"] == 2
+        and arms[7].overrides()["algorithm.loss.kl_coef"] == 0.1
+    )
+    for option, message in (
+        ("algorithm.loss.tau_pos", r"expected KEY=V1,V2"),
+        ("seed=1,2", r"--grid seed: every arm gets its own"),
+        ("algorithm.loss.name=sapo,grpo", r"--grid algorithm.loss.name: each arm's loss"),
+        ("algorithm.routing_replay=r2,r3", r"use --replay"),
+        ("trainer.steps=1,2", r"use --steps"),
+        ("algorithm.loss.tau_pos=1,1", r"a value is listed twice"),
+    ):
+        with pytest.raises(CompareError, match=message):
+            parse_grid([option])
+    linked = grid_points(parse_grid(["algorithm.loss.tau_pos+algorithm.loss.tau_neg=1:1.05,4:8"]))
+    assert linked == [
+        (("algorithm.loss.tau_pos", 1), ("algorithm.loss.tau_neg", 1.05)),
+        (("algorithm.loss.tau_pos", 4), ("algorithm.loss.tau_neg", 8)),
+    ]
+    assert Arm("sapo", "none", "none", 0, grid=linked[1]).name == "sapo-none-none-tau_pos4-tau_neg8-s0"
+    with pytest.raises(CompareError, match=r"KEY1\+KEY2=A1:B1"):
+        parse_grid(["algorithm.loss.tau_pos+algorithm.loss.tau_neg=1:1.05,4"])
+    with pytest.raises(CompareError, match=r"given twice"):
+        parse_grid(["algorithm.loss.tau_pos=1,2", "algorithm.loss.tau_pos=4"])

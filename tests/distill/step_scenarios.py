@@ -76,7 +76,17 @@ def fuse_on_rank(payload: Any = None) -> dict[str, Any]:
 def two_ranks(payload: dict[str, Any]) -> dict[str, Any]:
     """Both scenarios in one pair of processes (a spawn costs seconds): the alignment check on a data-parallel
     Megatron trainer, then the fusion layouts over the same process group."""
-    return {"alignment": alignment(payload), "layouts": fuse_on_rank()}
+    return {"alignment": alignment(payload), "layouts": fuse_on_rank(), "gathered": gathered_ratios()}
+
+
+def gathered_ratios() -> list[float]:
+    """The step's token ratios pooled over the 2 data-parallel ranks (Megatron's state from ``alignment``):
+    rank r holds r + 1 values r + 0.5."""
+    from sapo_megatron.megatron.step_stats import gather_token_values
+
+    rank = dist.get_rank()
+    local = [torch.full((rank + 1,), rank + 0.5), torch.zeros(0)]
+    return gather_token_values(local).tolist()
 
 
 def alignment(payload: dict[str, Any]) -> dict[str, float]:
@@ -137,4 +147,60 @@ def alignment(payload: dict[str, Any]) -> dict[str, float]:
             out[f"{layout}{name}_min_abs"] = float(fused.abs().min())
             out[f"{layout}{name}_kl"] = metrics["opd/reverse_kl"]
             out[f"{layout}tokens"] = int(fused.numel())
+    out.update(_sampled_hot(payload, trainer, engine, prompts, info))
+    return out
+
+
+def _sampled_hot(payload: dict[str, Any], trainer, engine, prompts, info) -> dict[str, float]:
+    """Rollout temperature 0.7: teachers (in-process and served over HTTP) score at temperature 1, and the RL
+    step's own old-log-prob pass (RoutingStep) gives the student's log-prob at 1 for A_opd; the log-prob at 0.7
+    (what the PPO ratio uses) would leave an identical teacher a clear gap."""
+    from sapo_megatron.algo import opd_advantages
+    from sapo_megatron.batching import TrainSequence, build_micro_batches
+    from sapo_megatron.distill.config import TeacherConfig
+    from sapo_megatron.distill.teachers import Teacher
+    from sapo_megatron.replay import RoutingStep
+    from sapo_megatron.rollout.cpu_engine import CPUEngine
+    from sapo_megatron.rollout.cpu_server import CPUServer
+    from sapo_megatron.rollout.sglang_client import SGLangClient
+    from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
+
+    hf_dir = payload["hf_dir"]
+    cfg = config_from_dict(
+        {
+            "model": {"hf_config": hf_dir, "init": "hf", "init_path": hf_dir},
+            "teachers": [{"name": "self", "model_path": hf_dir}],
+            "algorithm": {"fusion": {"mode": "opd"}},
+            "rollout": {"temperature": 0.7},
+            "launch": {"procs_per_node": payload["world"]},
+        }
+    )
+    sampling = SamplingParams(temperature=0.7, max_new_tokens=8, seed=11)
+    requests = [
+        GenerationRequest(prompt_ids=p, n=2, sampling=sampling, group_id=i) for i, p in enumerate(prompts)
+    ]
+    samples = [s for group in engine.generate(requests) for s in group]
+    teacher_cfg = TeacherConfig(name="self", model_path=hf_dir)
+    with CPUServer(CPUEngine.from_pretrained(hf_dir, seed=5, num_threads=1)) as server:
+        scored = {
+            "in_process": Teacher(teacher_cfg, engine).score(samples),
+            "served": Teacher(teacher_cfg, SGLangClient([server.url])).score(samples),
+        }
+    out = {}
+    for where, teacher_logp in scored.items():
+        sequences = [
+            TrainSequence(s.prompt_ids, s.response_ids, 0.0, s.rollout_logp, teacher_logp=t)
+            for s, t in zip(samples, teacher_logp)
+        ]
+        batches = build_micro_batches(
+            sequences, dp_rank=info.dp_rank, dp_size=info.dp_size, micro_batches=1, pad_id=0
+        )
+        RoutingStep(trainer, cfg).old_logp([batches])
+        at_sampling = [
+            opd_advantages(b["teacher_logp"], b["old_logp"], b["loss_mask"]).abs().max() for b in batches
+        ]
+        DistillStep(cfg).fuse([batches])
+        fused = torch.cat([b["advantages"][b["loss_mask"].bool()] for b in batches])
+        out[f"hot_{where}_max_abs"] = float(fused.abs().max())
+        out[f"hot_{where}_at_sampling_temperature_max_abs"] = float(max(at_sampling))
     return out

@@ -17,6 +17,24 @@ def load(**sections):
     return config_from_dict({"model": {"hf_config": tiny_hf_config("dense")}, **sections})
 
 
+def test_saf_defaults_are_the_authors_selected_hyperparameters():
+    """kissshhot/SAF-OPD's full SAF: TOPK_PERCENT=20 TANH_COEF=0.1 OPD_WARMUP_STEPS=100 KL_DROP_DELTA=0.2
+    OPD_ANNEAL=True (ANNEAL_STEPS=200, ANNEAL_MIN=0.0, ANNEAL_TOTAL_STEPS=0), GRPO_COEF=OPD_COEF=1.0."""
+    fusion = load(teachers=[TEACHER], algorithm={"fusion": {"mode": "saf"}}).algorithm.fusion
+    assert (fusion.grpo_coef, fusion.opd_coef, fusion.sparsify.keep, fusion.compress.c) == (
+        1.0,
+        1.0,
+        0.2,
+        0.1,
+    )
+    assert (fusion.warmup.steps, fusion.warmup.kl_drop) == (100, 0.2)
+    assert (fusion.anneal.steps, fusion.anneal.floor, fusion.anneal.total_steps) == (200, 0.0, None)
+    no_stop = {"mode": "saf", "warmup": {"kl_drop": 0.0}, "anneal": {"total_steps": 300}}
+    schedule = load(teachers=[TEACHER], algorithm={"fusion": no_stop}).algorithm.fusion.build_schedule()
+    assert schedule.state_dict()["settings"]["kl_drop"] == 0.0
+    assert schedule.state_dict()["settings"]["anneal_total_steps"] == 300
+
+
 def test_opd_with_sequence_level_gspo_is_refused_with_the_reason():
     with pytest.raises(ConfigError, match=r"sequence-level ratio needs one advantage per sequence"):
         load(teachers=[TEACHER], algorithm={"loss": {"name": "gspo"}, "fusion": {"mode": "opd"}})
@@ -55,6 +73,14 @@ def test_opd_with_sequence_level_gspo_is_refused_with_the_reason():
         (
             {"algorithm": {"fusion": {"mode": "saf", "sparsify": {"keep": 0}}}, "teachers": [TEACHER]},
             r"algorithm.fusion.saf.sparsify.keep",
+        ),
+        (
+            {
+                "teachers": [TEACHER],
+                "algorithm": {"fusion": {"mode": "opd"}, "opd_student_logp": "engine"},
+                "rollout": {"temperature": 0.7},
+            },
+            r"opd_student_logp='engine'.*rollout.temperature=0.7.*teachers score at temperature 1",
         ),
     ],
 )

@@ -57,6 +57,9 @@ def test_distillation_metrics_are_logged(opd_run):
         "teacher/errors",
         "teacher/sequences",
         "teacher/peaked/sequences",
+        "opd/student_teacher_k3",
+        "ratio/p50",
+        "policy/kl_old",
     ):
         assert key in row, key
     assert row["teacher/sequences"] == 32 and row["teacher/errors"] == 0

@@ -77,12 +77,17 @@ def test_fixed_and_mopd_fusion_and_mopds_correction():
     assert DistillStep(distill_config({"mode": "opd"})).correction(NoCorrection()) == NoCorrection()
 
 
-def test_saf_schedule_steps_once_per_rl_step_with_the_steps_reverse_kl_and_resumes_exactly():
-    step = DistillStep(distill_config(SAF), DOMAINS)
+def test_saf_schedule_steps_with_the_previous_updates_kl_and_resumes_exactly():
+    """The authors' signal: the k3 of the update before (``observe``), none at the first step."""
+    step = DistillStep(distill_config(SAF), DOMAINS)  # W = 4, δ = 0.2, R = 4
     first = step.fuse([make_batches(0)])
     assert (first["saf/scale"], first["saf/coef"], first["saf/multiplier"]) == (0.25, 1.0, 0.25)
-    assert step.schedule.state_dict()["kl_first"] == pytest.approx(_reverse_kl(make_batches(0)), rel=1e-12)
-    step.fuse([make_batches(1)])
+    assert "saf/kl_signal" not in first and step.schedule.kl_first is None
+    assert first["opd/reverse_kl"] == pytest.approx(_reverse_kl(make_batches(0)), rel=1e-12)  # still logged
+    step.observe({"opd/student_teacher_k3": 0.5})
+    second = step.fuse([make_batches(1)])
+    assert (second["saf/kl_signal"], step.schedule.kl_first, second["saf/scale"]) == (0.5, 0.5, 0.5)
+    step.observe({"opd/student_teacher_k3": 0.3})  # pending: a 40 % drop ends warm-up at step 3
     saved = step.state_dict()
     resumed = DistillStep(distill_config(SAF), DOMAINS)
     resumed.load_state_dict(saved)
@@ -93,6 +98,9 @@ def test_saf_schedule_steps_once_per_rl_step_with_the_steps_reverse_kl_and_resum
         assert metrics == resumed.fuse([b])
         assert all(torch.equal(x["advantages"], y["advantages"]) for x, y in zip(a, b))
         multipliers.append(metrics["saf/multiplier"])
+        for each in (step, resumed):
+            each.observe({"opd/student_teacher_k3": 0.1})
+    assert multipliers == pytest.approx([0.75, 0.75 * 0.75, 0.75 * 0.5, 0.75 * 0.25])
     fresh = DistillStep(distill_config(SAF), DOMAINS)  # without the saved state it would start over
     assert fresh.fuse([make_batches(2)])["saf/multiplier"] == 0.25 != multipliers[0]
 
@@ -202,3 +210,17 @@ def test_a_teacher_identical_to_the_student_gives_zero_advantage_on_every_respon
         assert result["packed_aligned_max_abs"] < ALIGNED_TOLERANCE  # packed: teacher values follow the slots
         assert result["packed_shifted_kl"] == pytest.approx(result["shifted_kl"], rel=1e-5)
     assert two_ranks[0]["alignment"]["shifted_kl"] == two_ranks[1]["alignment"]["shifted_kl"]  # global mean
+
+
+def test_the_steps_token_ratios_are_pooled_over_data_parallel_ranks(two_ranks):
+    """What the ratio quantiles are computed from (sapo_megatron/megatron/step_stats.py), identical on each rank."""
+    assert [r["gathered"] for r in two_ranks] == [[0.5, 1.5, 1.5]] * 2
+
+
+def test_an_identical_teacher_gives_zero_advantage_at_rollout_temperature_0_7(two_ranks):
+    """Teachers score at temperature 1 (in-process and served): A_opd takes the student's log-prob at 1 from
+    the same old-log-prob pass; its log-prob at the sampling temperature would leave a clear gap."""
+    for result in (r["alignment"] for r in two_ranks):
+        for where in ("in_process", "served"):
+            assert result[f"hot_{where}_max_abs"] < ALIGNED_TOLERANCE, where
+            assert result[f"hot_{where}_at_sampling_temperature_max_abs"] > 100 * ALIGNED_TOLERANCE, where

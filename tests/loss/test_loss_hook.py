@@ -4,6 +4,8 @@ aggregation mode, and it names missing inputs."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -233,3 +235,30 @@ def test_packed_micro_batches_give_the_padded_loss_metrics_and_gradient(name):
                 grad[slot * seq : (slot + 1) * seq], want_grad[row], atol=1e-8, rtol=1e-6
             )
         assert (grad[len(group) * seq :] == 0).all()  # padding gets no gradient
+
+
+def test_distillation_kl_at_temperature_one_ratio_collection_and_the_unit_temperature_output():
+    """At rollout temperature 0.7 the hook's student–teacher k3 (SAF's warm-up signal) uses the temperature-1
+    log-probs teachers score at; the hook keeps each call's token ratios for the step's quantiles."""
+    logits, data = make_batch()
+    mask = data["loss_mask"].bool()
+    logp_t1, _ = naive_logp(logits, data["labels"])
+    logp_hot, _ = naive_logp(logits, data["labels"], temperature=0.7)
+    teacher = logp_t1 - 0.4
+    batch = add_global_normalisers([{**data, "teacher_logp": teacher}], dp_group=None)[0]
+    hook = PolicyLossHook({"name": "sapo"}, tp_group=None, temperature=0.7)
+    _, metrics = hook(logits.clone(), batch)
+    d = (teacher - logp_t1)[mask].double()  # 0.4 below everywhere: k3 = e^-0.4 + 0.4 − 1
+    pair = metrics["opd/student_teacher_k3"]
+    assert float(pair[0] / pair[1]) == pytest.approx(float((d.exp() - d - 1).mean()), rel=1e-5)
+    assert float(pair[0] / pair[1]) == pytest.approx(math.exp(-0.4) + 0.4 - 1, rel=1e-4)
+    (ratios,) = hook.take_ratios()
+    torch.testing.assert_close(ratios, (logp_hot - data["old_logp"])[mask].exp(), atol=1e-5, rtol=1e-5)
+    assert hook.take_ratios() == []  # taken once per step
+    _, without = PolicyLossHook({"name": "sapo"}, tp_group=None)(
+        logits.clone(), add_global_normalisers([data], dp_group=None)[0]
+    )
+    assert "opd/student_teacher_k3" not in without  # only when distilling
+    both = LogprobOutput(tp_group=None, temperature=0.7, with_unit_temperature=True)(logits, data)
+    torch.testing.assert_close(both[0], logp_hot, atol=2e-5, rtol=0)
+    torch.testing.assert_close(both[1], logp_t1, atol=2e-5, rtol=0)

@@ -28,6 +28,7 @@ COMPARED = (
     "opd/reverse_kl",
     "saf/multiplier",
     "saf/coef",
+    "opd/student_teacher_k3",
 )
 SAF = {"mode": "saf", "warmup": {"steps": 2}, "anneal": {"steps": 6}}
 CRASHER = Path(__file__).with_name("crash_in_save.py")
@@ -39,7 +40,9 @@ def rl_rows(run_dir: Path) -> dict[int, dict]:
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         row = json.loads(line)
         if row["phase"] == "rl":
-            rows[row["step"]] = {key: row[key] for key in COMPARED}
+            rows[row["step"]] = {key: row[key] for key in COMPARED} | {
+                "saf/kl_signal": row.get("saf/kl_signal")
+            }
     return rows
 
 
@@ -89,6 +92,9 @@ def test_resume_between_steps_is_exact(tmp_path, data_files, straight):  # noqa:
     train(config, "--resume")
     assert rl_rows(tmp_path / "run") == straight
     assert [row["saf/coef"] for row in straight.values()][2:] != [1.0] * 4  # the anneal spans the resume
+    # SAF's KL signal is the previous step's student–teacher k3 (none at step 1), across the resume too.
+    signals = [row["saf/kl_signal"] for row in straight.values()]
+    assert signals == [None] + [straight[step]["opd/student_teacher_k3"] for step in range(1, 6)]
 
 
 def test_resume_after_a_crash_while_writing_a_checkpoint(tmp_path, data_files, straight):  # noqa: F811

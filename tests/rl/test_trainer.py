@@ -116,8 +116,19 @@ def test_every_logged_quantity_is_there(learning_run):
         "throughput/train_tokens_per_s",
         "rollout/staleness",
         "train/padding_frac",
+        "policy/kl_old",
+        "sapo/seq_w_std",
+        "ratio/p0.1",
+        "ratio/p50",
+        "ratio/p99.9",
+        "ratio/max",
+        "mb0/ratio/mean",
+        "mb1/sapo/w_mean_pos",
     ):
         assert key in row, key
+    # Each step's first update runs at the old policy; the second one after an optimizer step has moved it.
+    assert max(r["mb0/policy/kl_old"] for r in metrics(learning_run, "rl")) < 1e-6 < row["mb1/policy/kl_old"]
+    assert row["ratio/p0.1"] <= row["ratio/p50"] <= row["ratio/p99.9"] <= row["ratio/max"]
     rl = metrics(
         learning_run, "rl"
     )  # synchronous rollouts: every batch sampled by the weights it trains from
@@ -205,7 +216,8 @@ SHORT_TP2 = {
 
 
 def test_two_process_tensor_parallel_run(tmp_path, data_files):
-    config = write_config(tmp_path / "run.yaml", data_files, **SHORT_TP2)
+    config = write_config(tmp_path / "run.yaml", data_files, **SHORT_TP2, **{"trainer.log_ref_kl": True})
     train(config)
     rl = metrics(tmp_path / "run", "rl")
     assert len(rl) == 3 and all(r["mismatch/abs_delta_mean"] < 1e-4 for r in rl)
+    assert rl[-1]["kl/k3_ref"] > 0 and "loss/kl" not in rl[-1]  # logged, not trained on (kl_coef 0)

@@ -281,16 +281,21 @@ def test_weight_sync_payloads(fake):
         with pytest.raises(RolloutError, match="update_weights_from_disk failed: fake"):
             client.update_weights_from_disk("/ckpt/bad")
     paths = [p for p, _ in fake.bodies]
+    # tensor and distributed updates run inside SGLang's weight-update session (begin/end, SGLang 0.5.23)
     assert paths == [
         "/update_weights_from_disk",
         "/flush_cache",
+        "/begin_weight_update",
         "/update_weights_from_tensor",
+        "/end_weight_update",
         "/flush_cache",
         "/init_weights_update_group",
+        "/begin_weight_update",
         "/update_weights_from_distributed",
+        "/end_weight_update",
         "/update_weights_from_disk",
     ]
-    bodies = [b for _, b in fake.bodies]
+    bodies = [b for p, b in fake.bodies if p not in ("/begin_weight_update", "/end_weight_update")]
     assert bodies[0] == {"model_path": "/ckpt/step_3"}
     tensors = bodies[2]["serialized_named_tensors"]
     assert len(tensors) == 2 and bodies[2]["flush_cache"] is False  # flushed once, after the last bucket

@@ -26,7 +26,7 @@ import sys
 from sapo_megatron.rollout.tensor_transport import TensorTransportError, deserialize_named_tensors
 for line in sys.stdin:
     try:
-        named = deserialize_named_tensors(line.strip())
+        named = deserialize_named_tensors(line.strip(), allowed_pids=[int(sys.argv[1])])
         print("ok", named[0][0], float(named[0][1].sum()), flush=True)
     except TensorTransportError as exc:
         print("refused", str(exc).replace(chr(10), " "), flush=True)
@@ -109,7 +109,7 @@ def test_another_process_opens_file_system_handles_and_explains_file_descriptor_
         kept = [("w", torch.full((4,), 2.0))]  # alive until the receiver has answered
         by_name = serialize_named_tensors(kept)
         receiver = subprocess.run(
-            [sys.executable, "-c", RECEIVER],
+            [sys.executable, "-c", RECEIVER, str(os.getpid())],  # the sender's pid: its names may open
             input=f"{by_fd}\n{by_name}\n",
             capture_output=True,
             text=True,
