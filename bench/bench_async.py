@@ -64,7 +64,8 @@ def write_config(path: Path, *, model_dir: Path, url: str, overlap: bool, args) 
     cfg["model"] = {"hf_config": str(model_dir), "init": "random"}
     cfg["launch"] = {"cpu_threads": 1}
     cfg["sft"]["steps"] = 0
-    cfg["data"].update(heldout=None, train_size=1024)
+    cfg["data"].update(train_size=1024)
+    cfg["eval"] = {"datasets": []}
     cfg["rollout"] = {
         "engine": "sglang",
         "urls": [url],
@@ -78,7 +79,6 @@ def write_config(path: Path, *, model_dir: Path, url: str, overlap: bool, args) 
         "steps": args.steps,
         "prompts_per_step": args.prompts,
         "mini_batches": args.mini_batches,
-        "eval_every": 0,
         "save_every": 0,
         "export_hf": False,
         "async_rollout": overlap,

@@ -30,7 +30,7 @@ def run(rows: int) -> int:
         (root / "init").mkdir()
         sets = [
             f"data.train={data}",
-            "data.heldout=null",
+            "eval.datasets=[]",
             f"data.tokenizer={tokenizer}",
             f"model.init_path={root / 'init'}",
         ]

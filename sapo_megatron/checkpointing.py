@@ -23,6 +23,9 @@ class LoopState:
     prompts: dict[str, Any] = field(default_factory=dict)
     sft_prompts: dict[str, Any] = field(default_factory=dict)
     accuracy_before: float | None = None
+    eval_before: dict[str, Any] | None = None
+    """The evaluation before RL and the latest one: ``{"step", "datasets"}`` (see ``eval.training``)."""
+    eval_last: dict[str, Any] | None = None
     wall_seconds: float = 0.0
     bad_steps: dict[str, int] = field(default_factory=dict)
     distill: dict[str, Any] = field(default_factory=dict)

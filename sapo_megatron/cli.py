@@ -1,5 +1,6 @@
 """``sapo-megatron`` command line: train (the RL loop; with no config, the embedded tiny demo), compare (losses ×
-routing replay × corrections, with a report), plan (memory per GPU and a fits verdict), convert, serve.
+routing replay × corrections, with a report), plan (memory per GPU and a fits verdict), convert, serve, eval (a
+model on eval datasets: avg@n, pass@k, maj@n) and report (a run's plots; also written at the end of train).
 
 Errors a user can act on (:class:`~sapo_megatron.errors.UserError`: config, data, checkpoint, run directory, ...)
 print ``sapo-megatron: <message>`` and a ``hint:`` line, without a traceback unless ``--debug`` (``train.log``
@@ -141,6 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan_parser(commands)
     _add_serve_parser(commands)
     _add_convert_parser(commands)
+    _add_eval_parsers(commands)
     _apply_formatter(parser)
     parser.formatter_class = _RawDescriptionFormatter  # DESCRIPTION keeps its line breaks
     return parser
@@ -370,6 +372,13 @@ def _add_serve_parser(commands) -> None:
     serve.set_defaults(handler=_serve)
 
 
+def _add_eval_parsers(commands) -> None:
+    from sapo_megatron.eval.cli import add_eval_parser, add_report_parser
+
+    add_eval_parser(commands)
+    add_report_parser(commands)
+
+
 def _add_convert_parser(commands) -> None:
     from sapo_megatron.conversion.cli import add_convert_parser
 
@@ -460,8 +469,11 @@ def _train(args: argparse.Namespace) -> int:
 
 def _run_training(cfg: RunConfig, mode: str) -> None:
     from sapo_megatron import trainer
+    from sapo_megatron.eval.report import report_after_training
 
     trainer.run(cfg, mode=mode)
+    if os.environ.get("RANK", "0") == "0":
+        print(report_after_training(cfg.output_dir))
 
 
 def _dry_run(cfg: RunConfig, args: argparse.Namespace) -> int:
@@ -492,6 +504,9 @@ def _dry_run(cfg: RunConfig, args: argparse.Namespace) -> int:
         cfg, verbose=True
     )  # every row's schema, the prompt lengths; prints counts and times
     check_labels(cfg.algorithm.reward, data.train_rows, cfg.data.train)
+    from sapo_megatron.eval.training import describe_training_suite
+
+    print("\n".join(describe_training_suite(cfg, data.tokenizer)))  # the eval datasets, read and checked
     print("data OK: every row of the prompt data is usable")
     if not plan.fits:
         print(f"error: the layout does not fit: {unfit_summary(plan)} (exit 1)", file=sys.stderr)

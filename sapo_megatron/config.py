@@ -27,6 +27,7 @@ from sapo_megatron.arch import ArchError, QwenArch
 from sapo_megatron.data.datasets import DatasetKeys
 from sapo_megatron.distill.config import TeacherConfig, check_distillation
 from sapo_megatron.errors import UserError
+from sapo_megatron.eval.config import EvalConfig, refuse_old_eval_keys
 from sapo_megatron.precision import FP8_RECIPES, GPU_TYPES, Fp8RecipeName, GpuTypeName, fp8_capability_problem
 
 
@@ -384,11 +385,9 @@ class DataConfig(DatasetKeys):
     docs/data.md), or the built-in synthetic addition task (``synthetic:addition``); how prompts become ids."""
 
     train: str = "synthetic:addition"
-    heldout: str | None = "synthetic:addition"
     tokenizer: str = Field(default="char", description="'char' (demo) or an HF tokenizer directory")
     digits: int = Field(default=2, ge=1, description="operand digits of the synthetic task")
     train_size: int = Field(default=4000, ge=1, description="synthetic training prompts")
-    heldout_size: int = Field(default=200, ge=1, description="held-out prompts for accuracy")
 
     @model_validator(mode="after")
     def _check_chat_tokenizer(self) -> DataConfig:
@@ -466,14 +465,11 @@ MAX_SEQUENCES_PER_STEP = 10_000_000  # far above any real batch; an absurd size 
 
 
 class TrainerConfig(Section):
-    """The RL loop: steps, batch sizes, evaluation and checkpoint cadence."""
+    """The RL loop: steps, batch sizes and checkpoint cadence (evaluation: the ``eval`` section)."""
 
     steps: int = Field(default=20, ge=0, le=100_000_000)
     prompts_per_step: int = Field(default=16, ge=1, le=1_000_000)
     mini_batches: int = Field(default=1, ge=1, description="optimizer updates per rollout batch")
-    eval_every: int = Field(
-        default=0, ge=0, description="held-out accuracy every N steps (0: only start/end)"
-    )
     save_every: int = Field(
         default=0, ge=0, description="checkpoint every N steps (0: only at the end, or when interrupted)"
     )
@@ -515,6 +511,9 @@ class RunConfig(Section):
     data: DataConfig = DataConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     trainer: TrainerConfig = TrainerConfig()
+    eval: EvalConfig = Field(
+        default_factory=EvalConfig, description="evaluation datasets (docs/evaluation.md)"
+    )
     teachers: list[TeacherConfig] = Field(
         default_factory=list, description="teachers that score the student's samples (distillation)"
     )
@@ -614,6 +613,7 @@ def config_from_dict(
 ) -> RunConfig:
     """Validate a config mapping; raise :class:`ConfigError` with one readable line per problem. The layout is
     checked against ``world_size`` when given, else against ``launch.nodes × launch.procs_per_node``."""
+    refuse_old_eval_keys(raw)
     try:
         cfg = RunConfig.model_validate(raw)
         cfg.model.arch  # noqa: B018 - parse the HF config now, not after process groups exist
@@ -872,9 +872,17 @@ def _set_dotted(raw: dict[str, Any], dotted: str, value: Any) -> None:
     node = raw
     *parents, leaf = dotted.split(".")
     for key in parents:
-        node = node.setdefault(key, {})
-        if not isinstance(node, dict):
+        if isinstance(node, list) and key.isdigit() and int(key) < len(node):  # eval.datasets.0.size
+            node = node[int(key)]
+            continue
+        node = node.setdefault(key, {}) if isinstance(node, dict) else None
+        if not isinstance(node, dict | list):
             raise ConfigError(f"override {dotted}: {key} is not a section")
+    if isinstance(node, list):
+        if not (leaf.isdigit() and int(leaf) < len(node)):
+            raise ConfigError(f"override {dotted}: {leaf} is not an index of the list ({len(node)} entries)")
+        node[int(leaf)] = value
+        return
     if leaf == "name" and isinstance(value, str):
         _drop_keys_of_other_variant(node, tuple(parents), value)
     node[leaf] = value

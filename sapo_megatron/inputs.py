@@ -23,9 +23,11 @@ def check_input_files(cfg: RunConfig) -> None:
 def _inputs(cfg: RunConfig) -> list[tuple[str, str, str]]:
     """``(config field, path, "file" | "dir" | "any")`` of every input the run reads."""
     data, model = cfg.data, cfg.model
+    sources = [("data.train", data.train)]
+    sources += [(f"eval.datasets[{i}].path", d.path) for i, d in enumerate(cfg.eval.datasets)]
     inputs = [
         (field, source, "data")
-        for field, source in (("data.train", data.train), ("data.heldout", data.heldout))
+        for field, source in sources
         if source is not None and not source.startswith("synthetic:")
     ]
     if data.tokenizer != "char":

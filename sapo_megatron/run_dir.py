@@ -100,7 +100,12 @@ class RunStart:
     @property
     def resume_at(self) -> dict[str, int] | None:
         """Phase → last completed step of the checkpoint (for ``Tracker(resume_at=...)``); ``None`` if fresh."""
-        return None if self.checkpoint is None else self.checkpoint.steps
+        if self.checkpoint is None:
+            return None
+        steps = self.checkpoint.steps
+        # Evaluations at RL step k are logged before step k's checkpoint, except the one before RL (step 0),
+        # which follows the end-of-SFT checkpoint: resuming from there evaluates again.
+        return {**steps, "eval": steps["rl"] if steps["rl"] > 0 else -1}
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,8 @@ from sapo_megatron.data.samples import SampleLog, resume_point
 from sapo_megatron.distill.config import check_domains_served, prompt_domains
 from sapo_megatron.distill.step import DistillStep
 from sapo_megatron.errors import UserError
+from sapo_megatron.eval.runner import EvalSuite
+from sapo_megatron.eval.training import build_training_suite
 from sapo_megatron.inputs import check_input_files
 from sapo_megatron.interrupts import InterruptGuard, print_line
 from sapo_megatron.megatron.parallel import RankInfo, init_parallel
@@ -51,7 +53,7 @@ class Session:
     start: RunStart
     tokenizer: object
     train_rows: list[PromptRow]
-    heldout_rows: list[PromptRow]
+    eval_suite: EvalSuite
     engine: TrainEngine
     rollout: RolloutEngine | None
     sync: WeightSync
@@ -72,6 +74,7 @@ class Session:
 
     def close(self) -> None:
         self.reward.close()
+        self.eval_suite.close()
         self.tracker.close()
         self.sync.close()
         if self.rollout is not None:
@@ -123,7 +126,8 @@ def build_session(
     run_dir = start.run_dir
     if info.is_main:
         cfg.save_resolved(run_dir / "config.yaml")
-    tokenizer, train_rows, heldout_rows = data.tokenizer, data.train_rows, data.heldout_rows
+    tokenizer, train_rows = data.tokenizer, data.train_rows
+    eval_suite = build_training_suite(cfg, tokenizer)  # eval datasets read and checked, their rewards found
     check_domains_served(cfg.teachers, train_rows, cfg.data.train)
     teachers = build_teachers_on_main(cfg, info, tokenizer)  # before the model: a bad teacher fails fast
     engine = TrainEngine(
@@ -154,7 +158,7 @@ def build_session(
         start,
         tokenizer,
         train_rows,
-        heldout_rows,
+        eval_suite,
         engine,
         rollout,
         sync,

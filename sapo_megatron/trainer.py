@@ -18,15 +18,16 @@ from sapo_megatron.config import sequence_length_multiple
 from sapo_megatron.data.prompts import PromptIterator, PromptRow
 from sapo_megatron.distill.teachers import TeacherScoring
 from sapo_megatron.errors import RunInterrupted
+from sapo_megatron.eval.training import evaluate, summary_fields
 from sapo_megatron.megatron.loss_hook import LogprobOutput, PolicyLossHook, add_global_normalisers
 from sapo_megatron.megatron.sft import sft_loss
 from sapo_megatron.megatron.train_step import ReferenceModel, StepResult
 from sapo_megatron.replay import RoutingStep, route_layout
 from sapo_megatron.rewards.samples import score_sample_groups
 from sapo_megatron.rollout.collect import CollectSettings, RolloutBatch, collect
-from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
+from sapo_megatron.rollout.types import SamplingParams
 from sapo_megatron.rollout_pipeline import RolloutPipeline
-from sapo_megatron.session import Session, on_main_rank, open_session
+from sapo_megatron.session import Session, open_session
 from sapo_megatron.step_metrics import StepMetrics
 from sapo_megatron.tracking import write_json_atomic
 from sapo_megatron.weight_sync import export_hf
@@ -49,13 +50,11 @@ def run(cfg, *, mode: str = "new") -> dict[str, Any]:
             prompts.load_state_dict(state.prompts)
         run_sft(session, state)
         session.sync.push(session.engine.module)
-        if state.accuracy_before is None:  # a resumed run keeps the value measured before its first RL step
-            state.accuracy_before = evaluate(session)
-            session.tracker.message(f"held-out accuracy before RL: {_fmt(state.accuracy_before)}")
+        evaluate(session, state, "before")  # the eval section's datasets (a resumed run keeps its value)
         run_rl(session, state, prompts)
-        accuracy_after = evaluate(session)
+        evaluate(session, state, "after")  # unless the last RL step evaluated
         state.wall_seconds += time.perf_counter() - started
-        return _finish(session, state, accuracy_after)
+        return _finish(session, state)
 
 
 def run_sft(session: Session, state: LoopState) -> None:
@@ -108,8 +107,7 @@ def run_rl(session: Session, state: LoopState, prompts: PromptIterator) -> None:
             metrics = rl_step(session, hook, rollouts, state.step, reference)
             state.step += 1
             state.prompts = prompts.state_dict()  # past the batch in flight, which a checkpoint holds
-            if cfg.trainer.eval_every and state.step % cfg.trainer.eval_every == 0:
-                metrics["accuracy"] = evaluate(session)
+            metrics.update(evaluate(session, state, "step"))  # every eval.every steps and after the last
             end_of_step(session, state, "rl", metrics)
     session.tracker.close_phase()
 
@@ -295,36 +293,13 @@ def _micro_batches(session: Session, sequences: list[TrainSequence], routes: Rou
     )
 
 
-def evaluate(session: Session) -> float | None:
-    """Greedy accuracy (mean reward) on the held-out prompts, computed on the main rank."""
-    return on_main_rank(session.info, lambda: _heldout_accuracy(session))
-
-
-def _heldout_accuracy(session: Session) -> float | None:
-    if not session.heldout_rows:
-        return None
-    requests = [
-        GenerationRequest(
-            prompt_ids=session.renderer.encode(row), n=1, sampling=_sampling(session, 0.0), group_id=i
-        )
-        for i, row in enumerate(session.heldout_rows)
-    ]
-    groups = session.rollout.generate(requests)
-    scores = score_sample_groups(session.reward, groups, session.heldout_rows, session.tokenizer.decode)
-    rewards = [group_scores[0] for group_scores in scores]
-    session.reward.check_error_budget(session.cfg.algorithm.max_reward_error_frac)
-    session.reward.take_step_metrics()  # held-out calls do not count towards the next RL step
-    return sum(rewards) / len(rewards)
-
-
-def _finish(session: Session, state: LoopState, accuracy_after: float | None) -> dict[str, Any]:
+def _finish(session: Session, state: LoopState) -> dict[str, Any]:
     cfg = session.cfg
     session.checkpointer.save(
         state, phase="rl" if state.step else "sft"
     )  # the final state, unless just saved
     summary = {
-        "accuracy_before": state.accuracy_before,
-        "accuracy_after": accuracy_after,
+        **summary_fields(state),  # accuracy_before / _after, the first and last evaluations
         "steps": state.step,
         "sft_steps": state.sft_step,
         "wall_seconds": round(state.wall_seconds, 2),
@@ -344,11 +319,11 @@ def _finish(session: Session, state: LoopState, accuracy_after: float | None) ->
         return summary
     write_json_atomic(session.run_dir / "summary.json", summary)
     session.tracker.message(
-        f"accuracy {_fmt(state.accuracy_before)} -> {_fmt(accuracy_after)} in {state.step} RL steps, "
+        f"accuracy {_fmt(summary['accuracy_before'])} -> {_fmt(summary['accuracy_after'])} in {state.step} RL steps, "
         f"{summary['wall_seconds']:.0f} s; summary: {session.run_dir / 'summary.json'}"
     )
     return summary
 
 
 def _fmt(accuracy: float | None) -> str:
-    return "n/a (no held-out prompts)" if accuracy is None else f"{accuracy:.3f}"
+    return "n/a (no eval datasets)" if accuracy is None else f"{accuracy:.3f}"

@@ -22,8 +22,8 @@ from tests.test_run_dir import snapshot
 REPO = Path(__file__).resolve().parents[1]
 TINY = [
     "--set", "sft.steps=2", "--set", "sft.global_batch=4", "--set", "trainer.steps=2",
-    "--set", "trainer.prompts_per_step=2", "--set", "rollout.n_samples=2", "--set", "trainer.eval_every=0",
-    "--set", "trainer.save_every=1", "--set", "data.train_size=8", "--set", "data.heldout_size=4",
+    "--set", "trainer.prompts_per_step=2", "--set", "rollout.n_samples=2", "--set", "eval.every=0",
+    "--set", "trainer.save_every=1", "--set", "data.train_size=8", "--set", "eval.datasets.0.size=4",
 ]  # fmt: skip
 
 

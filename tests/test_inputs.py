@@ -22,7 +22,8 @@ def test_synthetic_data_and_char_tokenizer_need_no_files():
 def test_every_missing_input_is_listed_with_its_field(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = config(
-        data={"train": "data/train.jsonl", "heldout": str(tmp_path / "heldout.jsonl"), "tokenizer": "tok"},
+        data={"train": "data/train.jsonl", "tokenizer": "tok"},
+        eval={"datasets": [{"name": "heldout", "path": str(tmp_path / "heldout.jsonl")}]},
         model={"hf_config": tiny_hf_config(), "init": "megatron", "init_path": str(tmp_path / "ckpt")},
     )
     with pytest.raises(ConfigError) as err:
@@ -30,7 +31,7 @@ def test_every_missing_input_is_listed_with_its_field(tmp_path, monkeypatch):
     assert str(err.value).splitlines() == [
         "missing input files:",
         f"  - data.train: data/train.jsonl does not exist (relative to the current directory {tmp_path})",
-        f"  - data.heldout: {tmp_path / 'heldout.jsonl'} does not exist",
+        f"  - eval.datasets[0].path: {tmp_path / 'heldout.jsonl'} does not exist",
         f"  - data.tokenizer: tok does not exist (relative to the current directory {tmp_path})",
         f"  - model.init_path: {tmp_path / 'ckpt'} does not exist",
     ]
@@ -39,9 +40,7 @@ def test_every_missing_input_is_listed_with_its_field(tmp_path, monkeypatch):
 def test_present_inputs_pass_and_wrong_kinds_are_named(tmp_path):
     (tmp_path / "train.jsonl").write_text('{"prompt": "1+1=", "ground_truth": "2"}\n')
     (tmp_path / "tok").mkdir()
-    good = config(
-        data={"train": str(tmp_path / "train.jsonl"), "heldout": None, "tokenizer": str(tmp_path / "tok")}
-    )
+    good = config(data={"train": str(tmp_path / "train.jsonl"), "tokenizer": str(tmp_path / "tok")})
     check_input_files(good)
     swapped = config(data={"train": str(tmp_path / "tok"), "tokenizer": str(tmp_path / "train.jsonl")})
     with pytest.raises(ConfigError) as err:
@@ -49,7 +48,7 @@ def test_present_inputs_pass_and_wrong_kinds_are_named(tmp_path):
     message = str(err.value)
     assert f"data.train: {tmp_path / 'tok'} is not a file" in message
     assert f"data.tokenizer: {tmp_path / 'train.jsonl'} is not a directory" in message
-    assert "data.heldout" not in message  # still the synthetic task
+    assert "eval.datasets" not in message  # no eval datasets
 
 
 def test_hf_config_path_and_endpoints_file(tmp_path):
@@ -69,6 +68,6 @@ def test_a_dataset_may_be_a_directory_or_a_glob_of_shards(tmp_path):
     shards.mkdir()
     (shards / "train-00000.parquet").write_bytes(b"")
     for train in (str(shards), str(shards / "train-*.parquet")):
-        check_input_files(config(data={"train": train, "heldout": None}))
+        check_input_files(config(data={"train": train}))
     with pytest.raises(ConfigError, match=r"data\.train: .*/nothing-\*\.parquet matches no file"):
-        check_input_files(config(data={"train": str(shards / "nothing-*.parquet"), "heldout": None}))
+        check_input_files(config(data={"train": str(shards / "nothing-*.parquet")}))

@@ -141,7 +141,7 @@ def test_resume_continues_from_latest_and_touches_nothing(tmp_path):
     before = snapshot(tmp_path)
     start = prepare_run_dir(tmp_path, mode="resume")
     assert start.resume and start.checkpoint.path == latest
-    assert start.resume_at == {"sft": 10, "rl": 3}
+    assert start.resume_at == {"sft": 10, "rl": 3, "eval": 3}  # evaluations up to the checkpoint's RL step
     assert start.checkpoint.extra == {"step": 3, "sft_step": 10}
     assert "resuming from step_000003" in start.note
     assert snapshot(tmp_path) == before

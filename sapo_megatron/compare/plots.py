@@ -97,6 +97,10 @@ def _save_small_png(figure, path: Path) -> None:
     tmp.replace(path)
 
 
+save_small_png = _save_small_png
+"""Shared with a run's own report (:mod:`sapo_megatron.eval.report`)."""
+
+
 def _panel(ax, results: Sequence[ArmResult], name: str, colours) -> bool:
     """Draw one series of every configuration into ``ax`` (one arm: its values; several seeds: their mean and
     min-max band); returns whether any value was drawn."""

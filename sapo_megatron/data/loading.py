@@ -1,5 +1,5 @@
 """The prompt data of a run, built before any process group exists (``train`` and ``train --dry-run`` alike):
-tokenizer, prompt renderer, training and held-out rows, each row's schema checked and the prompt-length policy
+tokenizer, prompt renderer and training rows (the eval datasets: sapo_megatron/eval), each row's schema checked and the prompt-length policy
 applied, with what was read and done reported on the console.
 
 Without ``data.max_prompt_tokens`` a prompt must still fit the model's context with the longest response:
@@ -27,7 +27,6 @@ class RunData:
     tokenizer: Any
     renderer: PromptRenderer
     train_rows: list[PromptRow]
-    heldout_rows: list[PromptRow]
     report: list[str] = field(default_factory=list)
     length_counts: dict[str, dict[str, int]] = field(default_factory=dict)
 
@@ -39,12 +38,9 @@ def build_run_data(cfg: Any, *, verbose: bool = False, log: Any = None) -> RunDa
     data = cfg.data
     tokenizer = build_tokenizer(cfg)
     renderer = PromptRenderer(tokenizer, data)
-    out = RunData(tokenizer, renderer, [], [])
+    out = RunData(tokenizer, renderer, [])
     limit, reason = _context_limit(cfg)
-    for split, source, size in (
-        ("train", data.train, data.train_size),
-        ("heldout", data.heldout, data.heldout_size),
-    ):
+    for split, source, size in (("train", data.train, data.train_size),):
         if source is None:
             continue
         started = time.perf_counter()

@@ -22,6 +22,8 @@ MULTIPLICATION = "multiplication"
 TASKS: tuple[str, ...] = (DOMAIN, MULTIPLICATION)
 """The synthetic tasks, by their domain names."""
 Split = Literal["train", "heldout"]
+SIZE_FIELDS = {"train": "data.train_size", "heldout": "the eval dataset's size"}
+"""Where a run sets how many problems of each split it draws (named in errors)."""
 
 
 def _operand_range(digits: int) -> tuple[int, int]:
@@ -84,7 +86,7 @@ def make_multiplication_rows(
     if len(pairs) < n:
         raise DatasetError(
             f"only {len(pairs)} distinct {split} multiplication problems with digits={digits}, {n} asked for; "
-            f"ask for fewer (data.{split}_size) or allow more digits (data.digits)"
+            f"ask for fewer ({SIZE_FIELDS[split]}) or allow more digits (data.digits)"
         )
     rng = np.random.default_rng([seed, 2 if split == "train" else 3])
     chosen = rng.choice(len(pairs), size=n, replace=False)
@@ -120,7 +122,7 @@ def make_addition_rows(
         if attempts > max_attempts_per_row * max(n, 1):
             raise DatasetError(
                 f"could draw only {len(rows)} of {n} distinct {split} addition problems with digits={digits}; "
-                f"ask for fewer (data.{split}_size) or allow more digits (data.digits)"
+                f"ask for fewer ({SIZE_FIELDS[split]}) or allow more digits (data.digits)"
             )
         lo, hi = ranges[int(rng.integers(len(ranges)))]
         a, b = (int(x) for x in rng.integers(lo, hi + 1, size=2))

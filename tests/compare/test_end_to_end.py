@@ -19,8 +19,8 @@ ARMS = ("sapo-none-none-s0", "grpo-none-none-s0")
 TINY = [
     "--losses", "sapo,grpo", "--replay", "none", "--steps", "3",
     "--set", "sft.steps=20", "--set", "sft.global_batch=16", "--set", "data.train_size=64",
-    "--set", "data.heldout_size=16", "--set", "trainer.prompts_per_step=4", "--set", "rollout.n_samples=4",
-    "--set", "trainer.mini_batches=1", "--set", "trainer.eval_every=0", "--set", "trainer.save_every=0",
+    "--set", "eval.datasets.0.size=16", "--set", "trainer.prompts_per_step=4", "--set", "rollout.n_samples=4",
+    "--set", "trainer.mini_batches=1", "--set", "eval.every=0", "--set", "trainer.save_every=0",
     "--set", "trainer.export_hf=false",
 ]  # fmt: skip
 PLOTS = {"reward", "accuracy", "entropy", "mismatch_k3", "routing_agreement", "grad_norm", "reverse_kl"}

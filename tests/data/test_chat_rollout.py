@@ -67,7 +67,6 @@ def run_data(model_dir, tmp_path_factory):
     for name, path in files.items():
         data = {
             "train": str(path),
-            "heldout": None,
             "tokenizer": str(model_dir),
             "apply_chat_template": True,
             "chat_template_kwargs": KWARGS,

@@ -219,7 +219,9 @@ def test_addition_task_is_deterministic_and_splits_never_overlap():
         assert pair_split(a, b, 0.2) == pair_split(b, a, 0.2) == "train"
         assert numeric_match(row.ground_truth, row.ground_truth) == 1.0
         CharTokenizer().encode(row.prompt + row.ground_truth)  # the demo tokenizer covers the task
-    with pytest.raises(DatasetError, match=r"distinct heldout addition problems .*\(data\.heldout_size\)"):
+    with pytest.raises(
+        DatasetError, match=r"distinct heldout addition problems .*\(the eval dataset's size\)"
+    ):
         make_addition_rows(50, digits=1, split="heldout", seed=0)
 
 

@@ -56,7 +56,8 @@ def test_recipe_dry_run_checks_every_row(files, layout, capsys):
     keys = {"slime": ["data.format=slime", "data.prompt_key=question", "data.label_key=answer"]}
     sets = [
         f"data.train={files[layout]}",
-        f"data.heldout={files['slime' if layout == 'slime' else 'heldout']}",  # the keys are the train set's
+        # one eval dataset; its keys are the train set's
+        f"eval.datasets=[{{name: aime24, path: {files['slime' if layout == 'slime' else 'heldout']}}}]",
         f"data.tokenizer={files['tokenizer']}",
         f"model.init_path={files['init']}",
         *keys.get(layout, []),
@@ -77,13 +78,13 @@ def test_recipe_dry_run_checks_every_row(files, layout, capsys):
     per_source = {"verl": "31 rows in", "slime": "per source: -: 5", "plain": "addition: 5"}
     assert per_source[layout] in out
     assert "read and checked every row's schema in" in out
-    assert ("aime24: 4" in out) == (layout != "slime")  # the verl held-out file, read by auto
+    assert ("aime24: 4" in out) == (layout != "slime")  # the verl eval file, read by auto
 
 
 def test_recipe_dry_run_names_a_bad_row(files, tmp_path, capsys):
     bad = write_jsonl(tmp_path / "bad.jsonl", [*slime_records(2), {"question": "q"}])
     sets = [f"data.train={bad}", f"data.tokenizer={files['tokenizer']}", f"model.init_path={files['init']}"]
-    sets += ["data.heldout=null", "data.prompt_key=question", "data.label_key=answer"]
+    sets += ["eval.datasets=[]", "data.prompt_key=question", "data.label_key=answer"]
     assert main(["train", str(RECIPE), "--dry-run", *[a for s in sets for a in ("--set", s)]]) == 1
     err = capsys.readouterr().err
     assert f"{bad}:3: missing field 'answer' (data.label_key; the row has: question)" in err
@@ -96,9 +97,8 @@ def test_tiny_cpu_variant_trains(files, tmp_path):
     make_chat_tokenizer(teacher)
     cfg = yaml.safe_load(TINY.read_text())
     cfg["output_dir"] = str(tmp_path / "run")
-    cfg["data"].update(
-        train=str(files["verl"]), heldout=str(files["heldout"]), tokenizer=str(files["tokenizer"])
-    )
+    cfg["data"].update(train=str(files["verl"]), tokenizer=str(files["tokenizer"]))
+    cfg["eval"]["datasets"][0]["path"] = str(files["heldout"])
     cfg["teachers"][0]["model_path"] = str(teacher)
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(cfg))

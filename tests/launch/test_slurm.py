@@ -149,17 +149,15 @@ def tiny_train_config(
         },
         "data": {
             "train": "synthetic:addition",
-            "heldout": "synthetic:addition",
             "tokenizer": "char",
             "train_size": 64,
-            "heldout_size": 8,
         },
         "algorithm": {"loss": {"name": "sapo"}, "reward": "numeric_match"},
+        "eval": {"datasets": [{"name": "heldout", "path": "synthetic:addition", "size": 8}]},
         "trainer": {
             "steps": steps,
             "prompts_per_step": 4,
             "mini_batches": 1,
-            "eval_every": 0,
             "save_every": save_every,
             "export_hf": False,
         },

@@ -1,6 +1,6 @@
 """A user's reward file drives a real (tiny) training run through the worker pool: the trainer scores each
-round in one call (from the async rollout thread), the held-out evaluation uses the same runner, and the reward
-never sees torch."""
+round in one call (from the async rollout thread), the held-out evaluation scores with its own runner of the same
+reward (counted apart from training), and the reward never sees torch."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def test_custom_reward_file_in_the_pool_trains(tmp_path, monkeypatch):
     assert len(calls) == 2 * 4 * n + 2 * len(rows)  # two RL steps, held-out before and after
     assert not any(c["torch"] for c in calls) and {c["source"] for c in calls} == {"add"}
     assert {c["prompt"] for c in calls} >= {row.prompt for row in rows}  # the decoded prompt ids
-    assert len({c["pid"] for c in calls}) == 1  # one worker, never restarted
+    assert len({c["pid"] for c in calls}) == 2  # one worker for training, one for evaluation, never restarted
 
 
 def yaml_n(config: Path) -> int:

@@ -54,7 +54,7 @@ def config_for(tmp_path: Path, problems: dict[str, str], **overrides) -> Path:
         "optimizer.lr": 1e-4,
         "rollout.temperature": 0.7,
         "trainer.steps": 20,
-        "trainer.eval_every": 10,
+        "eval.every": 10,
         "trainer.async_rollout": True,
         "trainer.export_hf": False,
         "trainer.log_samples_every": 1,
@@ -120,7 +120,7 @@ def test_sigint_with_a_batch_in_flight_then_resume_is_exact(tmp_path, problems, 
 
 
 def test_a_rollout_failing_in_the_background_stops_the_run_with_its_message(tmp_path, problems):
-    config = config_for(tmp_path, problems, **{"sft.steps": 2, "trainer.steps": 4, "trainer.eval_every": 0})
+    config = config_for(tmp_path, problems, **{"sft.steps": 2, "trainer.steps": 4, "eval.every": 0})
     proc = run_cli([str(FAILER)], "train", str(config), env={"SAPO_TEST_ROLLOUT_FAIL_AT": "2"}, exit_code=1)
     assert "sapo-megatron: injected: the rollout engine went away generating step 2" in proc.stderr
     assert "hint: restart it" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,6 +1,6 @@
 """Ctrl-C (SIGINT) during SFT and again during RL, each followed by ``--resume``, ends exactly where an
 uninterrupted run ends: the same metrics at every step (bitwise), every (phase, step) logged once, one line per
-interruption, exit code 130."""
+interruption, exit code 130. Evaluation runs too (sampled, n 2, every 2 RL steps): its rows resume exactly too."""
 
 from __future__ import annotations
 
@@ -16,6 +16,12 @@ SIGNALLER = Path(__file__).with_name("signal_at_step.py")
 COMPARED = {
     "sft": ("sft/nll", "grad_norm", "lr"),
     "rl": ("reward/mean", "loss/total", "loss/pg", "grad_norm", "entropy", "ratio/mean", "sapo/w_mean"),
+    "eval": (
+        "eval/heldout/avg@2",
+        "eval/heldout/pass@2",
+        "eval/heldout/maj@2",
+        "eval/heldout/response_length_mean",
+    ),
 }
 
 
@@ -23,7 +29,8 @@ def config_for(tmp_path: Path, data_files) -> Path:  # noqa: F811
     return write_config(
         tmp_path / "run.yaml",
         data_files,
-        **{"sft.steps": 8, "sft.log_every": 1, "trainer.steps": 5, "trainer.save_every": 0},
+        **{"sft.steps": 8, "sft.log_every": 1, "trainer.steps": 5, "trainer.save_every": 0, "eval.every": 2},
+        **{"eval.defaults": {"n": 2, "temperature": 1.0}},
     )
 
 
@@ -66,4 +73,9 @@ def test_sigint_in_sft_and_in_rl_then_resume_equals_a_straight_run(tmp_path, dat
     logged = [(r["phase"], r["step"]) for r in rows(run)]
     assert sorted(logged) == sorted(set(logged)) == sorted(straight)  # each (phase, step) exactly once
     assert compared(run) == straight
-    assert json.loads((run / "summary.json").read_text())["steps"] == 5
+    assert [step for phase, step in sorted(straight) if phase == "eval"] == [0, 2, 4, 5]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 5 and summary["eval"]["step"] == 5
+    assert (
+        summary["eval_before"]["datasets"]["heldout"]["avg@2"] == straight[("eval", 0)]["eval/heldout/avg@2"]
+    )

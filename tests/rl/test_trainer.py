@@ -33,10 +33,11 @@ def write_config(path: Path, data_files: dict[str, str], **overrides) -> Path:
 
     cfg = embedded_default_dict()
     cfg["output_dir"] = str(path.parent / "run")
-    cfg["data"].update(train=data_files["train"], heldout=data_files["heldout"])
+    cfg["data"]["train"] = data_files["train"]
+    cfg["eval"] = {"datasets": [{"name": "heldout", "path": data_files["heldout"]}]}
     cfg["sft"].update(steps=40, lr=1e-3)
     cfg["optimizer"]["lr"] = 3e-4
-    cfg["trainer"].update(steps=40, prompts_per_step=16, mini_batches=2, eval_every=0, save_every=0)
+    cfg["trainer"].update(steps=40, prompts_per_step=16, mini_batches=2, save_every=0)
     cfg["rollout"]["temperature"] = 1.0
     for dotted, value in overrides.items():
         node = cfg

@@ -1,0 +1,98 @@
+"""Evaluation inside a training run: the trainer's one call, :func:`evaluate`.
+
+When: ``"before"`` (after SFT, before the first RL step, if ``eval.before_training``; a resumed run keeps the
+value measured then), ``"step"`` (after RL steps that are multiples of ``eval.every``, and after the last one)
+and ``"after"`` (the end of a run whose last RL step did not evaluate: an SFT-only run). The main rank
+generates and scores; every rank gets the metrics.
+
+Where: ``metrics.jsonl`` / TensorBoard rows of phase ``eval`` at the RL step (``eval/{name}/avg@{n}``, ...),
+``accuracy`` (the first dataset's avg@n) in the RL row of that step as before, and ``RUN_DIR/eval/step_NNNNNN/``
+with that evaluation's ``eval.json`` and ``samples.jsonl``. The trainer's RNG streams are untouched: evaluation
+passes its own sampling seeds (:func:`~sapo_megatron.eval.runner.eval_seed`) and its own reward counters.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from sapo_megatron.eval.runner import EvalResult, EvalSuite, build_suite, run_suite, write_outputs
+
+When = Literal["before", "step", "after"]
+
+
+def build_training_suite(cfg: Any, tokenizer: Any) -> EvalSuite:
+    """The run's eval suite (rows loaded and checked, rewards found): built with the session, before the model."""
+    return build_suite(cfg, tokenizer)
+
+
+def describe_training_suite(cfg: Any, tokenizer: Any) -> list[str]:
+    """The dry run's lines about the eval datasets (read, checked and length-filtered as the run will)."""
+    from collections import Counter
+
+    suite = build_training_suite(cfg, tokenizer)
+    lines = []
+    for dataset in suite.datasets:
+        rows = suite.rows[dataset.name]
+        sources = Counter(row.domain or "-" for row in rows)
+        lines.append(
+            f"eval {dataset.name} {dataset.path}: {len(rows)} prompts × n {dataset.n} at temperature "
+            f"{dataset.temperature:g}, reward {dataset.reward}; per source: "
+            + ", ".join(f"{source}: {count}" for source, count in sorted(sources.items()))
+        )
+    return lines
+
+
+def evaluate(session: Any, state: Any, when: When) -> dict[str, float]:
+    """Evaluate now if ``when`` calls for it (see the module docstring); records the result in ``state`` and
+    the logs, and returns what goes into the RL step's metrics (``accuracy``; empty when nothing ran)."""
+    cfg, suite = session.cfg, session.eval_suite
+    if not suite.datasets or not _due(cfg, state, when):
+        return {}
+    from sapo_megatron.session import on_main_rank
+
+    metrics = on_main_rank(session.info, lambda: _run_on_main(session, state.step))
+    result = EvalResult(metrics, [], 0.0)
+    session.tracker.log(state.step, result.flat(), phase="eval")
+    state.eval_last = {"step": state.step, "datasets": metrics}
+    if when == "before":
+        state.eval_before = state.eval_last
+        state.accuracy_before = result.headline
+    session.tracker.message(f"eval at RL step {state.step}: {_line(metrics)}")
+    return {"accuracy": result.headline} if when == "step" else {}
+
+
+def _due(cfg: Any, state: Any, when: When) -> bool:
+    if when == "before":
+        return cfg.eval.before_training and state.eval_before is None
+    if when == "step":
+        every = cfg.eval.every
+        return (bool(every) and state.step % every == 0) or state.step == cfg.trainer.steps
+    last = state.eval_last
+    return last is None or last["step"] != state.step
+
+
+def _run_on_main(session: Any, step: int) -> dict[str, dict[str, Any]]:
+    result = run_suite(session.rollout, session.tokenizer, session.eval_suite, seed=session.cfg.seed)
+    write_outputs(session.run_dir / "eval" / f"step_{step:06d}", "policy", session.cfg.seed, result)
+    return result.metrics
+
+
+def _line(metrics: dict[str, dict[str, Any]]) -> str:
+    from sapo_megatron.eval.metrics import headline
+
+    return ", ".join(f"{name} avg@{m['n']} {headline(m):.3f}" for name, m in metrics.items())
+
+
+def summary_fields(state: Any) -> dict[str, Any]:
+    """What ``summary.json`` records of evaluation: the first and the last evaluation (``eval_before``,
+    ``eval``), and their first dataset's avg@n as ``accuracy_before`` / ``accuracy_after``."""
+    from sapo_megatron.eval.metrics import headline
+
+    last = state.eval_last
+    after = headline(next(iter(last["datasets"].values()))) if last and last["datasets"] else None
+    return {
+        "accuracy_before": state.accuracy_before,
+        "accuracy_after": after,
+        "eval_before": state.eval_before,
+        "eval": last,
+    }
