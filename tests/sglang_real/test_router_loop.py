@@ -99,7 +99,9 @@ def test_two_rank_trainer_two_real_servers_behind_the_real_router(
     deltas = [row["mismatch/abs_delta_mean"] for row in rl]
     assert all(delta < TOLERANCE for delta in deltas), deltas
     assert all(row["weight_sync/bytes"] > 0 for row in rl)
-    assert all(row["routing/agreement_used"] == 1.0 for row in rl), [row["routing/agreement_used"] for row in rl]
+    assert all(row["routing/agreement_used"] == 1.0 for row in rl), [
+        row["routing/agreement_used"] for row in rl
+    ]
     assert np.abs(exported - local_logprobs(model_dir)).max() > 1e-3  # the sync changed what is served
     for url, logprobs in served.items():
         assert np.abs(logprobs - exported).max() < TOLERANCE, url  # both workers (and via the router)
