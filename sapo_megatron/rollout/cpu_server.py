@@ -22,7 +22,8 @@ Endpoints (what each checks):
   ``context_length``, ``dtype``, ``quantization``, ...), never the API key. ``GET /get_weight_version``.
 - ``GET|POST /flush_cache``: nothing to flush (no prefix cache); 200 with SGLang's text.
 - Weight sync (:mod:`cpu_server_weights`): ``POST /update_weights_from_disk``, ``/update_weights_from_tensor``,
-  ``/init_weights_update_group``, ``/update_weights_from_distributed``, ``/destroy_weights_update_group``.
+  ``/init_weights_update_group``, ``/update_weights_from_distributed``, ``/destroy_weights_update_group``,
+  ``/begin_weight_update``, ``/end_weight_update`` (SGLang 0.5.23's weight-update sessions).
 - Unknown paths: 404 ``{"detail": "Not Found"}``; a known path with another method: 405, as FastAPI answers.
 
 With ``api_key`` (``--api-key``) every path but ``/health*`` needs ``Authorization: Bearer <key>`` (401
@@ -305,6 +306,8 @@ class CPUServer:
             "/init_weights_update_group": (("POST",), weights.init_group),
             "/destroy_weights_update_group": (("POST",), weights.destroy_group),
             "/update_weights_from_distributed": (("POST",), weights.update_from_distributed),
+            "/begin_weight_update": (("POST",), weights.begin_session),
+            "/end_weight_update": (("POST",), weights.end_session),
         }
 
     def authorize(self, method: str, path: str, headers: Mapping[str, str]) -> bool:

@@ -130,6 +130,8 @@ class WeightEndpoints:
         self.version_label: str | None = None  # set by a request's weight_version, as SGLang does
         self._groups: dict[str, _Group] = {}
         self._update_lock = threading.Lock()
+        self.session_open = False  # a weight-update session (begin_weight_update .. end_weight_update)
+        self.sessions_closed = 0  # sessions ended so far (what tests read to see that a client used them)
 
     @property
     def weight_version(self) -> str:
@@ -138,6 +140,31 @@ class WeightEndpoints:
     def close(self) -> None:
         for name in list(self._groups):
             self._destroy(name)
+
+    # ------------------------------------------------------------------ sessions
+    # SGLang 0.5.23 (srt/entrypoints/http_server.py /begin_weight_update, /end_weight_update;
+    # srt/managers/scheduler_components/weight_updater.py): the body is {"selector": "target"|"draft"|"all"} (begin)
+    # or {} (end); the reply is {"success", "message"}, 200 with "Success", 400 when a session is already open
+    # (begin) or none is (end). Unlike SGLang, this server also takes tensor and distributed updates outside a
+    # session (older SGLang's behaviour, which the tests of those endpoints rely on).
+    def begin_session(self, body: dict[str, Any], request: Request | None = None) -> Reply:
+        fields = _fields(body, {"selector": (str, "all"), "rid": (_OPTIONAL_STR, None)})
+        if fields["selector"] not in ("target", "draft", "all"):
+            raise InvalidRequest("selector must be 'target', 'draft' or 'all'")
+        with self._update_lock:
+            if self.session_open:
+                return _failure("a weight-update session is already open; call end_weight_update() first")
+            self.session_open = True
+        return HTTPStatus.OK, {"success": True, "message": "Success"}
+
+    def end_session(self, body: dict[str, Any], request: Request | None = None) -> Reply:
+        _fields(body, {"rid": (_OPTIONAL_STR, None)})
+        with self._update_lock:
+            if not self.session_open:
+                return _failure("no weight-update session is open; call begin_weight_update() first")
+            self.session_open = False
+            self.sessions_closed += 1
+        return HTTPStatus.OK, {"success": True, "message": "Success"}
 
     # ------------------------------------------------------------------ disk
     def update_from_disk(self, body: dict[str, Any], request: Request | None = None) -> Reply:

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from sapo_megatron.rollout.cpu_server import CPUServer
+from sapo_megatron.rollout.sglang_client import SGLangClient
 from sapo_megatron.rollout.tensor_transport import serialize_named_tensors
 from tests.rollout.conftest import engine_from, load, reference_logprobs
 
@@ -67,6 +68,32 @@ def test_tensors_sent_in_process_are_served(http, moe_dir, moe_dir_b):
     assert http.get("/get_server_info").json()["weight_version"] == "step-7"
     meta = http.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}).json()
     assert meta["meta_info"]["weight_version"] == "step-7"
+
+
+def test_weight_update_sessions_follow_sglang_and_the_client_opens_and_closes_one(server, http, moe_dir_b):
+    """SGLang 0.5.23's /begin_weight_update and /end_weight_update replies (weight_updater.py), and the client's
+    tensor update inside one session per worker."""
+    assert http.post("/end_weight_update", json={}).json() == {
+        "success": False,
+        "message": "no weight-update session is open; call begin_weight_update() first",
+    }
+    assert http.post("/begin_weight_update", json={"selector": "all"}).json() == {
+        "success": True,
+        "message": "Success",
+    }
+    second = http.post("/begin_weight_update", json={})
+    assert second.status_code == 400 and "already open" in second.json()["message"]
+    assert http.post("/end_weight_update", json={}).status_code == 200
+    assert http.post("/begin_weight_update", json={"selector": "both"}).status_code == 400
+
+    named = sorted(load_file(str(moe_dir_b / "model.safetensors")).items())
+    with SGLangClient(server.url, max_retries=0, serializer=serialize_named_tensors) as client:
+        client.update_weights_from_tensors(named[: len(named) // 2])
+        client.update_weights_from_tensors(named[len(named) // 2 :])
+        assert server.weights.session_open  # one session for both buckets
+        client.finish_weight_update()
+    assert not server.weights.session_open and server.weights.sessions_closed == 2  # 1 by hand above
+    assert_serves(http, load(moe_dir_b))
 
 
 @pytest.mark.parametrize(

@@ -92,13 +92,17 @@ def sglang_process(model_dir: Path, log: Path, *flags: str):
             proc.wait(timeout=30)
 
 
+def real_server_flags() -> list[str]:
+    """The tier's server: float32, the API key, routed experts, a fixed seed."""
+    flags = ["--dtype", "float32", "--api-key", API_KEY, "--enable-return-routed-experts"]
+    return [*flags, "--random-seed", "0", "--log-level", "warning"]
+
+
 @pytest.fixture(scope="session")
 def sglang_url(model_dir, tmp_path_factory):
     """One real server for the whole tier (its start is the tier's main cost)."""
     log = tmp_path_factory.mktemp("sglang_log") / "server.log"
-    flags = ["--dtype", "float32", "--api-key", API_KEY, "--enable-return-routed-experts"]
-    flags += ["--random-seed", "0", "--log-level", "warning"]
-    with sglang_process(model_dir, log, *flags) as url:
+    with sglang_process(model_dir, log, *real_server_flags()) as url:
         yield url
 
 
