@@ -64,10 +64,14 @@ def process(command: Sequence[str], log: Path, url: str) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def cpu_server(model_dir: Path, log: Path, *, api_key: str | None = None) -> Iterator[str]:
+def cpu_server(
+    model_dir: Path, log: Path, *, api_key: str | None = None, allowed_weight_dir: Path | None = None
+) -> Iterator[str]:
     """``python -m sapo_megatron.rollout.cpu_server`` on a free port (it prints its URL); yields the URL. Its
-    stderr lands in ``log`` when it stops."""
+    stderr lands in ``log`` when it stops. ``allowed_weight_dir``: where a trainer's disk sync writes, when that is
+    not beside ``model_dir`` (the server's default)."""
     flags = ["--model-path", str(model_dir), "--host", "127.0.0.1", "--port", "0", "--threads", "1"]
+    flags += ["--allowed-weight-dir", str(allowed_weight_dir)] if allowed_weight_dir else []
     server = ServerProcess(*flags, *(["--api-key", api_key] if api_key else []))
     try:
         yield server.url

@@ -25,9 +25,10 @@ def servers(tmp_path_factory):
     model = save_demo_model(
         root / "served", seed=7
     )  # not the trainer's weights: the first sync replaces them
+    runs = tmp_path_factory.getbasetemp()  # the tests' run directories (their weight_sync_dir) lie below it
     with (
-        cpu_server(model, root / "w1.log") as w1,
-        cpu_server(model, root / "w2.log") as w2,
+        cpu_server(model, root / "w1.log", allowed_weight_dir=runs) as w1,
+        cpu_server(model, root / "w2.log", allowed_weight_dir=runs) as w2,
         router([w1, w2], root / "router.log") as r,
     ):
         yield {"workers": [w1, w2], "router": r, "model": model}
