@@ -63,7 +63,8 @@ def rollout(tmp_path_factory, demo_model_dir, launch_env):
     servers, router = free_port_block(2), free_port_block(2)
     env = {
         **launch_env,
-        "SAPO_SERVER_CMD": SERVER_CMD,
+        # the trainers' disk sync writes below the tests' base directory, not beside the served model
+        "SAPO_SERVER_CMD": f"{SERVER_CMD} --allowed-weight-dir {shlex.quote(str(tmp_path_factory.getbasetemp()))}",
         "SAPO_SERVERS_PER_NODE": "2",
         "SAPO_SGLANG_PORT": str(servers),
         "SAPO_ROUTER_PORT": str(router),
