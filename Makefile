@@ -30,8 +30,10 @@ TEST_JOBS ?= 2
 PYTEST := $(BIN)/pytest -q -p no:cacheprovider
 
 # The real-SGLang tier (tests/sglang_real) has its own target below; .ci/run runs both.
+# The Slurm tests share one test cluster: a pytest of their own, after the rest.
 test: lint
-	$(PYTEST) -n $(TEST_JOBS) --dist loadgroup --durations=15 --ignore=tests/sglang_real
+	$(PYTEST) -n $(TEST_JOBS) --dist loadfile --durations=15 --ignore=tests/sglang_real --ignore=tests/launch
+	$(PYTEST) --durations=5 tests/launch
 
 test-fast: $(STAMP)
 	$(PYTEST) -m "not slow" --durations=10 --ignore=tests/sglang_real

@@ -5,9 +5,10 @@ pytest-xdist run, and a reminder at the end of a fast run of the tests that shou
   ``@pytest.mark.slow`` (or ``pytestmark = pytest.mark.slow`` for a whole file); every test under a directory
   of :data:`SLOW_PATHS` is slow without a mark. ``make test`` runs all tests; ``make test-fast`` runs
   ``-m "not slow"`` and, at its end, lists unmarked tests that took longer than :data:`FAST_BUDGET_S`.
-- pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``): the tests of one file stay on one worker
-  (module fixtures are built once), except what ``xdist_group`` names otherwise; the Slurm tests share one
-  test cluster, so they form one group.
+- pytest-xdist (``make test`` runs ``-n 2 --dist loadfile``): the tests of one file stay on one worker (module
+  fixtures are built once). The Slurm tests (tests/launch) share one test cluster, so ``make test`` runs them in
+  a pytest of their own after the rest. (``--dist loadgroup`` would be the tool, but pytest-xdist 3.8 writes its
+  group into ``Item._nodeid``, which pytest 9.2's ``nodeid`` no longer reads: the groups are silently ignored.)
 """
 
 from __future__ import annotations
@@ -46,9 +47,6 @@ SLOW_PATHS = (
 in it), a file, or one test (``file.py::name``). Chosen from a ``--durations=0`` run (tools/test_times.py):
 multi-process layouts, end-to-end runs, real servers and launchers."""
 
-SERIAL_GROUPS = {"launch/": "slurm"}
-"""Directories whose tests share one external resource: one xdist worker runs them all, in order."""
-
 FAST_BUDGET_S = 8.0
 """A test without the ``slow`` mark that takes longer than this is listed at the end of a fast run."""
 
@@ -67,9 +65,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         path = _relative(item)
         if any(path.startswith(slow) for slow in SLOW_PATHS):
             item.add_marker(pytest.mark.slow)
-        group = next((name for prefix, name in SERIAL_GROUPS.items() if path.startswith(prefix)), None)
-        # one file per group by default (pytest-xdist's loadgroup): module fixtures are built once
-        item.add_marker(pytest.mark.xdist_group(group or path.split("::")[0]))
 
 
 _over_budget: list[tuple[float, str]] = []
