@@ -25,15 +25,16 @@ lint: $(STAMP)
 
 # make test: everything, on TEST_JOBS pytest-xdist workers (0: in this process); make test-fast: the inner loop,
 # without the tests marked slow (processes, end-to-end runs; tests/conftest.py says how to mark one).
-# python tools/test_times.py on a run's --durations=0 output prints the time per directory.
+# python tools/test_times.py .test-times/*.xml prints the last make test's time per directory.
 TEST_JOBS ?= 2
 PYTEST := $(BIN)/pytest -q -p no:cacheprovider
 
 # The real-SGLang tier (tests/sglang_real) has its own target below; .ci/run runs both.
 # The Slurm tests share one test cluster: a pytest of their own, after the rest.
 test: lint
-	$(PYTEST) -n $(TEST_JOBS) --dist loadfile --durations=15 --ignore=tests/sglang_real --ignore=tests/launch
-	$(PYTEST) --durations=5 tests/launch
+	$(PYTEST) -n $(TEST_JOBS) --dist loadfile --durations=15 --junitxml=.test-times/suite.xml \
+	    --ignore=tests/sglang_real --ignore=tests/launch
+	$(PYTEST) --durations=5 --junitxml=.test-times/launch.xml tests/launch
 
 test-fast: $(STAMP)
 	$(PYTEST) -m "not slow" --durations=10 --ignore=tests/sglang_real

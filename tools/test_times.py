@@ -2,6 +2,7 @@
 
     python tools/test_times.py RUN.txt          # the output of `pytest --durations=0 -vv` (or --durations=N)
     python tools/test_times.py RUN.xml          # a `pytest --junitxml=RUN.xml` report
+    python tools/test_times.py .test-times/*.xml   # what the last `make test` wrote (several reports add up)
         [--top 15] [--depth 2 | --files] [--unmarked-over S]
 
 A directory is ``tests/<dir>`` (``--depth 2``; ``tests`` for the files at its top); setup, call and teardown
@@ -70,7 +71,9 @@ def marked_slow(file: str) -> bool:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("report", type=Path, help="pytest --durations=0 output, or a --junitxml file")
+    parser.add_argument(
+        "reports", type=Path, nargs="+", help="pytest --durations=0 output, or --junitxml files"
+    )
     parser.add_argument("--top", type=int, default=15, help="slowest tests to list (default: 15)")
     parser.add_argument("--depth", type=int, default=2, help="path components of a directory (default: 2)")
     parser.add_argument("--files", action="store_true", help="time per test file instead of per directory")
@@ -78,10 +81,14 @@ def main() -> int:
         "--unmarked-over", type=float, default=None, metavar="S", help="list unmarked tests over S seconds"
     )
     args = parser.parse_args()
-    per_test, wall = read_durations(args.report)
-    if not per_test:
-        print(f"{args.report}: no durations found (run pytest with --durations=0)", file=sys.stderr)
-        return 1
+    per_test, wall = {}, None
+    for report in args.reports:
+        found, report_wall = read_durations(report)
+        if not found:
+            print(f"{report}: no durations found (run pytest with --durations=0)", file=sys.stderr)
+            return 1
+        per_test.update(found)
+        wall = report_wall if wall is None else wall + (report_wall or 0.0)
     per_dir: dict[str, list[float]] = defaultdict(list)
     for test_id, seconds in per_test.items():
         per_dir[directory_of(test_id, None if args.files else args.depth)].append(seconds)
