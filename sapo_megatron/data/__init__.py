@@ -8,7 +8,6 @@ from sapo_megatron.data.prompts import (
     PromptRow,
     check_encodable,
     fill_template,
-    load_prompts,
     save_jsonl,
 )
 from sapo_megatron.data.render import PromptRenderer, apply_length_policy
@@ -28,7 +27,6 @@ __all__ = [
     "check_encodable",
     "fill_template",
     "load_dataset",
-    "load_prompts",
     "make_addition_rows",
     "pair_split",
     "read_dataset",

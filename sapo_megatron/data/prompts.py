@@ -36,25 +36,6 @@ class PromptRow:
     prompt_ids: tuple[int, ...] | None = None
 
 
-def load_prompts(path: str | Path) -> list[PromptRow]:
-    """Read ``.jsonl`` (one JSON object per line; blank lines are skipped) or ``.parquet``."""
-    path = Path(path)
-    if path.is_dir():
-        raise DatasetError(f"{path} is a directory; give a .jsonl or .parquet prompt file")
-    if not path.is_file():
-        raise DatasetError(f"{path}: no such file" + _relative_hint(path))
-    suffix = path.suffix.lower()
-    if suffix in (".jsonl", ".json"):
-        rows = _load_jsonl(path)
-    elif suffix == ".parquet":
-        rows = _load_parquet(path)
-    else:
-        raise DatasetError(f"{path}: unknown prompt file type {suffix!r} (expected .jsonl or .parquet)")
-    if not rows:
-        raise DatasetError(f"{path}: no rows (the file is empty or holds only blank lines)")
-    return rows
-
-
 def save_jsonl(rows: Sequence[PromptRow], path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -64,20 +45,6 @@ def save_jsonl(rows: Sequence[PromptRow], path: str | Path) -> Path:
             record.update({k: v for k in ("metadata", "response") if (v := getattr(row, k)) is not None})
             f.write(json.dumps(record) + "\n")
     return path
-
-
-def _row(record: Any, where: str) -> PromptRow:
-    if not isinstance(record, dict):
-        raise DatasetError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    for key in ("prompt", "ground_truth"):
-        if key not in record:
-            raise DatasetError(f"{where}: missing field {key!r}")
-        if not isinstance(record[key], str):
-            raise DatasetError(f"{where}: field {key!r} must be a string, got {type(record[key]).__name__}")
-    domain = record.get("domain")
-    if domain is not None and not isinstance(domain, str):
-        raise DatasetError(f"{where}: field 'domain' must be a string or null, got {type(domain).__name__}")
-    return PromptRow(prompt=record["prompt"], ground_truth=record["ground_truth"], domain=domain)
 
 
 def _relative_hint(path: Path) -> str:
@@ -96,35 +63,6 @@ def _jsonl_lines(path: Path) -> Iterator[tuple[int, str]]:
                 ) from None
             if line.strip():
                 yield line_no, line
-
-
-def _load_jsonl(path: Path) -> list[PromptRow]:
-    rows = []
-    for line_no, line in _jsonl_lines(path):
-        where = f"{path}:{line_no}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DatasetError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
-        rows.append(_row(record, where))
-    return rows
-
-
-def _load_parquet(path: Path) -> list[PromptRow]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError as exc:
-        raise DatasetError(
-            f"{path}: reading parquet needs pyarrow: pip install 'sapo-megatron[parquet]'"
-        ) from exc
-    try:
-        table = pq.read_table(path)
-    except Exception as exc:  # pyarrow raises several types for corrupt files
-        raise DatasetError(f"{path}: cannot read parquet: {exc}") from exc
-    for key in ("prompt", "ground_truth"):
-        if key not in table.column_names:
-            raise DatasetError(f"{path}: missing column {key!r} (columns: {table.column_names})")
-    return [_row(record, f"{path} row {index}") for index, record in enumerate(table.to_pylist())]
 
 
 def _fingerprint(rows: Sequence[PromptRow]) -> str:

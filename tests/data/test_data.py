@@ -1,4 +1,4 @@
-"""Prompt files, the resumable iterator, the char tokenizer and the synthetic addition task."""
+"""Prompt files (read as plain data: ``load_dataset`` with the default keys), the resumable iterator, the char tokenizer and the synthetic addition task."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from sapo_megatron.data import (
     PromptRow,
     TokenizerError,
     check_encodable,
-    load_prompts,
     make_addition_rows,
     pair_split,
     save_jsonl,
 )
+from sapo_megatron.data.datasets import DatasetKeys, load_dataset
 from sapo_megatron.data.tokenizer import HFTokenizer, load_tokenizer
 from sapo_megatron.errors import UserError
 from sapo_megatron.rewards import numeric_match
@@ -28,6 +28,10 @@ ROWS = [
 ]
 
 
+def read(path):
+    return load_dataset(path, DatasetKeys())
+
+
 def write_lines(path, lines):
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -36,7 +40,7 @@ def write_lines(path, lines):
 def test_jsonl_round_trip_and_blank_lines(tmp_path):
     path = save_jsonl(ROWS, tmp_path / "p.jsonl")
     path.write_text(path.read_text() + "\n\n")
-    assert load_prompts(path) == ROWS
+    assert read(path) == ROWS
 
 
 def test_parquet_round_trip(tmp_path):
@@ -51,7 +55,7 @@ def test_parquet_round_trip(tmp_path):
         }
     )
     pq.write_table(table, tmp_path / "p.parquet")
-    assert load_prompts(tmp_path / "p.parquet") == ROWS
+    assert read(tmp_path / "p.parquet") == ROWS
 
 
 @pytest.mark.parametrize(
@@ -59,8 +63,14 @@ def test_parquet_round_trip(tmp_path):
     [
         ('{"prompt": "1+1=", "ground_truth": ', "invalid JSON"),
         ('{"prompt": "1+1="}', "missing field 'ground_truth'"),
-        ('{"prompt": 3, "ground_truth": "4"}', "field 'prompt' must be a string, got int"),
-        ('{"prompt": "1+1=", "ground_truth": "2", "domain": 5}', "field 'domain' must be a string or null"),
+        (
+            '{"prompt": 3, "ground_truth": "4"}',
+            "field 'prompt' (the prompt) must be a string or a non-empty list",
+        ),
+        (
+            '{"prompt": "1+1=", "ground_truth": "2", "domain": 5}',
+            "field 'domain' (the source) must be a string or null",
+        ),
         ('["1+1=", "2"]', "expected a JSON object, got list"),
     ],
 )
@@ -68,7 +78,7 @@ def test_bad_jsonl_row_names_file_and_line(tmp_path, line, problem):
     good = json.dumps({"prompt": "1+1=", "ground_truth": "2"})
     path = write_lines(tmp_path / "bad.jsonl", [good, "", good, line])
     with pytest.raises(DatasetError) as err:
-        load_prompts(path)
+        read(path)
     assert str(err.value).startswith(f"{path}:4: ") and problem in str(err.value)
 
 
@@ -79,30 +89,29 @@ def test_bad_parquet_row_names_file_and_row(tmp_path):
         pa.table({"prompt": ["a", "b", None], "ground_truth": ["1", "2", "3"]}), tmp_path / "bad.parquet"
     )
     with pytest.raises(
-        DatasetError, match=r"bad\.parquet row 2: field 'prompt' must be a string, got NoneType"
+        DatasetError,
+        match=r"bad\.parquet row 2: field 'prompt' \(the prompt\) must be a string .* got NoneType",
     ):
-        load_prompts(tmp_path / "bad.parquet")
+        read(tmp_path / "bad.parquet")
     pq.write_table(pa.table({"question": ["a"], "ground_truth": ["1"]}), tmp_path / "cols.parquet")
-    with pytest.raises(DatasetError, match="missing column 'prompt'"):
-        load_prompts(tmp_path / "cols.parquet")
+    with pytest.raises(DatasetError, match="cannot tell the file's format"):
+        read(tmp_path / "cols.parquet")
 
 
 def test_other_file_errors(tmp_path):
     with pytest.raises(DatasetError, match="no such file"):
-        load_prompts(tmp_path / "missing.jsonl")
-    with pytest.raises(DatasetError, match=r"is a directory; give a \.jsonl or \.parquet prompt file"):
-        load_prompts(tmp_path)
+        read(tmp_path / "missing.jsonl")
     (tmp_path / "latin1.jsonl").write_bytes(
         b'{"prompt": "1+1=", "ground_truth": "2"}\n{"prompt": "caf\xe9"}\n'
     )
     with pytest.raises(DatasetError, match=r"latin1\.jsonl:2: not UTF-8 text \(byte 0xe9 at column 16\)"):
-        load_prompts(tmp_path / "latin1.jsonl")
+        read(tmp_path / "latin1.jsonl")
     (tmp_path / "p.csv").write_text("a,b\n")
     with pytest.raises(DatasetError, match="unknown prompt file type"):
-        load_prompts(tmp_path / "p.csv")
+        read(tmp_path / "p.csv")
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(DatasetError, match=r"no rows \(the file is empty"):
-        load_prompts(tmp_path / "empty.jsonl")
+        read(tmp_path / "empty.jsonl")
 
 
 def test_iterator_shuffles_per_epoch_deterministically():
@@ -162,7 +171,7 @@ def test_check_encodable_names_file_line_and_character(tmp_path):
     path = write_lines(
         tmp_path / "p.jsonl", [good, "", good, json.dumps({"prompt": "1+1=", "ground_truth": "Two"})]
     )
-    rows = load_prompts(path)
+    rows = read(path)
     with pytest.raises(TokenizerError) as err:
         check_encodable(rows, CharTokenizer(), str(path))
     assert str(err.value) == (
