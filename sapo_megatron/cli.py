@@ -33,9 +33,9 @@ if TYPE_CHECKING:
 DESCRIPTION = """\
 sapo-megatron: RL post-training of Mixture-of-Experts models on Megatron-Core.
 
-Commands: train (the RL loop; without CONFIG the embedded tiny demo), compare (losses x routing replays x
-corrections, with a report), plan (memory per GPU and a fits verdict), convert (HF <-> Megatron), serve (the
-CPU rollout server).
+Commands: train (the RL loop; without CONFIG the embedded tiny demo), eval (avg@n, pass@k, maj@n of a model),
+report (a run's plots), compare (losses x routing replays x corrections, with a report), plan (memory per GPU
+and a fits verdict), convert (HF <-> Megatron), serve (the CPU rollout server).
 
 An error you can fix (config, data, checkpoint, output directory) prints one line and a hint; --debug shows
 its traceback, which train.log in the run directory keeps either way. --verbose shows Megatron's own log."""

@@ -17,9 +17,10 @@ from sapo_megatron.interrupts import InterruptGuard, print_line
 
 
 def say(line: str) -> None:
-    """One write per line: ranks share the launcher's stdout pipe, and short writes to a pipe do not mix."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+    """One write(2) per line: ranks share the launcher's stdout pipe, and a short write to a pipe is atomic. Not
+    through sys.stdout: a signal arriving while its buffer is flushed runs the guard's announcement (to the same
+    pipe, via stderr) in between, and the step line could reach the test cut in two."""
+    os.write(1, (line + "\n").encode())
 
 
 def main() -> int:

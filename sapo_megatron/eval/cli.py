@@ -64,7 +64,7 @@ def add_eval_parser(commands) -> None:
 def add_report_parser(commands) -> None:
     parser = commands.add_parser(
         "report",
-        help="plots and report.md of a run (also written at the end of `train`)",
+        help="plots and report.md of a run (also written at the end of train)",
         description="PNGs of reward, eval metrics, entropy, response length, mismatch and gradient norm over "
         "RL steps, and a short report.md, into RUN_DIR/report/.",
     )
