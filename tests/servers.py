@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import httpx
+import numpy as np
 import torch
 import transformers
 
@@ -90,3 +91,25 @@ def router(workers: Sequence[str], log: Path, *, api_key: str | None = None):
     if api_key:
         command += ["--api-key", api_key]
     return process(command, log, f"http://127.0.0.1:{port}")
+
+
+def served_logprobs(
+    url: str, prompt_ids: Sequence[int], *, headers: dict[str, str] | None = None, timeout: float = 60.0
+) -> np.ndarray:
+    """The server's log-probs of ``prompt_ids[1:]`` (SGLang's scoring request: ``max_new_tokens`` 0,
+    ``logprob_start_len`` 0; the first input entry has none)."""
+    body = {
+        "input_ids": list(prompt_ids),
+        "sampling_params": {"max_new_tokens": 0},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+    }
+    reply = httpx.post(url + "/generate", json=body, headers=headers, timeout=timeout).json()
+    return np.array([entry[0] for entry in reply["meta_info"]["input_token_logprobs"][1:]])
+
+
+def local_logprobs(model_dir: Path, prompt_ids: Sequence[int]) -> np.ndarray:
+    """The same log-probs from the HF checkpoint ``model_dir``, scored in this process."""
+    from sapo_megatron.rollout.cpu_engine import CPUEngine
+
+    return np.array(CPUEngine.from_pretrained(model_dir, num_threads=1).score([list(prompt_ids)], 1)[0])

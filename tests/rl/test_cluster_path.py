@@ -6,15 +6,11 @@ at the end every worker serves exactly the exported model."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import httpx
 import numpy as np
 import pytest
 
-from sapo_megatron.rollout.cpu_engine import CPUEngine
 from tests.rl.test_trainer import SHORT_TP2, data_files, metrics, train, write_config  # noqa: F401 - fixture reused
-from tests.servers import cpu_server, router, save_demo_model
+from tests.servers import cpu_server, local_logprobs, router, save_demo_model, served_logprobs
 
 PROBE = [1, 14, 15, 12, 16, 17, 13]  # a tokenized prompt + answer of the character tokenizer
 
@@ -32,21 +28,6 @@ def servers(tmp_path_factory):
         router([w1, w2], root / "router.log") as r,
     ):
         yield {"workers": [w1, w2], "router": r, "model": model}
-
-
-def served_logprobs(url: str) -> np.ndarray:
-    body = {
-        "input_ids": PROBE,
-        "sampling_params": {"max_new_tokens": 0},
-        "return_logprob": True,
-        "logprob_start_len": 0,
-    }
-    entries = httpx.post(url + "/generate", json=body, timeout=60).json()["meta_info"]["input_token_logprobs"]
-    return np.array([e[0] for e in entries[1:]])
-
-
-def local_logprobs(model_dir: Path) -> np.ndarray:
-    return np.array(CPUEngine.from_pretrained(model_dir, num_threads=1).score([PROBE], 1)[0])
 
 
 @pytest.mark.parametrize(
@@ -73,7 +54,9 @@ def test_two_rank_trainer_behind_the_real_router(tmp_path, data_files, servers, 
         r["mismatch/abs_delta_mean"] for r in rl
     ]
     assert all(row["weight_sync/bytes"] > 0 for row in rl)
-    exported = local_logprobs(run / "hf")
-    assert np.abs(exported - local_logprobs(servers["model"])).max() > 1e-3  # the sync changed what is served
+    exported = local_logprobs(run / "hf", PROBE)
+    assert (
+        np.abs(exported - local_logprobs(servers["model"], PROBE)).max() > 1e-3
+    )  # the sync changed what is served
     for worker in servers["workers"]:
-        assert np.abs(served_logprobs(worker) - exported).max() < 1e-5, worker
+        assert np.abs(served_logprobs(worker, PROBE) - exported).max() < 1e-5, worker

@@ -10,10 +10,10 @@ import pytest
 
 from sapo_megatron.checkpoint.mapping import hf_expected_shapes
 from sapo_megatron.config import config_from_dict
-from sapo_megatron.rollout.cpu_engine import CPUEngine
 from sapo_megatron.tiny import make_tiny_hf_checkpoint
 from tests.distributed import run_distributed
 from tests.rollout.server_process import ServerProcess
+from tests.servers import local_logprobs, served_logprobs
 
 PROBE = [3, 17, 5, 9, 40, 2, 8, 21]
 BUCKET = 24 * 1024  # bytes: several buckets for the tiny model, a few tensors each
@@ -25,19 +25,6 @@ def checkpoints(tmp_path_factory):
     return {
         name: make_tiny_hf_checkpoint(root / name, "moe", seed=seed) for name, seed in (("a", 1), ("b", 2))
     }
-
-
-def served_logprobs(url: str) -> np.ndarray:
-    import httpx
-
-    body = {
-        "input_ids": PROBE,
-        "sampling_params": {"max_new_tokens": 0},
-        "return_logprob": True,
-        "logprob_start_len": 0,
-    }
-    entries = httpx.post(url + "/generate", json=body, timeout=60).json()["meta_info"]["input_token_logprobs"]
-    return np.array([e[0] for e in entries[1:]])
 
 
 def expected_names(hf_dir) -> set[str]:
@@ -59,10 +46,10 @@ def test_distributed_sync_from_every_stage(checkpoints, parallel, world):
             world,
             {**payload, "url": server.url, "bucket_bytes": BUCKET},
         )
-        served = served_logprobs(server.url)
+        served = served_logprobs(server.url, PROBE)
     finally:
         server.stop()
-    reference = np.array(CPUEngine.from_pretrained(checkpoints["b"], num_threads=1).score([PROBE], 1)[0])
+    reference = local_logprobs(checkpoints["b"], PROBE)
     assert np.abs(served - reference).max() < 1e-5  # the server now holds the trainer's weights
     names = [{name for bucket in r["sent"][: len(r["sent"]) // 2] for name, _ in bucket} for r in results]
     assert set().union(*names) == expected_names(checkpoints["b"])  # every tensor sent ...

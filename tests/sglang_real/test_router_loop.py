@@ -15,15 +15,12 @@ their original weights back afterwards (the first is the tier's shared server).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import httpx
 import numpy as np
 import pytest
 
-from sapo_megatron.rollout.cpu_engine import CPUEngine
 from tests.rl.test_trainer import SHORT_TP2, data_files, metrics, train, write_config  # noqa: F401 - fixture reused
-from tests.servers import router
+from tests.servers import local_logprobs, router, served_logprobs
 from tests.sglang_real.conftest import API_KEY, real_server_flags, sglang_process
 
 TOLERANCE = 1e-5  # float32 trainer vs float32 servers (the one-server loop measured 9e-8)
@@ -40,21 +37,6 @@ def cluster(sglang_url, model_dir, tmp_path_factory):
         router([sglang_url, second], root / "router.log", api_key=API_KEY) as router_url,
     ):
         yield {"workers": [sglang_url, second], "router": router_url}
-
-
-def served_logprobs(url: str) -> np.ndarray:
-    body = {
-        "input_ids": PROBE,
-        "sampling_params": {"max_new_tokens": 0},
-        "return_logprob": True,
-        "logprob_start_len": 0,
-    }
-    reply = httpx.post(url + "/generate", json=body, headers=HEADERS, timeout=120).json()
-    return np.array([entry[0] for entry in reply["meta_info"]["input_token_logprobs"][1:]])
-
-
-def local_logprobs(model_dir: Path) -> np.ndarray:
-    return np.array(CPUEngine.from_pretrained(model_dir, num_threads=1).score([PROBE], 1)[0])
 
 
 @pytest.mark.parametrize("weight_sync", ["disk", "distributed"])
@@ -82,8 +64,11 @@ def test_two_rank_trainer_two_real_servers_behind_the_real_router(
     run = tmp_path / "run"
     try:
         proc = train(config)
-        exported = local_logprobs(run / "hf")
-        served = {url: served_logprobs(url) for url in [*cluster["workers"], cluster["router"]]}
+        exported = local_logprobs(run / "hf", PROBE)
+        served = {
+            url: served_logprobs(url, PROBE, headers=HEADERS, timeout=120)
+            for url in [*cluster["workers"], cluster["router"]]
+        }
     finally:
         for worker in cluster["workers"]:
             reply = httpx.post(
@@ -102,7 +87,7 @@ def test_two_rank_trainer_two_real_servers_behind_the_real_router(
     assert all(row["routing/agreement_used"] == 1.0 for row in rl), [
         row["routing/agreement_used"] for row in rl
     ]
-    assert np.abs(exported - local_logprobs(model_dir)).max() > 1e-3  # the sync changed what is served
+    assert np.abs(exported - local_logprobs(model_dir, PROBE)).max() > 1e-3  # the sync changed what is served
     for url, logprobs in served.items():
         assert np.abs(logprobs - exported).max() < TOLERANCE, url  # both workers (and via the router)
     print(f"{weight_sync}: mismatch/abs_delta_mean per step {deltas}")
