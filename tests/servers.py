@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -32,27 +32,36 @@ def save_demo_model(path: Path, seed: int = 0) -> Path:
     return path
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float = 120.0) -> None:
+def wait_healthy(
+    url: str,
+    proc: subprocess.Popen,
+    log: Path,
+    timeout: float = 120.0,
+    ready: Callable[[], bool] | None = None,
+) -> None:
+    """Until ``url`` answers ``/health`` with 200 and ``ready()`` (if given) holds."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{url} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
         with contextlib.suppress(httpx.TransportError):
-            if httpx.get(url + "/health", timeout=2.0).status_code == 200:
+            if httpx.get(url + "/health", timeout=2.0).status_code == 200 and (ready is None or ready()):
                 return
         time.sleep(0.2)
-    raise TimeoutError(f"{url} not healthy after {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+    raise TimeoutError(f"{url} not ready after {timeout:.0f} s:\n{log.read_text()[-3000:]}")
 
 
 @contextlib.contextmanager
-def process(command: Sequence[str], log: Path, url: str) -> Iterator[str]:
+def process(
+    command: Sequence[str], log: Path, url: str, ready: Callable[[], bool] | None = None
+) -> Iterator[str]:
     with log.open("w") as out:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         proc = subprocess.Popen(
             list(command), stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
     try:
-        wait_healthy(url, proc, log)
+        wait_healthy(url, proc, log, ready=ready)
         yield url
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -81,16 +90,25 @@ def cpu_server(
         log.write_text(server.stderr)
 
 
-def router(workers: Sequence[str], log: Path, *, api_key: str | None = None):
-    """The real sglang-router in front of ``workers``; yields its URL. Each router also opens a Prometheus
-    port, which must differ between routers on one host."""
+def router(workers: Sequence[str], log: Path, *, api_key: str | None = None, wait_for_workers: bool = True):
+    """The real sglang-router in front of ``workers``; yields its URL once ``GET /workers`` lists them all (it
+    registers them in the background after ``/health`` is 200; ``wait_for_workers=False`` yields at health).
+    Each router also opens a Prometheus port, which must differ between routers on one host."""
     port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    def lists_every_worker() -> bool:
+        reply = httpx.get(url + "/workers", headers=headers, timeout=2.0).json()
+        listed = {entry.get("url", "").rstrip("/") for entry in reply.get("workers", [])}
+        return listed >= {w.rstrip("/") for w in workers}
+
     command = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *workers]
     command += ["--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port())]
     command += ["--policy", "round_robin", "--log-level", "warn"]
     if api_key:
         command += ["--api-key", api_key]
-    return process(command, log, f"http://127.0.0.1:{port}")
+    return process(command, log, url, ready=lists_every_worker if wait_for_workers else None)
 
 
 def served_logprobs(

@@ -9,6 +9,10 @@ Facts about sglang-router 0.3.2 this module relies on (measured against the real
 tests/rollout/test_router.py, and read in ``sgl-router/src/server.rs``):
 
 - ``GET /workers`` lists the workers: ``{"workers": [{"url", "is_healthy", "model_id", ...}], "total": n}``.
+- It registers its ``--worker-urls`` in a background job ("Worker initialization job submitted (will complete
+  in background)" in its log): ``/health`` answers 200 while ``/workers`` is still empty, for about half a
+  second on an idle machine and longer under load (seen in CI). Discovery through the router therefore waits
+  until the list is non-empty and unchanged for :data:`_SETTLE_S` (see :func:`wait_router_workers`).
 - It parses ``/generate`` bodies into its own request type and forwards only the fields it knows:
   ``return_routed_experts`` is dropped, so replies through the router carry no ``routed_experts``. A run that
   needs routes therefore sends ``/generate`` to the workers directly (probed at start, see :func:`probe_routes`).
@@ -32,6 +36,7 @@ from sapo_megatron.rollout.base import RolloutError
 Log = Callable[[str], None]
 _POLL_S = 1.0
 _REPORT_EVERY_S = 30.0
+_SETTLE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,7 @@ def resolve_topology(
         router = router_url.rstrip("/") if router_url else None
         if router:
             wait_healthy(http, [router], deadline, log, what="sglang-router")
-        workers = [u.rstrip("/") for u in urls] or list_router_workers(http, router)
+        workers = [u.rstrip("/") for u in urls] or wait_router_workers(http, router, deadline, log)
         wait_healthy(http, workers, deadline, log, what="rollout worker")
         infos = [_get_json(http, url, "/get_server_info") for url in workers]
         tp_sizes = tuple(worker_tp_size(info, url) for info, url in zip(infos, workers))
@@ -135,20 +140,47 @@ def read_endpoints_file(path: str, deadline: float, log: Log) -> tuple[str | Non
     return router, workers
 
 
-def list_router_workers(http: httpx.Client, router: str | None) -> list[str]:
-    """The workers registered with an sglang-router (``GET /workers``)."""
-    if router is None:
-        raise RolloutError("no rollout workers: set rollout.urls or rollout.router_url")
+def list_router_workers(http: httpx.Client, router: str) -> list[str]:
+    """The workers registered with an sglang-router now (``GET /workers``); empty while it registers them."""
     reply = _get_json(http, router, "/workers")
     entries = reply.get("workers") if isinstance(reply, dict) else None
     if not isinstance(entries, list):
         raise RolloutError(
             "GET /workers did not list workers; is this an sglang-router?", server=router, field="workers"
         )
-    workers = [e["url"].rstrip("/") for e in entries if isinstance(e, dict) and isinstance(e.get("url"), str)]
-    if not workers:
-        raise RolloutError("the router has no workers registered", server=router, field="workers")
-    return workers
+    return [e["url"].rstrip("/") for e in entries if isinstance(e, dict) and isinstance(e.get("url"), str)]
+
+
+def wait_router_workers(http: httpx.Client, router: str | None, deadline: float, log: Log) -> list[str]:
+    """The router's workers once it has registered some and the list has not changed for :data:`_SETTLE_S`
+    (it registers them in the background after ``/health`` is already 200). For an exact list that does not
+    depend on timing, give ``rollout.urls`` or ``rollout.endpoints_file``."""
+    if router is None:
+        raise RolloutError("no rollout workers: set rollout.urls or rollout.router_url")
+    started = time.monotonic()
+    last_report = started
+    seen: list[str] = []
+    seen_since = started
+    while True:
+        now = time.monotonic()
+        workers = list_router_workers(http, router)
+        if workers != seen:
+            seen, seen_since = workers, now
+        elif seen and now - seen_since >= _SETTLE_S:
+            return seen
+        if now > deadline and seen:
+            return seen
+        if now > deadline:
+            raise RolloutError(
+                f"the router has no workers registered after {now - started:.0f} s; start it with --worker-urls "
+                "(or add workers), or set rollout.urls",
+                server=router,
+                field="workers",
+            )
+        if now - last_report >= _REPORT_EVERY_S:
+            log(f"waiting for sglang-router at {router} to register its workers ({len(seen)} so far) ...")
+            last_report = now
+        time.sleep(min(_POLL_S, _SETTLE_S / 4))
 
 
 def wait_healthy(http: httpx.Client, urls: Sequence[str], deadline: float, log: Log, *, what: str) -> None:

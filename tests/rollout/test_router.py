@@ -11,11 +11,13 @@ import time
 import httpx
 import pytest
 
+from sapo_megatron.cli import free_port
 from sapo_megatron.rollout.base import RolloutError
 from sapo_megatron.rollout.sglang_client import SGLangClient
-from sapo_megatron.rollout.topology import resolve_topology
+from sapo_megatron.rollout.topology import list_router_workers, resolve_topology
 from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
 from tests.rollout.conftest import NUM_LAYERS, TOP_K
+from tests.rollout.server_process import ServerProcess
 from tests.servers import cpu_server, router
 
 
@@ -39,6 +41,32 @@ def test_router_only_discovers_its_workers(cluster):
     assert sorted(topology.workers) == sorted(cluster["workers"])
     assert topology.tp_sizes == (1, 1)
     assert topology.generate_via_router and topology.generation_urls == (cluster["router"],)
+
+
+def test_discovery_waits_for_workers_the_router_registers_late(moe_dir, tmp_path):
+    """The router answers /health before it has registered its --worker-urls (a background job that retries a
+    worker that is not up yet); discovery through it waits for them instead of failing."""
+    port = free_port()
+    late = f"http://127.0.0.1:{port}"
+    with router([late], tmp_path / "router.log", wait_for_workers=False) as r:
+        with httpx.Client(timeout=10) as http:
+            assert list_router_workers(http, r) == []  # healthy router, no workers yet
+        found: dict = {}
+        discovery = threading.Thread(
+            target=lambda: found.update(
+                topology=resolve_topology(router_url=r, timeout_s=120, log=lambda _: None)
+            )
+        )
+        discovery.start()
+        time.sleep(1.0)
+        worker = ServerProcess(
+            "--model-path", str(moe_dir), "--host", "127.0.0.1", "--port", str(port), "--threads", "1"
+        )
+        try:
+            discovery.join(timeout=150)
+        finally:
+            worker.stop()
+    assert found["topology"].workers == (late,) and found["topology"].generation_urls == (r,)
 
 
 def test_runs_needing_routes_bypass_the_router_that_drops_them(cluster):
