@@ -3,7 +3,8 @@
 Each update reports ``(weighted sum, weight)`` per metric (``StepResult.metric_sums``: token, sequence or
 sign-of-advantage counts over every micro-batch and rank); the step's value is the sum of the sums over the sum of
 the weights, so a mini-batch without positive-advantage tokens adds nothing to ``sapo/w_mean_pos`` instead of
-counting as 0. With several updates, the per-update values of the policy diagnostics are kept as ``mb{i}/<name>``
+counting as 0, and a metric with no weight at all (a step, or an update, without positive-advantage tokens) is
+left out rather than logged as 0. With several updates, the per-update values of the policy diagnostics are kept as ``mb{i}/<name>``
 (``i`` from 0): ``ratio/mean``, ``clip/*``, ``sapo/*``, ``policy/kl_old``. The token ratios of the whole step give
 ``ratio/p0.1``, ``ratio/p1``, ``ratio/p50``, ``ratio/p99``, ``ratio/p99.9``, ``ratio/min``, ``ratio/max`` (quantiles
 with linear interpolation, as ``torch.quantile``).
@@ -37,14 +38,14 @@ class StepMetrics:
             pooled = self._sums.setdefault(name, [0.0, 0.0])
             pooled[0] += total
             pooled[1] += weight
-            if self.updates > 1 and name.startswith(PER_UPDATE_PREFIXES):
-                self._per_update[f"mb{self._index}/{name}"] = total / max(weight, 1e-12)
+            if self.updates > 1 and name.startswith(PER_UPDATE_PREFIXES) and weight > 0:
+                self._per_update[f"mb{self._index}/{name}"] = total / weight
         self._index += 1
 
     def finish(self, ratios: Sequence[torch.Tensor] = ()) -> dict[str, float]:
         """The step's metrics; ``ratios``: this rank's token ratios of every update (``PolicyLossHook.take_ratios``),
         pooled over the data-parallel ranks (every rank must call this)."""
-        metrics = {name: total / max(weight, 1e-12) for name, (total, weight) in self._sums.items()}
+        metrics = {name: total / weight for name, (total, weight) in self._sums.items() if weight > 0}
         metrics.update(self._per_update)
         metrics.update(ratio_quantiles(gather_token_values(ratios)))
         return metrics

@@ -35,7 +35,10 @@ def test_updates_pool_by_their_token_counts_and_keep_per_update_values():
     assert metrics["mb0/sapo/w_mean"] == pytest.approx(0.9) and metrics["mb1/sapo/w_mean"] == pytest.approx(
         0.7
     )
-    assert metrics["mb1/policy/kl_old"] == pytest.approx(0.01) and metrics["mb1/sapo/w_mean_pos"] == 0.0
+    assert metrics["mb1/policy/kl_old"] == pytest.approx(0.01) and "mb1/sapo/w_mean_pos" not in metrics
+    no_positive = StepMetrics(updates=1)
+    no_positive.add(second)
+    assert "sapo/w_mean_pos" not in no_positive.finish()  # not measured this step, rather than a 0
     one = StepMetrics(updates=1)
     one.add(first)
     assert not any(name.startswith("mb") for name in one.finish())  # one update: nothing to split

@@ -27,15 +27,29 @@ PLOTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ),
     ("grad_norm", "gradient norm (before clipping)", ("grad_norm",)),
     ("reverse_kl", "student–teacher reverse KL (nats per token)", ("reverse_kl",)),
+    ("ratio_tails", "token importance ratio tails (per step, response tokens)", ("ratio_p99_9", "ratio_max")),
+    ("kl_old", "k3 between the updating and the old policy (policy/kl_old)", ("kl_old",)),
+    (
+        "sapo_gate",
+        "SAPO gate mean per advantage sign (token-weighted per step)",
+        ("gate_w_pos", "gate_w_neg"),
+    ),
 )
-"""(file stem, title, series of :class:`ArmResult` drawn; two series are two panels)."""
+"""(file stem, title, series of :class:`ArmResult` drawn; two series are two panels). Then one
+``eval_<dataset>.png`` per eval dataset of the runs (its avg@n and pass@n, two panels)."""
 
 PANEL_TITLES = {
     "routing_agreement": "used in training",
     "routing_agreement_live": "live (trainer's own routing)",
+    "ratio_p99_9": "99.9th percentile",
+    "ratio_max": "maximum",
+    "gate_w_pos": "positive advantage (w+)",
+    "gate_w_neg": "negative advantage (w−)",
 }
+EVAL_PREFIX = "eval:"
+"""Series ``eval:<dataset>`` / ``eval:<dataset>:pass``: an eval dataset's avg@n / pass@n at its evaluations."""
 LINE_STYLES = {"none": "-", "r2": "--", "r3": ":"}
-LOG_SCALE = ("mismatch_k3", "grad_norm")
+LOG_SCALE = ("mismatch_k3", "grad_norm", "kl_old", "ratio_max")
 """Quantities drawn on a log axis when every value is positive (they span orders of magnitude)."""
 FIGURE_SIZE = (8.0, 3.6)
 DPI = 100  # with a 128-colour palette: 10-80 KB per file
@@ -47,11 +61,23 @@ def write_plots(results: Sequence[ArmResult], plots_dir: str | Path) -> list[Pat
     plots_dir.mkdir(parents=True, exist_ok=True)
     colours = _colours(results)
     paths = []
-    for stem, title, series in PLOTS:
+    for stem, title, series in (*PLOTS, *_eval_plots(results)):
         path = plots_dir / f"{stem}.png"
         _draw(results, series, title, colours, path)
         paths.append(path)
     return paths
+
+
+def _eval_plots(results: Sequence[ArmResult]) -> list[tuple[str, str, tuple[str, ...]]]:
+    plots = []
+    for name in dict.fromkeys(name for r in results for name in r.evals):
+        curve = next(r.evals[name] for r in results if name in r.evals)
+        panels = (f"{EVAL_PREFIX}{name}",) + ((f"{EVAL_PREFIX}{name}:pass",) if curve.pass_metric else ())
+        title = f"eval dataset {name}: {curve.metric}" + (
+            f" and {curve.pass_metric}" if curve.pass_metric else ""
+        )
+        plots.append((f"eval_{name}", title, panels))
+    return plots
 
 
 def _draw(results: Sequence[ArmResult], series: Sequence[str], title: str, colours, path: Path) -> None:
@@ -72,7 +98,7 @@ def _draw(results: Sequence[ArmResult], series: Sequence[str], title: str, colou
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         if len(series) > 1:
-            ax.set_title(PANEL_TITLES.get(name, name), fontsize=9)
+            ax.set_title(_panel_title(results, name), fontsize=9)
     figure.suptitle(title, fontsize=10)
     if legend:
         figure.legend(
@@ -113,7 +139,7 @@ def _panel(ax, results: Sequence[ArmResult], name: str, colours) -> bool:
         means = [sum(values) / len(values) if values else float("nan") for values in per_step]
         style = dict(color=colours[arm.colour_key], linewidth=1.2)
         label = arm.name if len(arms) == 1 else f"{arm.configuration} (mean of {len(arms)} seeds)"
-        marker = "o" if name == "accuracy" or len(steps) < 12 else None
+        marker = "o" if name == "accuracy" or name.startswith(EVAL_PREFIX) or len(steps) < 12 else None
         ax.plot(
             steps, means, LINE_STYLES.get(arm.replay, "-."), marker=marker, markersize=3, label=label, **style
         )
@@ -125,6 +151,14 @@ def _panel(ax, results: Sequence[ArmResult], name: str, colours) -> bool:
     if drawn and name in LOG_SCALE and min(drawn) > 0:
         ax.set_yscale("log")
     return bool(drawn)
+
+
+def _panel_title(results: Sequence[ArmResult], name: str) -> str:
+    if name.startswith(EVAL_PREFIX):
+        dataset, _, kind = name[len(EVAL_PREFIX) :].partition(":")
+        curve = next(r.evals[dataset] for r in results if dataset in r.evals)
+        return curve.pass_metric or "" if kind == "pass" else curve.metric
+    return PANEL_TITLES.get(name, name)
 
 
 def _by_configuration(results: Sequence[ArmResult]) -> dict[str, list[ArmResult]]:
@@ -148,7 +182,14 @@ def _values_per_step(arms: Sequence[ArmResult], name: str) -> tuple[list[int], l
 
 
 def _points(result: ArmResult, name: str) -> tuple[list[int], list[float | None]]:
-    """Held-out accuracy is measured at step 0, at evaluation steps and after the last step; the rest per step."""
+    """Held-out accuracy is measured at step 0, at evaluation steps and after the last step; eval datasets at
+    their evaluations; the rest per step."""
+    if name.startswith(EVAL_PREFIX):
+        dataset, _, kind = name[len(EVAL_PREFIX) :].partition(":")
+        curve = result.evals.get(dataset)
+        if curve is None:
+            return [], []
+        return list(curve.steps), list(curve.pass_values if kind == "pass" else curve.values)
     if name != "accuracy":
         return list(result.steps), list(result.series[name])
     points = {

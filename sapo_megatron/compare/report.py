@@ -15,7 +15,16 @@ Definitions (``report.json`` → ``arms[i].final``):
 - ``mismatch_k3``: mean of ``mismatch/k3`` over all steps; ``routing_agreement``: mean of
   ``routing/agreement_used``; ``routing_agreement_live``: mean of ``routing/agreement``;
 - ``grad_norm_max``: the largest finite ``grad_norm``;
+- the policy diagnostics (:data:`DIAGNOSTICS`, docs/losses.md): ``ratio_p99_9`` (mean over steps of the step's
+  99.9th percentile of the token importance ratio), ``ratio_max`` (the largest ratio of the run), ``kl_old`` (mean
+  ``policy/kl_old``, the k3 between the updating and the old policy), ``clip_frac`` (mean ``clip/frac``),
+  ``gate_w_pos`` / ``gate_w_neg`` (mean SAPO gate over tokens of positive / negative advantage) and
+  ``gate_seq_std`` (mean within-sequence standard deviation of the gate); null for a loss that logs none;
 - ``collapsed``: :func:`collapse_reasons` is not empty (the rule is :data:`COLLAPSE_RULE`).
+
+``arms[i].eval`` → per eval dataset (the run's ``eval`` section, rows of phase ``eval``): ``metric`` (its
+headline, ``avg@n``), ``before`` (at RL step 0) and ``after`` (its last evaluation), ``pass_metric`` (``pass@n``)
+and ``pass_after``.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ import json
 import math
 import os
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,11 +74,45 @@ METRICS = {
 }
 """Short name → metric name in ``metrics.jsonl``."""
 
+DIAGNOSTICS = {
+    "ratio_p99_9": "ratio/p99.9",
+    "ratio_max": "ratio/max",
+    "kl_old": "policy/kl_old",
+    "clip_frac": "clip/frac",
+    "gate_w_pos": "sapo/w_mean_pos",
+    "gate_w_neg": "sapo/w_mean_neg",
+    "gate_seq_std": "sapo/seq_w_std",
+}
+"""The policy diagnostics of each step (short name → metric name); ``final`` holds their mean over the steps,
+except ``ratio_max`` (the largest)."""
+METRICS.update(DIAGNOSTICS)
+
 NO_MISMATCH_K3 = 1e-6
 """Below this mean k3 (fp32 engine and trainer agree to ~1e-7 in log-prob) the reading says there is no mismatch."""
 
 NONFINITE_MARK = "non-finite"
 """A failure message holding this (the trainer's NonFiniteTrainingError says it) counts as collapse (1)."""
+
+
+@dataclass(frozen=True)
+class EvalCurve:
+    """One eval dataset's headline (``avg@n``) and ``pass@n`` at each evaluation of a run."""
+
+    metric: str
+    pass_metric: str | None
+    steps: tuple[int, ...]
+    values: tuple[float | None, ...]
+    pass_values: tuple[float | None, ...]
+
+    def summary(self) -> dict[str, Any]:
+        """``arms[i].eval[name]`` of ``report.json``."""
+        return {
+            "metric": self.metric,
+            "before": self.values[0] if self.steps and self.steps[0] == 0 else None,
+            "after": self.values[-1] if self.values else None,
+            "pass_metric": self.pass_metric,
+            "pass_after": self.pass_values[-1] if self.pass_values else None,
+        }
 
 
 @dataclass
@@ -87,6 +130,8 @@ class ArmResult:
     """``summary.json``, or ``None`` (unfinished or failed)."""
     failure: str | None = None
     """Why the arm's run failed, when it did (its error line)."""
+    evals: dict[str, EvalCurve] = field(default_factory=dict)
+    """Eval dataset name → its curve over the run's evaluations (rows of phase ``eval``)."""
     final: dict[str, Any] = field(default_factory=dict)
     reasons: list[str] = field(default_factory=list)
     """Why the arm counts as collapsed (empty: it did not)."""
@@ -111,23 +156,66 @@ def load_arm_result(arm: Arm, run_dir: str | Path, failure: str | None = None) -
     run_dir = Path(run_dir)
     steps, series = read_rl_series(run_dir / "metrics.jsonl")
     summary = _read_json(run_dir / "summary.json")
-    result = ArmResult(arm, run_dir, steps, series, summary, failure)
+    result = ArmResult(
+        arm, run_dir, steps, series, summary, failure, evals=read_eval_curves(run_dir / "metrics.jsonl")
+    )
     result.reasons = collapse_reasons(result)
     result.final = final_values(result)
     return result
 
 
-def read_rl_series(path: Path) -> tuple[list[int], dict[str, list[float | None]]]:
-    """The RL rows of a ``metrics.jsonl`` as per-step series of :data:`METRICS` (torn lines are skipped)."""
+def read_phase_rows(path: Path, phase: str) -> dict[int, dict[str, Any]]:
+    """Step → the last row of ``phase`` in a ``metrics.jsonl`` (a resumed run logs a step again; torn lines are
+    skipped)."""
     rows: dict[int, dict[str, Any]] = {}
     if path.is_file():
         for line in path.read_text().splitlines():
             try:
                 row = json.loads(line)
-                if row.get("phase") == "rl":
+                if row.get("phase") == phase:
                     rows[int(row["step"])] = row
             except (ValueError, KeyError, TypeError, AttributeError):
                 continue
+    return rows
+
+
+def read_eval_curves(path: Path) -> dict[str, EvalCurve]:
+    """Each eval dataset's ``eval/<name>/avg@n`` and largest ``eval/<name>/pass@k`` over the eval rows (per-source
+    keys ``eval/<name>/<source>/...`` are not the dataset's)."""
+    rows = read_phase_rows(path, "eval")
+    steps = sorted(rows)
+    metrics: dict[str, dict[str, int]] = {}  # dataset → {"avg": n, "pass": k}
+    for row in rows.values():
+        for key in row:
+            parts = key.split("/")
+            if len(parts) != 3 or parts[0] != "eval" or "@" not in parts[2]:
+                continue
+            kind, _, k = parts[2].partition("@")
+            if kind in ("avg", "pass") and k.isdigit():
+                best = metrics.setdefault(parts[1], {})
+                best[kind] = max(best.get(kind, 0), int(k))
+    curves = {}
+    for name, best in metrics.items():
+        if "avg" not in best:
+            continue
+        metric = f"avg@{best['avg']}"
+        pass_metric = f"pass@{best['pass']}" if "pass" in best else None
+        mine = [step for step in steps if f"eval/{name}/{metric}" in rows[step]]
+        curves[name] = EvalCurve(
+            metric,
+            pass_metric,
+            tuple(mine),
+            tuple(_number(rows[step][f"eval/{name}/{metric}"]) for step in mine),
+            tuple(_number(rows[step].get(f"eval/{name}/{pass_metric}")) for step in mine)
+            if pass_metric
+            else (),
+        )
+    return curves
+
+
+def read_rl_series(path: Path) -> tuple[list[int], dict[str, list[float | None]]]:
+    """The RL rows of a ``metrics.jsonl`` as per-step series of :data:`METRICS` (torn lines are skipped)."""
+    rows = read_phase_rows(path, "rl")
     steps = sorted(rows)
     series = {short: [_number(rows[step].get(name)) for step in steps] for short, name in METRICS.items()}
     # A logged key whose value is null was not finite; tell it apart from a key never logged.
@@ -150,6 +238,7 @@ def final_values(result: ArmResult) -> dict[str, Any]:
         "routing_agreement_live": _mean(result.series["routing_agreement_live"]),
         "grad_norm_max": _max(result.series["grad_norm"]),
         "reverse_kl": _mean(result.series["reverse_kl"][-window:] if window else []),
+        **{short: (_max if short == "ratio_max" else _mean)(result.series[short]) for short in DIAGNOSTICS},
         "collapsed": bool(result.reasons),
     }
 
@@ -228,7 +317,7 @@ class ReportFiles:
 
 def report_json(results: Sequence[ArmResult]) -> dict[str, Any]:
     """The stable shape: ``{"arms": [{name, loss, replay, correction, seed, overrides, run_dir, steps,
-    final: {...}}]}``; ``overrides`` holds the arm's ``--grid`` point (dotted key → value, {} without a grid)."""
+    final: {...}, eval: {...}}]}``; ``overrides`` holds the arm's ``--grid`` point (dotted key → value, {} without a grid)."""
     return {
         "arms": [
             {
@@ -241,6 +330,7 @@ def report_json(results: Sequence[ArmResult]) -> dict[str, Any]:
                 "run_dir": str(r.run_dir),
                 "steps": r.completed_steps,
                 "final": r.final,
+                "eval": {name: curve.summary() for name, curve in r.evals.items()},
             }
             for r in results
         ]
@@ -286,6 +376,7 @@ def render_markdown(
 ) -> str:
     lines = ["# sapo-megatron compare", "", *header, ""] if header else ["# sapo-megatron compare", ""]
     lines += ["## Results", "", *_table(results), "", _DEFINITIONS, ""]
+    lines += ["## By configuration", "", *configuration_table(results), "", _CONFIGURATION_NOTE, ""]
     lines += ["## Reading (automatic)", "", *[f"- {line}" for line in reading(results)], ""]
     lines += ["## Collapse rule", "", COLLAPSE_RULE, ""]
     if plots:
@@ -321,6 +412,100 @@ def _table(results: Sequence[ArmResult]) -> list[str]:
             f"{_fmt(final['grad_norm_max'])} | {_fmt(final['reverse_kl'])} | {collapsed} |"
         )
     return rows
+
+
+_CONFIGURATION_NOTE = (
+    "Each configuration's seeds: mean over its finished seeds (± their standard deviation when there are "
+    "several); reward: at the first RL step → over the last 10 % of steps; eval datasets: at RL step 0 → at "
+    "the last evaluation; ratio p99.9, kl_old, clip fraction and the SAPO gate (w+ / w−: tokens of positive / "
+    "negative advantage; std in seq: within a sequence): mean over the steps; ratio max: the largest of the run; "
+    "columns no arm logged are left out."
+)
+
+Column = tuple[str, Callable[[Sequence[ArmResult]], str]]
+
+
+def configuration_table(results: Sequence[ArmResult]) -> list[str]:
+    """One row per configuration (its seeds together): the headline numbers, every eval dataset and the
+    policy diagnostics (see :data:`_CONFIGURATION_NOTE`)."""
+    groups: dict[str, list[ArmResult]] = {}
+    for result in results:
+        groups.setdefault(result.arm.configuration, []).append(result)
+    columns = [
+        c for c in _configuration_columns(results) if any(c[1](arms) != "–" for arms in groups.values())
+    ]
+    head = "| configuration | seeds | collapsed | " + " | ".join(title for title, _ in columns) + " |"
+    rows = [head, "|" + "---|" * (head.count("|") - 1)]
+    for configuration, arms in groups.items():
+        finished = [r for r in arms if r.status == "finished"]
+        cells = [
+            f"`{configuration}`",
+            f"{len(finished)}/{len(arms)}",
+            f"{sum(bool(r.reasons) for r in arms)}",
+        ]
+        rows.append("| " + " | ".join(cells + [cell(finished) for _, cell in columns]) + " |")
+    return rows
+
+
+def _configuration_columns(results: Sequence[ArmResult]) -> list[Column]:
+    def first_reward(r: ArmResult) -> float | None:
+        return next((v for v in r.series["reward"] if v is not None), None)
+
+    columns: list[Column] = [
+        (
+            "reward",
+            lambda arms: f"{_spread(map(first_reward, arms))} → {_spread(r.final['reward'] for r in arms)}",
+        )
+    ]
+    datasets = list(dict.fromkeys(name for r in results for name in r.evals))
+    for name in datasets:
+        curves = [r.evals[name] for r in results if name in r.evals]
+        metric, pass_metric = curves[0].metric, curves[0].pass_metric
+        columns.append((f"{name} {metric}", _eval_cell(name, "before", "after")))
+        if pass_metric and pass_metric != "pass@1":
+            columns.append((f"{name} {pass_metric}", _eval_cell(name, None, "pass_after")))
+    columns += [
+        ("entropy", lambda arms: _spread(r.final["entropy"] for r in arms)),
+        ("reverse KL", lambda arms: _spread(r.final["reverse_kl"] for r in arms)),
+        ("ratio p99.9", lambda arms: _spread(r.final["ratio_p99_9"] for r in arms)),
+        ("ratio max", lambda arms: _fmt(_max([r.final["ratio_max"] for r in arms]))),
+        ("kl_old", lambda arms: _spread(r.final["kl_old"] for r in arms)),
+        ("clip frac", lambda arms: _spread(r.final["clip_frac"] for r in arms)),
+        (
+            "gate w+ / w−",
+            lambda arms: _pair(
+                _spread(r.final["gate_w_pos"] for r in arms), _spread(r.final["gate_w_neg"] for r in arms)
+            ),
+        ),
+        ("gate std in seq", lambda arms: _spread(r.final["gate_seq_std"] for r in arms)),
+    ]
+    return columns
+
+
+def _eval_cell(name: str, before: str | None, after: str) -> Callable[[Sequence[ArmResult]], str]:
+    def cell(arms: Sequence[ArmResult]) -> str:
+        summaries = [r.evals[name].summary() for r in arms if name in r.evals]
+        end = _spread(s[after] for s in summaries)
+        if before is None:
+            return end
+        start = _mean([s[before] for s in summaries])
+        return "–" if start is None and end == "–" else f"{_fmt(start)} → {end}"
+
+    return cell
+
+
+def _pair(first: str, second: str) -> str:
+    return "–" if first == second == "–" else f"{first} / {second}"
+
+
+def _spread(values: Iterable[float | None]) -> str:
+    """``mean ± sd`` over the values present (``mean`` alone for one; – for none)."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return "–"
+    if len(present) == 1:
+        return _fmt(present[0])
+    return f"{_fmt(statistics.fmean(present))} ± {_fmt(statistics.stdev(present))}"
 
 
 def reading(results: Sequence[ArmResult]) -> list[str]:

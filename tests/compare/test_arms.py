@@ -222,7 +222,7 @@ def test_config_arms_run_their_own_configs_and_read_the_teachers_compare_trains(
     assert [run.name for run in plan.arms] == ["rl-s0", "saf-s0", "rl-s1", "saf-s1"]
     (teacher,) = plan.teachers
     assert teacher.run_dir == tmp_path / "teachers" / "addition" and teacher.cfg.sft.steps == 1500
-    assert plan.warm_start is not None and plan.warm_start.cfg.sft.steps == 150
+    assert plan.warm_start is not None and plan.warm_start.cfg.sft.steps == 400
     # The warm start reads the trained teacher too (its config lists it): any --output-dir works.
     assert plan.warm_start.cfg.teachers[0].model_path == str(tmp_path / "teachers" / "addition" / "hf")
     for run in plan.arms:
@@ -238,7 +238,7 @@ def test_config_arms_must_share_model_sft_and_data(tmp_path):
     from sapo_megatron.compare import build_config_plan
 
     arms = [str(DISTILL / "rl.yaml"), str(DISTILL / "mopd.yaml")]
-    with pytest.raises(CompareError, match=r"mopd.yaml has another data section than .*rl.yaml"):
+    with pytest.raises(CompareError, match=r"mopd.yaml has another sft section than .*rl.yaml"):
         build_config_plan(arms, {}, seeds=1, steps=5, output_dir=tmp_path)
     bad = tmp_path / "Fixed-Fusion.yaml"
     bad.write_text((DISTILL / "fixed.yaml").read_text())

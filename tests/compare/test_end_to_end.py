@@ -24,6 +24,8 @@ TINY = [
     "--set", "trainer.export_hf=false",
 ]  # fmt: skip
 PLOTS = {"reward", "accuracy", "entropy", "mismatch_k3", "routing_agreement", "grad_norm", "reverse_kl"}
+# the policy diagnostics, and the demo's one eval dataset
+PLOTS |= {"ratio_tails", "kl_old", "sapo_gate", "eval_heldout"}
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
 
@@ -91,6 +93,13 @@ def test_the_rerun_runs_only_the_missing_arm_and_writes_the_report(runs):
     for arm in report["arms"]:
         assert arm["steps"] == 3 and isinstance(arm["final"]["collapsed"], bool)
         assert 0.0 <= arm["final"]["accuracy"] <= 1.0 and arm["final"]["entropy"] > 0
+        assert arm["eval"]["heldout"]["after"] == arm["final"]["accuracy"]
+        assert arm["eval"]["heldout"]["before"] is not None and arm["final"]["ratio_max"] >= 1.0
+    sapo, grpo = (arm["final"] for arm in report["arms"])
+    # the diagnostics each loss logs: SAPO no clip fraction, GRPO no gate (this 3-step world rewards nothing, so
+    # no token has a positive or negative advantage and SAPO's per-sign gate means are not measured either)
+    assert sapo["clip_frac"] is None and sapo["kl_old"] is not None and sapo["gate_seq_std"] is not None
+    assert grpo["clip_frac"] is not None and grpo["gate_seq_std"] is None and grpo["gate_w_pos"] is None
     assert {path.stem for path in (root / "plots").glob("*.png")} == PLOTS
     assert all(0 < path.stat().st_size < 150_000 for path in (root / "plots").glob("*.png"))
     assert "## Collapse rule" in (root / "report.md").read_text()

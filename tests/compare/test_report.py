@@ -20,9 +20,17 @@ FINAL_KEYS = [
     "routing_agreement_live",
     "grad_norm_max",
     "reverse_kl",
+    "ratio_p99_9",
+    "ratio_max",
+    "kl_old",
+    "clip_frac",
+    "gate_w_pos",
+    "gate_w_neg",
+    "gate_seq_std",
     "collapsed",
 ]
-ARM_KEYS = ["name", "loss", "replay", "correction", "seed", "overrides", "run_dir", "steps", "final"]
+ARM_KEYS = ["name", "loss", "replay", "correction", "seed", "overrides", "run_dir", "steps", "final", "eval"]
+DIAGNOSTIC_NULLS = dict.fromkeys(FINAL_KEYS[8:-1])
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SAPO_BLUE, GRPO_ORANGE = (0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E)
 
@@ -183,6 +191,7 @@ def test_missing_metrics_and_missing_runs_give_nulls(tmp_path):
         "routing_agreement_live": None,
         "grad_norm_max": None,
         "reverse_kl": None,
+        **DIAGNOSTIC_NULLS,
         "collapsed": True,  # a null grad_norm was logged: it was not finite
     }
     never_ran = load_arm_result(GRPO, tmp_path / "nowhere")
@@ -220,6 +229,9 @@ def test_plots_are_small_non_empty_pngs_even_for_metrics_nobody_logged(tmp_path)
         "routing_agreement.png",  # no arm logged routing agreement: the file says so
         "grad_norm.png",
         "reverse_kl.png",  # no arm had a teacher
+        "ratio_tails.png",  # nor logged the policy diagnostics
+        "kl_old.png",
+        "sapo_gate.png",
     ]
     for path in files.plots:
         data = path.read_bytes()
@@ -227,7 +239,8 @@ def test_plots_are_small_non_empty_pngs_even_for_metrics_nobody_logged(tmp_path)
         # an arm's colour (matplotlib's C0, C1) is in the picture exactly when its curve was drawn: nobody
         # logged routing agreement or reverse KL, and GRPO has no held-out accuracy (no summary.json, no eval steps)
         nobody = (False, False)
-        drawn = {"routing_agreement": nobody, "reverse_kl": nobody, "accuracy": (True, False)}.get(
+        drawn = {"routing_agreement": nobody, "reverse_kl": nobody, "accuracy": (True, False)}
+        drawn = {**drawn, **dict.fromkeys(("ratio_tails", "kl_old", "sapo_gate"), nobody)}.get(
             path.stem, (True, True)
         )
         assert (has_colour(path, SAPO_BLUE), has_colour(path, GRPO_ORANGE)) == drawn, path.name
@@ -284,3 +297,94 @@ def test_the_seeds_of_one_configuration_are_one_curve_their_mean_with_gaps_where
     files = write_report(tmp_path, [*seeds, GRPO])
     reward_png = next(path for path in files.plots if path.name == "reward.png")
     assert has_colour(reward_png, SAPO_BLUE) and has_colour(reward_png, GRPO_ORANGE)
+
+
+def eval_row(step: int, heldout: float, sampled: float, sampled_pass: float) -> str:
+    """An eval row as the trainer writes it: per dataset and per source (``eval/<name>/<source>/...``)."""
+    return json.dumps(
+        {
+            "phase": "eval",
+            "step": step,
+            "eval/heldout/avg@1": heldout,
+            "eval/heldout/pass@1": heldout,
+            "eval/heldout/addition/avg@1": 0.0,  # a source's value, not the dataset's
+            "eval/sampled/avg@8": sampled,
+            "eval/sampled/pass@1": sampled,
+            "eval/sampled/pass@8": sampled_pass,
+            "eval/sampled/maj@8": 0.0,
+            "eval/sampled/addition/pass@16": 1.0,
+        }
+    )
+
+
+def test_diagnostics_eval_datasets_and_the_table_by_configuration(tmp_path):
+    from dataclasses import replace
+
+    diagnostics = {
+        "ratio/p99.9": [1.1, 1.3, 1.2, 1.4],
+        "ratio/max": [1.5, 9.0, 2.0, 3.0],
+        "policy/kl_old": [0.0, 0.002, 0.004, 0.006],
+        "clip/frac": [0.0, 0.1, 0.2, 0.1],
+    }
+    gate = {
+        "sapo/w_mean_pos": [1.0, 0.9, 0.8, 0.7],
+        "sapo/w_mean_neg": flat(0.5, 4),
+        "sapo/seq_w_std": flat(0.1, 4),
+    }
+    seeds = [SAPO, replace(SAPO, seed=1)]
+    evals = [
+        # before, at step 2, after; seed 0 resumed at step 4 and evaluated it again (the last row counts)
+        (
+            eval_row(0, 0.4, 0.3, 0.6),
+            eval_row(2, 0.5, 0.35, 0.7),
+            eval_row(4, 0.1, 0.1, 0.1),
+            eval_row(4, 0.6, 0.4, 0.8),
+        ),
+        (eval_row(0, 0.4, 0.3, 0.6), eval_row(4, 0.4, 0.2, 0.6)),
+    ]
+    for arm, rows in zip(seeds, evals):
+        write_run(tmp_path, arm, {**healthy(4), **diagnostics, **gate}, summary={}, extra_lines=rows)
+    write_run(tmp_path, GRPO, {**healthy(4), **diagnostics}, summary={})
+    result = load_arm_result(SAPO, tmp_path / SAPO.name)
+    assert result.final["ratio_p99_9"] == pytest.approx(1.25) and result.final["ratio_max"] == 9.0
+    assert result.final["kl_old"] == pytest.approx(0.003) and result.final["clip_frac"] == pytest.approx(0.1)
+    assert result.final["gate_w_pos"] == pytest.approx(0.85) and result.final[
+        "gate_seq_std"
+    ] == pytest.approx(0.1)
+    sampled = result.evals["sampled"]
+    assert (sampled.metric, sampled.pass_metric, sampled.steps) == ("avg@8", "pass@8", (0, 2, 4))
+    assert sampled.values == (0.3, 0.35, 0.4) and sampled.pass_values == (0.6, 0.7, 0.8)
+    assert result.evals["heldout"].summary() == {
+        "metric": "avg@1",
+        "before": 0.4,
+        "after": 0.6,
+        "pass_metric": "pass@1",
+        "pass_after": 0.6,
+    }
+    assert load_arm_result(GRPO, tmp_path / GRPO.name).evals == {}
+
+    files = write_report(tmp_path, [*seeds, GRPO])
+    data = json.loads(files.json.read_text())
+    assert data["arms"][1]["eval"]["sampled"] == {
+        "metric": "avg@8",
+        "before": 0.3,
+        "after": 0.2,
+        "pass_metric": "pass@8",
+        "pass_after": 0.6,
+    }
+    assert data["arms"][2]["eval"] == {} and data["arms"][2]["final"]["gate_w_pos"] is None
+    md = files.markdown.read_text()
+    head = (
+        "| configuration | seeds | collapsed | reward | heldout avg@1 | sampled avg@8 | sampled pass@8 | entropy | "
+        "ratio p99.9 | ratio max | kl_old | clip frac | gate w+ / w− | gate std in seq |"
+    )
+    assert head in md  # no pass@1 column for greedy heldout, no reverse KL column (no teacher)
+    # two seeds: mean ± standard deviation; heldout after 0.6 and 0.4, sampled pass@8 0.8 and 0.6
+    assert (
+        "| `sapo-none-none` | 2/2 | 0 | 0.5 ± 0 → 0.53 ± 0 | 0.4 → 0.5 ± 0.141 | 0.3 → 0.3 ± 0.141 | "
+        "0.7 ± 0.141 | 0.8 ± 0 | 1.25 ± 0 | 9 | 0.003 ± 0 | 0.1 ± 0 | 0.85 ± 0 / 0.5 ± 0 | 0.1 ± 0 |" in md
+    )
+    assert "| `grpo-r2-tis` | 1/1 | 0 | 0.5 → 0.53 | – | – | – | 0.8 | 1.25 | 9 | 0.003 | 0.1 | – | – |" in md
+    assert {"eval_heldout.png", "eval_sampled.png"} <= {path.name for path in files.plots}
+    sampled_png = tmp_path / "plots" / "eval_sampled.png"
+    assert has_colour(sampled_png, SAPO_BLUE) and not has_colour(sampled_png, GRPO_ORANGE)
