@@ -88,7 +88,8 @@ class SGLangClient(RolloutEngine):
         weight_sync_timeout_s: timeout of the weight-sync calls.
         tp_size: tensor-parallel size of every worker, or one size per worker (``update_weights_from_tensors``
             sends one payload per rank; ``init_weights_update_group`` gives each rank its place in the group).
-        serializer: turns a list of (name, tensor) into the base64 string SGLang deserializes; default is SGLang's
+        serializer: turns a list of (name, tensor) into the base64 string SGLang deserializes; default: CPU
+            tensors as named shared-memory files (servers on this machine), CUDA tensors through SGLang's
             ``MultiprocessingSerializer`` (needs ``sglang`` installed, colocated GPUs only).
     """
 
@@ -453,9 +454,9 @@ class SGLangClient(RolloutEngine):
         """``POST /update_weights_from_tensor`` with one bucket of serialized tensors, one payload per TP rank of
         each worker (call :meth:`finish_weight_update` after the last bucket).
 
-        SGLang's serializer passes CUDA IPC handles, so this works only with servers colocated on the trainer's GPUs
-        (or the CPU server in the trainer's own process)."""
-        serializer = self._serializer or _sglang_serializer()
+        The payload holds handles, not data: CUDA IPC handles (servers colocated on the trainer's GPUs) or, for CPU
+        tensors, named shared-memory files (servers on this machine, e.g. real SGLang on CPU)."""
+        serializer = self._serializer or _engine_serializer()
         named = [(name, tensor) for name, tensor in named_tensors]  # alive until every worker has replied
         blob = serializer(named)
 
@@ -776,17 +777,26 @@ def _error_message(response: httpx.Response) -> str:
     return str(body)[:300]
 
 
-def _sglang_serializer() -> Callable[[list[tuple[str, torch.Tensor]]], str]:
-    try:
-        from sglang.srt.utils import MultiprocessingSerializer
-    except ImportError as exc:
-        raise RolloutError(
-            "update_weights_from_tensors over HTTP needs SGLang's MultiprocessingSerializer: install the GPU extra "
-            "(pip install 'sapo-megatron[gpu]') and colocate the servers with the trainer; otherwise sync weights "
-            "with update_weights_from_disk or the NCCL path"
-        ) from exc
+def _engine_serializer() -> Callable[[list[tuple[str, torch.Tensor]]], str]:
+    """What a separate SGLang process can open: CPU tensors as named shared-memory files (our serializer with
+    ``file_system``: the default ``file_descriptor`` handles are refused by a process that is not the sender's
+    ``multiprocessing`` child, and real SGLang 0.5.23's scheduler dies of them – measured on CPU,
+    tests/sglang_real); CUDA tensors through SGLang's own ``MultiprocessingSerializer`` (CUDA IPC with its
+    device-UUID patch)."""
 
     def serialize(named: list[tuple[str, torch.Tensor]]) -> str:
+        if all(tensor.device.type == "cpu" for _, tensor in named):
+            from sapo_megatron.rollout.tensor_transport import serialize_named_tensors
+
+            return serialize_named_tensors(named, sharing="file_system")
+        try:
+            from sglang.srt.utils import MultiprocessingSerializer
+        except ImportError as exc:
+            raise RolloutError(
+                "update_weights_from_tensors with CUDA tensors needs SGLang's MultiprocessingSerializer: install "
+                "the GPU extra (pip install 'sapo-megatron[gpu]') and colocate the servers with the trainer; "
+                "otherwise sync weights with update_weights_from_disk or the NCCL path"
+            ) from exc
         return MultiprocessingSerializer.serialize(named, output_str=True)
 
     return serialize

@@ -15,7 +15,7 @@ payload stays small and only a process that can open the handle can read the ten
   and :func:`deserialize_named_tensors` raises :class:`TensorTransportError` saying so. Each handle can be opened
   once.
 - **Another local process**, ``torch.multiprocessing.set_sharing_strategy("file_system")`` set by the sender before
-  serializing: works (named shared-memory files), as long as the sender keeps the tensors alive until the receiver
+  serializing (``serialize_named_tensors(named, sharing="file_system")`` does it for one dump): works (named shared-memory files), as long as the sender keeps the tensors alive until the receiver
   answered.
 - **File descriptors**: with ``file_descriptor`` every tensor holds about two descriptors while in flight (one
   after): keep a payload to a few hundred tensors, or raise ``ulimit -n``.
@@ -54,6 +54,7 @@ import os
 import pickle
 import re
 import stat
+import threading
 from collections.abc import Callable, Collection
 from multiprocessing import resource_sharer
 from multiprocessing.reduction import ForkingPickler
@@ -78,10 +79,17 @@ class TensorTransportError(UserError):
     """A ``serialized_named_tensors`` entry that cannot be read here; the message says why and what to use."""
 
 
-def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
+_STRATEGY_LOCK = threading.Lock()
+
+
+def serialize_named_tensors(named: list[tuple[str, torch.Tensor]], *, sharing: str | None = None) -> str:
     """One ``serialized_named_tensors`` entry: base64 of the ForkingPickler dump of ``named`` (handles, no data).
 
-    Keep the tensors alive until the server has answered: the payload refers to their shared memory.
+    ``sharing``: torch's sharing strategy for CPU storages during this dump (``None``: the process's current
+    one, torch's default ``file_descriptor``); ``"file_system"`` makes handles any local process of this user can
+    open – what a server that is not a ``multiprocessing`` child of the sender needs (real SGLang 0.5.23 on CPU:
+    its scheduler dies of a ``file_descriptor`` handle it may not fetch, see docs/cluster.md). Keep the tensors
+    alive until the server has answered: the payload refers to their shared memory.
     """
     for item in named:
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], torch.Tensor)):
@@ -89,7 +97,14 @@ def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
                 f"serialize_named_tensors expects (name, tensor) pairs, got {type(item).__name__}"
             )
     buffer = io.BytesIO()
-    ForkingPickler(buffer).dump(list(named))
+    with _STRATEGY_LOCK:
+        previous = torch.multiprocessing.get_sharing_strategy()
+        if sharing is not None:
+            torch.multiprocessing.set_sharing_strategy(sharing)
+        try:
+            ForkingPickler(buffer).dump(list(named))
+        finally:
+            torch.multiprocessing.set_sharing_strategy(previous)
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 

@@ -9,6 +9,7 @@ reference router's top-k per position, and a weight update changes what the serv
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -160,6 +161,34 @@ def test_update_weights_from_disk_and_its_error_reply(client, model_dir, referen
         client.update_weights_from_disk(str(model_dir))
     [values] = client.score([ids], len(PROMPTS[0]))
     assert np.allclose(values, reference_logp(reference, ids)[len(PROMPTS[0]) - 1 :].numpy(), atol=FP32_TOL)
+
+
+def test_update_weights_from_tensor_from_another_process(client, model_dir, reference, tmp_path):
+    """The tensor sync against real SGLang on CPU: the trainer is not a multiprocessing child of the server, so
+    the client sends named shared-memory handles (file_system; SGLang's scheduler dies of a file-descriptor one it
+    may not fetch). Two buckets, then end_weight_update; the server scores with the new weights, and a second
+    sync puts the original ones back."""
+    other = save_demo_model(tmp_path / "seed2", seed=2)
+    new_model = type(reference).from_pretrained(other, dtype=torch.float32).eval()
+    ids = PROMPTS[1] + [30, 31, 32]
+
+    def push(model_path: Path) -> None:
+        named = list(safetensors.torch.load_file(model_path / "model.safetensors").items())
+        half = len(named) // 2
+        client.update_weights_from_tensors(named[:half])
+        client.update_weights_from_tensors(named[half:])
+        client.finish_weight_update(flush_cache=True)
+
+    try:
+        push(other)
+        [values] = client.score([ids], len(PROMPTS[1]))
+        assert np.allclose(
+            values, reference_logp(new_model, ids)[len(PROMPTS[1]) - 1 :].numpy(), atol=FP32_TOL
+        )
+    finally:
+        push(model_dir)
+    [values] = client.score([ids], len(PROMPTS[1]))
+    assert np.allclose(values, reference_logp(reference, ids)[len(PROMPTS[1]) - 1 :].numpy(), atol=FP32_TOL)
 
 
 def test_housekeeping_endpoints_api_key_and_errors(client, sglang_url, model_dir):
