@@ -49,7 +49,7 @@ PANEL_TITLES = {
 EVAL_PREFIX = "eval:"
 """Series ``eval:<dataset>`` / ``eval:<dataset>:pass``: an eval dataset's avg@n / pass@n at its evaluations."""
 LINE_STYLES = {"none": "-", "r2": "--", "r3": ":"}
-LOG_SCALE = ("mismatch_k3", "grad_norm", "kl_old", "ratio_max")
+LOG_SCALE = ("mismatch_k3", "grad_norm", "kl_old", "ratio_p99_9", "ratio_max")
 """Quantities drawn on a log axis when every value is positive (they span orders of magnitude)."""
 FIGURE_SIZE = (8.0, 3.6)
 DPI = 100  # with a 128-colour palette: 10-80 KB per file
