@@ -58,7 +58,12 @@ def test_hf_folder_run_folder_checkpoint_and_server_agree(run_dir, tmp_path, cap
     checkpoint = evaluate(tmp_path, "ckpt", "--model", str(run_dir / "checkpoints" / "step_000002"))
     with cpu_server(run_dir / "hf", tmp_path / "server.log") as url:
         served = evaluate(tmp_path, "served", config, "--urls", url)
-    for other in (from_hf, checkpoint, served):
+        # the endpoints file the SLURM rollout job writes names the same server
+        endpoints = tmp_path / "endpoints.json"
+        endpoints.write_text(json.dumps({"router_url": None, "workers": [url]}))
+        by_file = evaluate(tmp_path, "by_file", config, "--endpoints-file", str(endpoints))
+    assert by_file[0]["model"] == str(endpoints)
+    for other in (from_hf, checkpoint, served, by_file):
         assert other[0]["datasets"] == from_run["datasets"]
         assert other[1] == samples
     # eval.json: the documented shape; numbers that the samples reproduce
