@@ -32,6 +32,10 @@ def save_demo_model(path: Path, seed: int = 0) -> Path:
     return path
 
 
+class ServerStartError(RuntimeError):
+    """A server process exited or was not ready in time (its log's tail in the message)."""
+
+
 def wait_healthy(
     url: str,
     proc: subprocess.Popen,
@@ -39,29 +43,36 @@ def wait_healthy(
     timeout: float = 120.0,
     ready: Callable[[], bool] | None = None,
 ) -> None:
-    """Until ``url`` answers ``/health`` with 200 and ``ready()`` (if given) holds."""
+    """Until ``url`` answers ``/health`` with 200 and ``ready()`` (if given) holds; :class:`ServerStartError`
+    when the process exits first or the time runs out."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            raise ServerStartError(f"{url} exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
         with contextlib.suppress(httpx.TransportError):
             if httpx.get(url + "/health", timeout=2.0).status_code == 200 and (ready is None or ready()):
                 return
         time.sleep(0.2)
-    raise TimeoutError(f"{url} not ready after {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+    raise ServerStartError(f"{url} not ready after {timeout:.0f} s:\n{log.read_text()[-3000:]}")
 
 
 @contextlib.contextmanager
 def process(
-    command: Sequence[str], log: Path, url: str, ready: Callable[[], bool] | None = None
+    command: Sequence[str],
+    log: Path,
+    url: str,
+    ready: Callable[[], bool] | None = None,
+    timeout: float = 120.0,
 ) -> Iterator[str]:
+    """Run ``command`` in its own session with its output in ``log``; yield ``url`` once it is healthy (and
+    ``ready()``); stop and reap the whole process group afterwards."""
     with log.open("w") as out:
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         proc = subprocess.Popen(
             list(command), stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
     try:
-        wait_healthy(url, proc, log, ready=ready)
+        wait_healthy(url, proc, log, timeout=timeout, ready=ready)
         yield url
     finally:
         with contextlib.suppress(ProcessLookupError):

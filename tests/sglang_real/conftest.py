@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -23,7 +21,7 @@ import transformers
 
 from sapo_megatron.cli import free_port
 from sapo_megatron.rollout.sglang_client import SGLangClient
-from tests.servers import cpu_server, save_demo_model, wait_healthy
+from tests.servers import ServerStartError, cpu_server, process, save_demo_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVE = REPO_ROOT / "tools" / "sglang_cpu" / "serve.sh"
@@ -72,24 +70,15 @@ def sglang_process(model_dir: Path, log: Path, *flags: str):
     if not (venv / STAMP).is_file():
         unavailable(f"{venv} has no {STAMP}; run tools/sglang_cpu/install.sh {venv}")
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
     command = [str(SERVE), "--model-path", str(model_dir), "--port", str(port), *flags]
-    with log.open("w") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
+    with contextlib.ExitStack() as stack:  # the server is stopped and reaped however the tests end
         try:
-            wait_healthy(url, proc, log, timeout=STARTUP_TIMEOUT_S)
-        except (RuntimeError, TimeoutError) as exc:
+            url = stack.enter_context(
+                process(command, log, f"http://127.0.0.1:{port}", timeout=STARTUP_TIMEOUT_S)
+            )
+        except ServerStartError as exc:
             unavailable(f"the server did not start: {exc}")
         yield url
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=30)
 
 
 def real_server_flags() -> list[str]:
