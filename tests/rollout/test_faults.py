@@ -318,23 +318,26 @@ def test_weight_sync_payloads(fake):
     }
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("sglang") is not None, reason="checks the message shown where sglang is missing"
-)
-def test_tensor_sync_sends_cpu_tensors_as_shared_memory_files_and_needs_sglang_only_for_cuda(fake):
+def test_tensor_sync_sends_cpu_tensors_as_shared_memory_files(fake):
+    """Our serializer with named shared-memory files: a separate server can open them (SGLang's default
+    file-descriptor handles kill a real SGLang scheduler that is not the sender's child)."""
     import base64
 
     with fast_client(fake.url) as client:
-        # CPU tensors: our serializer with named shared-memory files (a separate server can open them; SGLang's
-        # default file-descriptor handles kill a real SGLang scheduler that is not the sender's child)
         client.update_weights_from_tensors([("w", torch.ones(1))])
-        [(_, body)] = [(p, b) for p, b in fake.bodies if p == "/update_weights_from_tensor"]
-        pickled = base64.b64decode(body["serialized_named_tensors"][0], validate=True)
-        assert b"rebuild_storage_filename" in pickled and b"rebuild_storage_fd" not in pickled
-        assert torch.multiprocessing.get_sharing_strategy() == "file_descriptor"  # the process's own is kept
-        # a tensor on any other device goes through SGLang's serializer, which needs the GPU extra
-        with pytest.raises(RolloutError, match=r"sapo-megatron\[gpu\]"):
-            client.update_weights_from_tensors([("w", torch.empty(1, device="meta"))])
+    [body] = [b for p, b in fake.bodies if p == "/update_weights_from_tensor"]
+    pickled = base64.b64decode(body["serialized_named_tensors"][0], validate=True)
+    assert b"rebuild_storage_filename" in pickled and b"rebuild_storage_fd" not in pickled
+    assert torch.multiprocessing.get_sharing_strategy() == "file_descriptor"  # the process's own is kept
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("sglang") is not None, reason="checks the message shown where sglang is missing"
+)
+def test_tensor_sync_of_cuda_tensors_without_sglang_says_what_is_needed(fake):
+    # a tensor on any device but the CPU goes through SGLang's serializer, which needs the GPU extra
+    with fast_client(fake.url) as client, pytest.raises(RolloutError, match=r"sapo-megatron\[gpu\]"):
+        client.update_weights_from_tensors([("w", torch.empty(1, device="meta"))])
 
 
 def test_topology_reads_each_workers_tp_size_and_sends_the_api_key(fake):
