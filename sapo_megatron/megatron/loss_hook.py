@@ -153,14 +153,18 @@ class PolicyLossHook:
         if self.temperature == 1.0:
             return None  # the main log-probs already are at temperature 1
         with torch.no_grad():
-            logp_bt, _ = vocab_parallel_logprobs(
-                logits.detach(),
-                labels,
-                tp_group=self.tp_group,
-                temperature=1.0,
-                chunk_tokens=self.chunk_tokens,
-            )
-        return logp_bt
+            return unit_temperature_logprobs(logits, labels, self.tp_group, self.chunk_tokens)
+
+
+def unit_temperature_logprobs(
+    logits: torch.Tensor, labels: torch.Tensor, tp_group: GroupArg, chunk_tokens: int
+) -> torch.Tensor:
+    """The log-probs of ``labels`` at temperature 1 from (detached) ``logits``: what the teachers score at, so
+    what enters ``A_opd`` whatever the rollout temperature."""
+    logp_bt, _ = vocab_parallel_logprobs(
+        logits.detach(), labels, tp_group=tp_group, temperature=1.0, chunk_tokens=chunk_tokens
+    )
+    return logp_bt
 
 
 class LogprobOutput:
@@ -199,13 +203,7 @@ class LogprobOutput:
             chunk_tokens=self.chunk_tokens,
         )
         if self.with_unit_temperature:  # the same forward's logits at temperature 1 (what teachers score at)
-            unit_bt, _ = vocab_parallel_logprobs(
-                logits.detach(),
-                labels,
-                tp_group=self.tp_group,
-                temperature=1.0,
-                chunk_tokens=self.chunk_tokens,
-            )
+            unit_bt = unit_temperature_logprobs(logits, labels, self.tp_group, self.chunk_tokens)
             return torch.stack((logp_bt, unit_bt))
         return torch.stack((logp_bt, entropy_bt)) if self.with_entropy else logp_bt
 
