@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from sapo_megatron.compare.report import ArmResult
+from sapo_megatron.compare.report import ArmResult, by_configuration
 
 PLOTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("reward", "reward (mean over the step's samples)", ("reward",)),
@@ -131,7 +131,7 @@ def _panel(ax, results: Sequence[ArmResult], name: str, colours) -> bool:
     """Draw one series of every configuration into ``ax`` (one arm: its values; several seeds: their mean and
     min-max band); returns whether any value was drawn."""
     drawn: list[float] = []
-    for arms in _by_configuration(results).values():
+    for arms in by_configuration(results).values():
         steps, per_step = _values_per_step(arms, name)
         if not steps:
             continue
@@ -153,19 +153,21 @@ def _panel(ax, results: Sequence[ArmResult], name: str, colours) -> bool:
     return bool(drawn)
 
 
+def _eval_series(name: str) -> tuple[str, bool] | None:
+    """``eval:<dataset>`` → (dataset, False), ``eval:<dataset>:pass`` → (dataset, True); None for other series."""
+    if not name.startswith(EVAL_PREFIX):
+        return None
+    dataset, _, kind = name[len(EVAL_PREFIX) :].partition(":")
+    return dataset, kind == "pass"
+
+
 def _panel_title(results: Sequence[ArmResult], name: str) -> str:
-    if name.startswith(EVAL_PREFIX):
-        dataset, _, kind = name[len(EVAL_PREFIX) :].partition(":")
-        curve = next(r.evals[dataset] for r in results if dataset in r.evals)
-        return curve.pass_metric or "" if kind == "pass" else curve.metric
-    return PANEL_TITLES.get(name, name)
-
-
-def _by_configuration(results: Sequence[ArmResult]) -> dict[str, list[ArmResult]]:
-    groups: dict[str, list[ArmResult]] = {}
-    for result in results:
-        groups.setdefault(result.arm.configuration, []).append(result)
-    return groups
+    series = _eval_series(name)
+    if series is None:
+        return PANEL_TITLES.get(name, name)
+    dataset, pass_k = series
+    curve = next(r.evals[dataset] for r in results if dataset in r.evals)
+    return (curve.pass_metric or "") if pass_k else curve.metric
 
 
 def _values_per_step(arms: Sequence[ArmResult], name: str) -> tuple[list[int], list[list[float]]]:
@@ -184,12 +186,12 @@ def _values_per_step(arms: Sequence[ArmResult], name: str) -> tuple[list[int], l
 def _points(result: ArmResult, name: str) -> tuple[list[int], list[float | None]]:
     """Held-out accuracy is measured at step 0, at evaluation steps and after the last step; eval datasets at
     their evaluations; the rest per step."""
-    if name.startswith(EVAL_PREFIX):
-        dataset, _, kind = name[len(EVAL_PREFIX) :].partition(":")
-        curve = result.evals.get(dataset)
+    series = _eval_series(name)
+    if series is not None:
+        curve = result.evals.get(series[0])
         if curve is None:
             return [], []
-        return list(curve.steps), list(curve.pass_values if kind == "pass" else curve.values)
+        return list(curve.steps), list(curve.pass_values if series[1] else curve.values)
     if name != "accuracy":
         return list(result.steps), list(result.series[name])
     points = {

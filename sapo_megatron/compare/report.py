@@ -425,12 +425,18 @@ _CONFIGURATION_NOTE = (
 Column = tuple[str, Callable[[Sequence[ArmResult]], str]]
 
 
-def configuration_table(results: Sequence[ArmResult]) -> list[str]:
-    """One row per configuration (its seeds together): the headline numbers, every eval dataset and the
-    policy diagnostics (see :data:`_CONFIGURATION_NOTE`)."""
+def by_configuration(results: Sequence[ArmResult]) -> dict[str, list[ArmResult]]:
+    """The arms of each configuration (its seeds), in the order the configurations first appear."""
     groups: dict[str, list[ArmResult]] = {}
     for result in results:
         groups.setdefault(result.arm.configuration, []).append(result)
+    return groups
+
+
+def configuration_table(results: Sequence[ArmResult]) -> list[str]:
+    """One row per configuration (its seeds together): the headline numbers, every eval dataset and the
+    policy diagnostics (see :data:`_CONFIGURATION_NOTE`)."""
+    groups = by_configuration(results)
     columns = [
         c for c in _configuration_columns(results) if any(c[1](arms) != "–" for arms in groups.values())
     ]

@@ -278,7 +278,8 @@ def test_no_mismatch_and_failures_are_said(tmp_path):
 def test_the_seeds_of_one_configuration_are_one_curve_their_mean_with_gaps_where_none_logged(tmp_path):
     from dataclasses import replace
 
-    from sapo_megatron.compare.plots import _by_configuration, _values_per_step
+    from sapo_megatron.compare.plots import _values_per_step
+    from sapo_megatron.compare.report import by_configuration
 
     seeds = [SAPO, replace(SAPO, seed=1), replace(SAPO, seed=2)]
     rewards = [flat(0.2, 4), [0.4, None, 0.4, 0.4], [0.9, None, 0.3, None]]
@@ -286,7 +287,7 @@ def test_the_seeds_of_one_configuration_are_one_curve_their_mean_with_gaps_where
         write_run(tmp_path, arm, {**healthy(4), "reward/mean": reward})
     write_run(tmp_path, GRPO, healthy(4))
     results = [load_arm_result(arm, tmp_path / arm.name) for arm in [*seeds, GRPO]]
-    groups = _by_configuration(results)
+    groups = by_configuration(results)
     assert list(groups) == ["sapo-none-none", "grpo-r2-tis"]
     assert [r.arm.seed for r in groups["sapo-none-none"]] == [0, 1, 2]
     steps, per_step = _values_per_step(groups["sapo-none-none"], "reward")

@@ -39,7 +39,7 @@ def fake(config_path: Path) -> list[str]:
     return [sys.executable, str(FAKE), str(config_path)]
 
 
-def make_plan(root: Path, steps: int = 3, losses=("sapo", "grpo")):
+def make_plan(root: Path, steps: int = 3, losses=("sapo", "grpo"), grid=()):
     return build_plan(
         None,
         SMALL,
@@ -49,6 +49,7 @@ def make_plan(root: Path, steps: int = 3, losses=("sapo", "grpo")):
         seeds=1,
         steps=steps,
         output_dir=root,
+        grid=grid,
     )
 
 
@@ -253,17 +254,7 @@ def test_the_error_line_of_a_failed_run(stderr, line):
 
 def test_a_grid_compare_runs_one_arm_per_value_records_its_overrides_and_resumes(root):
     grid = parse_grid(["algorithm.loss.tau_pos=1,4,16"])
-    plan = build_plan(
-        None,
-        SMALL,
-        losses=["sapo"],
-        replays=["none"],
-        corrections=["none"],
-        seeds=1,
-        steps=2,
-        output_dir=root,
-        grid=grid,
-    )
+    plan = make_plan(root, steps=2, losses=("sapo",), grid=grid)
     names = ["sapo-none-none-tau_pos1-s0", "sapo-none-none-tau_pos4-s0", "sapo-none-none-tau_pos16-s0"]
     assert [run.name for run in plan.arms] == names
     assert [run.cfg.algorithm.loss.tau_pos for run in plan.arms] == [1.0, 4.0, 16.0]
@@ -273,17 +264,7 @@ def test_a_grid_compare_runs_one_arm_per_value_records_its_overrides_and_resumes
     assert outcome.ran == ["warm_start", *names]
     assert "× `algorithm.loss.tau_pos` 1, 4, 16 × seeds 0" in (root / "report.md").read_text()
     linked = parse_grid(["algorithm.loss.tau_pos+algorithm.loss.tau_neg=1:1.05,4:8"])
-    linked_plan = build_plan(
-        None,
-        SMALL,
-        losses=["sapo"],
-        replays=["none"],
-        corrections=["none"],
-        seeds=1,
-        steps=2,
-        output_dir=root,
-        grid=linked,
-    )
+    linked_plan = make_plan(root, steps=2, losses=("sapo",), grid=linked)
     assert "× algorithm.loss.tau_pos+algorithm.loss.tau_neg 1:1.05, 4:8 × seeds 0" in describe(linked_plan)[0]
     arms = json.loads((root / "report.json").read_text())["arms"]
     assert [arm["overrides"] for arm in arms] == [{"algorithm.loss.tau_pos": v} for v in (1, 4, 16)]
