@@ -118,7 +118,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     args = parser.parse_args()
     from sapo_megatron.defaults import DEMO_MODEL
-    from sapo_megatron.rollout.server_process import ServerProcess
+    from sapo_megatron.rollout.cpu.process import ServerProcess
 
     arch = {**DEMO_MODEL, "hidden_size": args.hidden, "num_hidden_layers": args.layers}
     arch.update(intermediate_size=2 * args.hidden, moe_intermediate_size=args.hidden)

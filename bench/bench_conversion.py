@@ -33,7 +33,6 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from sapo_megatron.arch import QwenArch  # noqa: E402
 from sapo_megatron.checkpoint.mapping import hf_expected_shapes  # noqa: E402
 from sapo_megatron.checkpoint.safetensors_stream import (  # noqa: E402
     TensorSpec,
@@ -41,6 +40,7 @@ from sapo_megatron.checkpoint.safetensors_stream import (  # noqa: E402
     write_index,
     write_shard,
 )
+from sapo_megatron.model.arch import QwenArch  # noqa: E402
 
 THROUGHPUT_GOAL = 0.5
 RSS_GOAL = 0.25

@@ -34,7 +34,7 @@ def rl_lengths(samples: int, seed: int) -> list[tuple[int, int]]:
 
 
 def sequences(lengths: list[tuple[int, int]], seed: int):
-    from sapo_megatron.batching import TrainSequence
+    from sapo_megatron.model.batching import TrainSequence
 
     gen = np.random.default_rng(seed)
     return [
@@ -50,7 +50,7 @@ def sequences(lengths: list[tuple[int, int]], seed: int):
 
 def padded_fraction(micro: list[dict], lengths: list[tuple[int, int]]) -> tuple[float, int]:
     """(padding / tokens run, tokens run); a sequence's real tokens are its ``P + R - 1`` model positions."""
-    from sapo_megatron.batching import SEQUENCE_INDEX
+    from sapo_megatron.model.batching import SEQUENCE_INDEX
 
     run = sum(b["input_ids"].numel() for b in micro)
     real = sum(lengths[i][0] + lengths[i][1] - 1 for b in micro for i in b[SEQUENCE_INDEX].tolist())
@@ -87,8 +87,8 @@ def time_update(update, steps: int) -> tuple[float, float]:
 
 
 def per_sequence_logp(micro: list[dict], logp: list[torch.Tensor]) -> dict[int, torch.Tensor]:
-    from sapo_megatron.batching import SEQUENCE_INDEX
-    from sapo_megatron.packing import SequenceView
+    from sapo_megatron.model.batching import SEQUENCE_INDEX
+    from sapo_megatron.model.packing import SequenceView
 
     out = {}
     for batch, value in zip(micro, logp):
@@ -118,7 +118,7 @@ def attention_pairs(micro: list[dict]) -> int:
 
 
 def measure(engine, initial, seqs, lengths, name: str, budget: int | None, args) -> Layout:
-    from sapo_megatron.batching import build_micro_batches
+    from sapo_megatron.model.batching import build_micro_batches
 
     micro = build_micro_batches(
         seqs,
@@ -148,7 +148,7 @@ def build_engine(tmp: str, hidden: int):
     from sapo_megatron.config import config_from_dict
     from sapo_megatron.megatron.parallel import init_parallel
     from sapo_megatron.megatron.train_step import TrainEngine
-    from sapo_megatron.tiny import make_tiny_hf_checkpoint
+    from sapo_megatron.model.tiny import make_tiny_hf_checkpoint
 
     hf = str(
         make_tiny_hf_checkpoint(

@@ -57,7 +57,7 @@ CASES = [
 def case_config(case: Case, layers: int, seq: int, batch: int):
     """The run config of a case: a small Qwen3-MoE shape (hidden 256, 8 q / 2 kv heads, 16 experts top-4)."""
     from sapo_megatron.config import config_from_dict
-    from sapo_megatron.tiny import tiny_hf_config
+    from sapo_megatron.model.tiny import tiny_hf_config
 
     moe = (
         {"num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 128}

@@ -23,7 +23,7 @@ QWEN3_30B_A3B = {"num_layers": 48, "top_k": 8}  # for the bytes-per-token line
 
 def sequences(layout, count: int, seq: int, seed: int):
     """Prompt + response of ``seq + 1`` tokens each, with random valid engine routes."""
-    from sapo_megatron.batching import TrainSequence
+    from sapo_megatron.model.batching import TrainSequence
 
     gen = np.random.default_rng(seed)
     out = []
@@ -72,10 +72,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from sapo_megatron.batching import RouteLayout, build_micro_batches
     from sapo_megatron.megatron.loss_hook import LogprobOutput
     from sapo_megatron.megatron.sft import sft_loss
-    from sapo_megatron.tiny import make_tiny_hf_checkpoint
+    from sapo_megatron.model.batching import RouteLayout, build_micro_batches
+    from sapo_megatron.model.tiny import make_tiny_hf_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = make_tiny_hf_checkpoint(

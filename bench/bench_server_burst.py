@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))
 
 
 def start_server(code_dir: Path, model_dir: Path):
-    from sapo_megatron.rollout.server_process import ServerProcess
+    from sapo_megatron.rollout.cpu.process import ServerProcess
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(code_dir)}
     return ServerProcess("--model-path", str(model_dir), "--port", "0", "--threads", "1", env=env)
@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--new-tokens", type=int, default=8)
     args = parser.parse_args()
-    from sapo_megatron.tiny import make_tiny_hf_checkpoint
+    from sapo_megatron.model.tiny import make_tiny_hf_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = make_tiny_hf_checkpoint(Path(tmp) / "tiny_moe")

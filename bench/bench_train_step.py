@@ -66,7 +66,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from sapo_megatron.tiny import make_tiny_hf_checkpoint
+    from sapo_megatron.model.tiny import make_tiny_hf_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         hf_dir = make_tiny_hf_checkpoint(Path(tmp) / "moe", "moe", seed=0, hidden_size=64, head_dim=16)

@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @contextlib.contextmanager
 def cpu_server(model_dir: Path):
-    from sapo_megatron.rollout.server_process import ServerProcess
+    from sapo_megatron.rollout.cpu.process import ServerProcess
 
     server = ServerProcess(
         "--model-path", str(model_dir), "--port", "0", "--threads", "1", "--dist-timeout", "600"
@@ -61,8 +61,8 @@ def main() -> None:
     from sapo_megatron.config import config_from_dict
     from sapo_megatron.megatron.parallel import init_parallel
     from sapo_megatron.megatron.train_step import TrainEngine
-    from sapo_megatron.rollout.sglang_client import SGLangClient
-    from sapo_megatron.tiny import make_tiny_hf_checkpoint
+    from sapo_megatron.model.tiny import make_tiny_hf_checkpoint
+    from sapo_megatron.rollout.sglang.client import SGLangClient
     from sapo_megatron.weight_sync import DiskSync
     from sapo_megatron.weight_sync.distributed import DistributedSync
 

@@ -17,11 +17,12 @@ import shlex
 import socket
 import sys
 import traceback
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from sapo_megatron import __version__, logs
+from sapo_megatron import __version__
 from sapo_megatron.errors import RunInterrupted, UserError
-from sapo_megatron.interrupts import EXIT_NOW_CODE
+from sapo_megatron.runtime import logs
+from sapo_megatron.runtime.interrupts import EXIT_NOW_CODE
 
 if TYPE_CHECKING:
     from sapo_megatron.config import RunConfig
@@ -360,7 +361,7 @@ def _add_plan_options(parser: argparse.ArgumentParser, prefix: str = "") -> None
 
 
 def _add_serve_parser(commands) -> None:
-    from sapo_megatron.serve_flags import add_serve_arguments
+    from sapo_megatron.rollout.cpu.flags import add_serve_arguments
 
     serve = commands.add_parser(
         "serve",
@@ -390,47 +391,19 @@ def _add_convert_parser(commands) -> None:
 # --------------------------------------------------------------------------------------------------------
 
 
-def _parse_overrides(pairs: list[str]) -> dict[str, Any]:
-    import yaml
-
-    from sapo_megatron.config import ConfigError
-
-    overrides = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--set {pair!r}: expected KEY=VALUE, e.g. --set parallel.tp=2")
-        try:
-            overrides[key] = yaml.safe_load(value)
-        except yaml.YAMLError as err:
-            raise ConfigError(
-                f"--set {pair!r}: the value is not valid YAML ({_yaml_problem(err)})",
-                hint="values are YAML: 2, 1e-5, true, [1, 2], {a: 1}; quote a string that looks like YAML, "
-                f"e.g. --set \"{key}='{value}'\"",
-            ) from err
-    return overrides
-
-
-def _yaml_problem(err: Exception) -> str:
-    """One line of a YAML error: its problem and the column it was found at."""
-    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-    mark = getattr(err, "problem_mark", None)
-    return f"{problem} at character {mark.column + 1}" if mark is not None else problem
-
-
 def resolve_config(
     args: argparse.Namespace, *, world_size: int | None = None, check_layout: bool = True
 ) -> RunConfig:
-    from sapo_megatron.config import load_config
+    from sapo_megatron.config import load_config, parse_overrides
 
-    overrides = _parse_overrides(args.set)
+    overrides = parse_overrides(args.set)
     if args.output_dir:
         overrides["output_dir"] = args.output_dir
     return load_config(args.config, overrides, world_size=world_size, check_layout=check_layout)
 
 
 def run_mode(args: argparse.Namespace) -> str:
-    """``new``, ``resume``, ``auto`` or ``overwrite`` (see :mod:`sapo_megatron.run_dir`)."""
+    """``new``, ``resume``, ``auto`` or ``overwrite`` (see :mod:`sapo_megatron.runtime.run_dir`)."""
     if args.resume and args.overwrite:
         raise UserError(
             "--resume and --overwrite contradict each other",
@@ -442,10 +415,10 @@ def run_mode(args: argparse.Namespace) -> str:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from sapo_megatron.inputs import check_input_files
+    from sapo_megatron.loop.inputs import check_input_files
     from sapo_megatron.plan.gate import check_layout_fits
-    from sapo_megatron.rewards.registry import check_reward_available
-    from sapo_megatron.run_dir import check_run_dir
+    from sapo_megatron.rewards.runner import check_reward_available
+    from sapo_megatron.runtime.run_dir import check_run_dir
 
     cfg = resolve_config(args, world_size=args.world_size if args.dry_run else None)
     if args.launch_info:
@@ -468,8 +441,8 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _run_training(cfg: RunConfig, mode: str) -> None:
-    from sapo_megatron import trainer
     from sapo_megatron.eval.report import report_after_training
+    from sapo_megatron.loop import trainer
 
     trainer.run(cfg, mode=mode)
     if os.environ.get("RANK", "0") == "0":
@@ -480,10 +453,10 @@ def _dry_run(cfg: RunConfig, args: argparse.Namespace) -> int:
     """Validate the layout for ``--world-size`` (else ``launch.*``), print the plan, check the inputs and every
     row of the data. Exits 1 when the planner's verdict is does-not-fit (like ``plan``)."""
     from sapo_megatron.config import ConfigError, validate_layout
-    from sapo_megatron.inputs import check_input_files
+    from sapo_megatron.loop.inputs import check_input_files
     from sapo_megatron.plan import build_plan, format_plan
     from sapo_megatron.plan.gate import unfit_summary
-    from sapo_megatron.rewards.registry import check_reward_available
+    from sapo_megatron.rewards.runner import check_reward_available
 
     world = args.world_size or cfg.launch.world_size
     validate_layout(cfg, world)
@@ -504,7 +477,7 @@ def _dry_run(cfg: RunConfig, args: argparse.Namespace) -> int:
         cfg, verbose=True
     )  # every row's schema, the prompt lengths; prints counts and times
     check_labels(cfg.algorithm.reward, data.train_rows, cfg.data.train)
-    from sapo_megatron.eval.training import describe_training_suite
+    from sapo_megatron.loop.evaluation import describe_training_suite
 
     print("\n".join(describe_training_suite(cfg, data.tokenizer)))  # the eval datasets, read and checked
     print("data OK: every row of the prompt data is usable")
@@ -516,7 +489,7 @@ def _dry_run(cfg: RunConfig, args: argparse.Namespace) -> int:
 
 def plan_settings(cfg: RunConfig, args: argparse.Namespace, world: int):
     """The planner's settings from the command line (``plan`` and ``train --dry-run`` share the options)."""
-    from sapo_megatron.config import ConfigError
+    from sapo_megatron.errors import ConfigError
     from sapo_megatron.plan import PlanSettings
 
     fraction = args.rollout_mem_fraction
@@ -583,8 +556,8 @@ def _print_plan(cfg: RunConfig, settings, suggestions, invalid: str | None, *, a
 
 def check_training_precision(cfg: RunConfig) -> None:
     """FP8 training needs Transformer Engine and a GPU that runs the recipe: refuse before any rank starts."""
-    from sapo_megatron.config import ConfigError
-    from sapo_megatron.precision import fp8_runtime_problem
+    from sapo_megatron.errors import ConfigError
+    from sapo_megatron.model.precision import fp8_runtime_problem
 
     if cfg.precision.dtype == "fp8":
         problem = fp8_runtime_problem(cfg.precision.fp8_recipe)
@@ -596,14 +569,14 @@ def check_training_precision(cfg: RunConfig) -> None:
 
 def _launch_ranks(cfg: RunConfig, argv: list[str]) -> int:
     """Start ``procs_per_node`` local ranks of this same command (multi-node jobs start under SLURM, see
-    launch/); see :mod:`sapo_megatron.local_launch` for why not torchrun."""
-    from sapo_megatron.config import ConfigError
+    launch/); see :mod:`sapo_megatron.runtime.local_launch` for why not torchrun."""
+    from sapo_megatron.errors import ConfigError
 
     if cfg.launch.nodes > 1:
         raise ConfigError(
             f"launch.nodes={cfg.launch.nodes}: multi-node jobs start through launch/slurm_train.sbatch, not directly"
         )
-    from sapo_megatron.local_launch import launch_local
+    from sapo_megatron.runtime.local_launch import launch_local
 
     command = [sys.executable, "-m", "sapo_megatron.cli", *argv]
     return launch_local(command, cfg.launch.procs_per_node, port=free_port())
@@ -628,6 +601,7 @@ def _compare(args: argparse.Namespace) -> int:
         parse_names,
         run_compare,
     )
+    from sapo_megatron.config import parse_overrides
 
     grid = parse_grid(args.grid)
 
@@ -638,7 +612,7 @@ def _compare(args: argparse.Namespace) -> int:
             raise CompareError(f"--arms names every arm's whole config; drop {', '.join(given)}")
         plan = build_config_plan(
             [p.strip() for p in args.arms.split(",") if p.strip()],
-            _parse_overrides(args.set),
+            parse_overrides(args.set),
             teacher_configs=[p.strip() for p in (args.teachers or "").split(",") if p.strip()],
             seeds=args.seeds,
             steps=args.steps,
@@ -650,7 +624,7 @@ def _compare(args: argparse.Namespace) -> int:
             raise CompareError("--teachers goes with --arms (configs whose teachers it trains)")
         plan = build_plan(
             args.config,
-            _parse_overrides(args.set),
+            parse_overrides(args.set),
             losses=parse_names(args.losses, list(LOSSES), "--losses"),
             replays=parse_names(args.replay, list(REPLAYS), "--replay"),
             corrections=parse_names(args.corrections, list(CORRECTIONS), "--corrections"),
@@ -664,7 +638,7 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from sapo_megatron.rollout.cpu_server import serve_from_args
+    from sapo_megatron.rollout.cpu.server import serve_from_args
 
     return serve_from_args(args)
 

@@ -23,18 +23,18 @@ from sapo_megatron.algo import (
     RlFusion,
     SapoLoss,
 )
-from sapo_megatron.arch import ArchError, QwenArch
 from sapo_megatron.data.datasets import DatasetKeys
 from sapo_megatron.distill.config import TeacherConfig, check_distillation
-from sapo_megatron.errors import UserError
+from sapo_megatron.errors import ConfigError  # ConfigError: also importable from here, as before
 from sapo_megatron.eval.config import EvalConfig, refuse_old_eval_keys
-from sapo_megatron.precision import FP8_RECIPES, GPU_TYPES, Fp8RecipeName, GpuTypeName, fp8_capability_problem
-
-
-class ConfigError(UserError, ValueError):
-    """A configuration problem; the message names the field(s) and what to do."""
-
-    exit_code = 2
+from sapo_megatron.model.arch import ArchError, QwenArch
+from sapo_megatron.model.precision import (
+    FP8_RECIPES,
+    GPU_TYPES,
+    Fp8RecipeName,
+    GpuTypeName,
+    fp8_capability_problem,
+)
 
 
 class Section(BaseModel):
@@ -121,7 +121,7 @@ class ParallelConfig(Section):
     max_tokens_per_micro_batch: int | None = Field(
         default=None,
         ge=1,
-        description="pack sequences into micro-batches of at most this many tokens (sapo_megatron/packing.py); "
+        description="pack sequences into micro-batches of at most this many tokens (sapo_megatron/model/packing.py); "
         "null: one right-padded rectangle per micro-batch",
     )
 
@@ -999,3 +999,28 @@ def _other_variants_hint(key: str, section_loc: tuple[Any, ...]) -> str:
         f"; {key!r} is a setting of {path} {' / '.join(owners)}, not {section_loc[-1]}: to switch, "
         f"--set {path}.name={owners[0]}"
     )
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """``--set KEY=VALUE`` pairs as ``{dotted key: YAML value}``; the command lines of train, eval and compare."""
+    overrides = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {pair!r}: expected KEY=VALUE, e.g. --set parallel.tp=2")
+        try:
+            overrides[key] = yaml.safe_load(value)
+        except yaml.YAMLError as err:
+            raise ConfigError(
+                f"--set {pair!r}: the value is not valid YAML ({_yaml_problem(err)})",
+                hint="values are YAML: 2, 1e-5, true, [1, 2], {a: 1}; quote a string that looks like YAML, "
+                f"e.g. --set \"{key}='{value}'\"",
+            ) from err
+    return overrides
+
+
+def _yaml_problem(err: Exception) -> str:
+    """One line of a YAML error: its problem and the column it was found at."""
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    mark = getattr(err, "problem_mark", None)
+    return f"{problem} at character {mark.column + 1}" if mark is not None else problem

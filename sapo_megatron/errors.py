@@ -24,6 +24,12 @@ class UserError(Exception):
         return str(self.args[0]) if self.args else ""
 
 
+class ConfigError(UserError, ValueError):
+    """A configuration problem; the message names the field(s) and what to do."""
+
+    exit_code = 2
+
+
 class RunInterrupted(UserError):
     """The run stopped on a signal after writing a checkpoint; it can be resumed."""
 

@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from sapo_megatron.cli import free_port
-from sapo_megatron.local_launch import launch_local
+from sapo_megatron.runtime.local_launch import launch_local
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()

@@ -88,7 +88,7 @@ def process(
 def cpu_server(
     model_dir: Path, log: Path, *, api_key: str | None = None, allowed_weight_dir: Path | None = None
 ) -> Iterator[str]:
-    """``python -m sapo_megatron.rollout.cpu_server`` on a free port (it prints its URL); yields the URL. Its
+    """``python -m sapo_megatron.rollout.cpu.server`` on a free port (it prints its URL); yields the URL. Its
     stderr lands in ``log`` when it stops. ``allowed_weight_dir``: where a trainer's disk sync writes, when that is
     not beside ``model_dir`` (the server's default)."""
     flags = ["--model-path", str(model_dir), "--host", "127.0.0.1", "--port", "0", "--threads", "1"]
@@ -139,6 +139,6 @@ def served_logprobs(
 
 def local_logprobs(model_dir: Path, prompt_ids: Sequence[int]) -> np.ndarray:
     """The same log-probs from the HF checkpoint ``model_dir``, scored in this process."""
-    from sapo_megatron.rollout.cpu_engine import CPUEngine
+    from sapo_megatron.rollout.cpu.engine import CPUEngine
 
     return np.array(CPUEngine.from_pretrained(model_dir, num_threads=1).score([list(prompt_ids)], 1)[0])

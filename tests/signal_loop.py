@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 
-from sapo_megatron.interrupts import InterruptGuard, print_line
+from sapo_megatron.runtime.interrupts import InterruptGuard, print_line
 
 
 def say(line: str) -> None:

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from sapo_megatron.arch import QwenArch
-from sapo_megatron.batching import (
+from sapo_megatron.model.arch import QwenArch
+from sapo_megatron.model.batching import (
     RouteLayout,
     RoutingReplayError,
     TrainSequence,
@@ -16,7 +16,7 @@ from sapo_megatron.batching import (
     split_for_rank,
     to_tensors,
 )
-from sapo_megatron.tiny import tiny_hf_config
+from sapo_megatron.model.tiny import tiny_hf_config
 
 
 def test_response_tokens_are_labels_at_prompt_end():

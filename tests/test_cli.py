@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from sapo_megatron import __version__, cli, logs
+from sapo_megatron import __version__, cli
 from sapo_megatron.cli import build_parser, main, resume_command, run_mode
 from sapo_megatron.errors import RunInterrupted, UserError
-from sapo_megatron.run_dir import prepare_run_dir
+from sapo_megatron.runtime import logs
+from sapo_megatron.runtime.run_dir import prepare_run_dir
 from tests.test_run_dir import snapshot
 
 REPO = Path(__file__).resolve().parents[1]

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from sapo_megatron import cli, logs
+from sapo_megatron import cli
 from sapo_megatron.cli import build_parser, main
-from sapo_megatron.run_dir import RunDirError, check_run_dir
+from sapo_megatron.runtime import logs
+from sapo_megatron.runtime.run_dir import RunDirError, check_run_dir
 from tests.test_run_dir import snapshot, started_run, write_rows
 
 REPO = Path(__file__).resolve().parents[1]
@@ -152,8 +153,8 @@ def test_help_is_plain_words():
 
 def test_light_copies_match_their_sources():
     from sapo_megatron.compare import CORRECTIONS
+    from sapo_megatron.rollout.cpu.flags import DIST_TIMEOUT_S
     from sapo_megatron.rollout.weight_group import DEFAULT_TIMEOUT_S
-    from sapo_megatron.serve_flags import DIST_TIMEOUT_S
 
     assert tuple(CORRECTIONS) == cli.CORRECTION_NAMES
     assert DIST_TIMEOUT_S == DEFAULT_TIMEOUT_S
@@ -170,7 +171,7 @@ def test_train_log_keeps_megatron_info_only_when_verbose(tmp_path, capsys, verbo
         logs.attach_run_log(tmp_path / "train.log")
         logging.getLogger("megatron.core.distributed").info("Params for bucket 1")
         logging.getLogger("megatron.core.optimizer").warning("a real megatron warning")
-        logging.getLogger("sapo_megatron.session").info("our own info")
+        logging.getLogger("sapo_megatron.loop.session").info("our own info")
     log = (tmp_path / "train.log").read_text()
     assert "a real megatron warning" in log and "our own info" in log
     assert ("Params for bucket 1" in log) == verbose

@@ -9,7 +9,7 @@ import yaml
 
 from sapo_megatron.cli import main
 from sapo_megatron.config import ConfigError, config_from_dict, load_config, validate_layout
-from sapo_megatron.tiny import tiny_hf_config
+from sapo_megatron.model.tiny import tiny_hf_config
 
 REPO = Path(__file__).resolve().parents[1]
 

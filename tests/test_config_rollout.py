@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sapo_megatron.config import ConfigError, config_from_dict
-from sapo_megatron.tiny import tiny_hf_config
+from sapo_megatron.model.tiny import tiny_hf_config
 
 
 def cfg(**rollout):

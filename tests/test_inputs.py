@@ -7,8 +7,8 @@ import json
 import pytest
 
 from sapo_megatron.config import ConfigError, config_from_dict
-from sapo_megatron.inputs import check_input_files
-from sapo_megatron.tiny import tiny_hf_config
+from sapo_megatron.loop.inputs import check_input_files
+from sapo_megatron.model.tiny import tiny_hf_config
 
 
 def config(**sections):

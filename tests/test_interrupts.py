@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from sapo_megatron.cli import free_port
-from sapo_megatron.interrupts import InterruptGuard
+from sapo_megatron.runtime.interrupts import InterruptGuard
 
 LOOP = Path(__file__).with_name("signal_loop.py")
 REPO = Path(__file__).resolve().parents[1]

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from sapo_megatron.batching import (
+from sapo_megatron.config import ConfigError, config_from_dict
+from sapo_megatron.model.batching import (
     SEQUENCE_INDEX,
     RouteLayout,
     RoutingReplayError,
@@ -18,8 +19,7 @@ from sapo_megatron.batching import (
     to_packed_tensors,
     to_tensors,
 )
-from sapo_megatron.config import ConfigError, config_from_dict
-from sapo_megatron.packing import (
+from sapo_megatron.model.packing import (
     POSITION_IDS,
     SEGMENT_IDS,
     PackingError,
@@ -28,7 +28,7 @@ from sapo_megatron.packing import (
     sequences_with_tokens,
     slot_length,
 )
-from sapo_megatron.tiny import tiny_hf_config
+from sapo_megatron.model.tiny import tiny_hf_config
 
 
 # ---------------------------------------------------------------- the plan
@@ -265,7 +265,7 @@ def test_the_trainer_packs_when_the_budget_is_set():
     """``parallel.max_tokens_per_micro_batch`` reaches the trainer's micro-batches (and null keeps them padded)."""
     from types import SimpleNamespace
 
-    from sapo_megatron.trainer import _micro_batches
+    from sapo_megatron.loop.trainer import _micro_batches
 
     seqs = [TrainSequence([1, 2, 3], [4] * n) for n in (3, 9, 5, 2)]
     for budget, packed in ((None, False), (96, True)):

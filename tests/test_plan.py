@@ -11,6 +11,7 @@ import pytest
 
 from sapo_megatron.cli import main
 from sapo_megatron.config import config_from_dict, load_config, validate_layout
+from sapo_megatron.model.tiny import tiny_hf_config
 from sapo_megatron.plan import (
     PLAN_SCHEMA,
     PlanSettings,
@@ -21,7 +22,6 @@ from sapo_megatron.plan import (
 )
 from sapo_megatron.plan.activations import MicroBatchShape, layer_memory, micro_batch_shape, stage_activations
 from sapo_megatron.plan.report import GIB
-from sapo_megatron.tiny import tiny_hf_config
 
 REPO = Path(__file__).resolve().parents[1]
 QWEN30B = REPO / "configs/qwen3_30b_a3b_sapo_h100.yaml"

@@ -9,12 +9,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from sapo_megatron import precision as precision_mod
-from sapo_megatron.batching import TrainSequence
 from sapo_megatron.cli import main
 from sapo_megatron.config import ConfigError, config_from_dict, sequence_length_multiple
-from sapo_megatron.precision import FP8_RECIPES, fp8_capability_problem, fp8_runtime_problem
-from sapo_megatron.tiny import tiny_hf_config
+from sapo_megatron.model import precision as precision_mod
+from sapo_megatron.model.batching import TrainSequence
+from sapo_megatron.model.precision import FP8_RECIPES, fp8_capability_problem, fp8_runtime_problem
+from sapo_megatron.model.tiny import tiny_hf_config
 
 HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
 RECIPES = list(FP8_RECIPES)
@@ -71,7 +71,7 @@ def test_dense_tp_without_sequence_parallel_pads_only_for_fp8():
 
 
 def test_trainer_pads_micro_batches_to_the_multiple():
-    from sapo_megatron.trainer import _micro_batches
+    from sapo_megatron.loop.trainer import _micro_batches
 
     cfg = cfg_of(precision={"dtype": "fp8", "fp8_recipe": "mxfp8"})
     session = SimpleNamespace(

@@ -11,10 +11,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from sapo_megatron.batching import TrainSequence
 from sapo_megatron.data.prompts import PromptIterator, PromptRow
-from sapo_megatron.rewards.registry import RewardError
-from sapo_megatron.rollout_pipeline import (
+from sapo_megatron.loop.pipeline import (
     IN_FLIGHT_FILE,
     Rollout,
     RolloutPipeline,
@@ -22,7 +20,9 @@ from sapo_megatron.rollout_pipeline import (
     rollout_from_file,
     rollout_to_bytes,
 )
-from sapo_megatron.session import MainRankFailed
+from sapo_megatron.model.batching import TrainSequence
+from sapo_megatron.rewards.registry import RewardError
+from sapo_megatron.runtime.ranks import MainRankFailed
 
 ROWS = [PromptRow(prompt=f"{i}+1=", ground_truth=str(i + 1)) for i in range(20)]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from sapo_megatron.checkpoint import atomic
-from sapo_megatron.run_dir import (
+from sapo_megatron.runtime.run_dir import (
     RunDirError,
     cleanup_failed_start,
     inspect_run_dir,

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from sapo_megatron.step_health import BadStepGuard, NonFiniteTrainingError
+from sapo_megatron.runtime.step_health import BadStepGuard, NonFiniteTrainingError
 
 NAN = math.nan
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sapo_megatron.loop.step_metrics import StepMetrics, quantiles, ratio_quantiles
 from sapo_megatron.megatron.train_step import StepResult
-from sapo_megatron.step_metrics import StepMetrics, quantiles, ratio_quantiles
 
 
 def result(sums: dict[str, tuple[float, float]]) -> StepResult:

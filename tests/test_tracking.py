@@ -13,7 +13,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from sapo_megatron.tracking import Tracker, truncate_metrics
+from sapo_megatron.runtime.tracking import Tracker, truncate_metrics
 
 
 def rows(run_dir: Path) -> list[dict]:

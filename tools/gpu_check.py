@@ -64,7 +64,7 @@ class Checks:
     """The checks, sharing one parallel state and one tiny checkpoint per model kind."""
 
     def __init__(self, workdir: Path, device: torch.device) -> None:
-        from sapo_megatron.tiny import make_tiny_hf_checkpoint
+        from sapo_megatron.model.tiny import make_tiny_hf_checkpoint
 
         self.device = device
         self.workdir = workdir
@@ -110,10 +110,10 @@ class Checks:
         return f"max |Δlogit| {diff:.2e} (tolerance {tolerance})"
 
     def train_steps(self, kind: str, dtype: str) -> str:
-        from sapo_megatron.batching import TrainSequence, build_micro_batches
         from sapo_megatron.megatron.loss_hook import LogprobOutput, PolicyLossHook, add_global_normalisers
         from sapo_megatron.megatron.sft import sft_loss
         from sapo_megatron.megatron.train_step import TrainEngine
+        from sapo_megatron.model.batching import TrainSequence, build_micro_batches
 
         if dtype == "fp8" and not have("transformer_engine"):
             raise SkipCheck("FP8 needs transformer_engine, which is not installed")
@@ -150,10 +150,10 @@ class Checks:
     def packing(self, kind: str) -> str:
         """Packed micro-batches (THD through TE's attention when TE imports, else the block mask) against padded
         ones: per-sequence log-probs of one forward-only pass, and its time per layout."""
-        from sapo_megatron.batching import SEQUENCE_INDEX, TrainSequence, build_micro_batches
         from sapo_megatron.megatron.loss_hook import LogprobOutput
         from sapo_megatron.megatron.train_step import TrainEngine
-        from sapo_megatron.packing import SequenceView
+        from sapo_megatron.model.batching import SEQUENCE_INDEX, TrainSequence, build_micro_batches
+        from sapo_megatron.model.packing import SequenceView
 
         dtype = "bf16" if have("transformer_engine") else "fp32"  # TE's THD kernels are fp16/bf16 ones
         engine = TrainEngine(self.config(kind, dtype))
@@ -233,7 +233,7 @@ class Checks:
     def fp8_config(self, precision: dict):
         """A Qwen3-MoE shape whose GEMM dimensions are multiples of 32 (MXFP8 blocks), same weights every time."""
         from sapo_megatron.config import config_from_dict
-        from sapo_megatron.tiny import make_tiny_hf_checkpoint
+        from sapo_megatron.model.tiny import make_tiny_hf_checkpoint
 
         if "fp8" not in self.hf_dirs:
             self.hf_dirs["fp8"] = make_tiny_hf_checkpoint(self.workdir / "fp8", "moe", seed=0, **FP8_SHAPE)
@@ -254,11 +254,11 @@ class Checks:
 
     def recipe_run(self, recipe: str | None) -> dict:
         """Logits, first loss and median step time of the SFT step under ``recipe`` (None: bf16), cached."""
-        from sapo_megatron.batching import TrainSequence, build_micro_batches
         from sapo_megatron.config import sequence_length_multiple
         from sapo_megatron.megatron.loss_hook import add_global_normalisers
         from sapo_megatron.megatron.sft import sft_loss
         from sapo_megatron.megatron.train_step import TrainEngine
+        from sapo_megatron.model.batching import TrainSequence, build_micro_batches
 
         if recipe in self.recipe_runs:
             return self.recipe_runs[recipe]
@@ -303,7 +303,7 @@ class Checks:
         return run
 
     def fp8_recipe(self, recipe: str) -> str:
-        from sapo_megatron.precision import fp8_runtime_problem
+        from sapo_megatron.model.precision import fp8_runtime_problem
 
         problem = fp8_runtime_problem(recipe)
         if problem:

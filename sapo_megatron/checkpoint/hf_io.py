@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from sapo_megatron.arch import QwenArch
 from sapo_megatron.checkpoint.mapping import MappingError, hf_expected_shapes
 from sapo_megatron.errors import UserError
+from sapo_megatron.model.arch import QwenArch
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from sapo_megatron.arch import QwenArch
 from sapo_megatron.errors import UserError
+from sapo_megatron.model.arch import QwenArch
 
 GatherFn = Callable[[torch.Tensor, int], torch.Tensor]
 """``gather(local, dim) -> full``: concatenates the shards of all ranks of the relevant TP group along ``dim``."""

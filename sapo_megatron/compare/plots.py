@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from sapo_megatron.compare.report import ArmResult, by_configuration
+from sapo_megatron.compare.results import ArmResult, by_configuration
 
 PLOTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("reward", "reward (mean over the step's samples)", ("reward",)),

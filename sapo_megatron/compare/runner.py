@@ -44,8 +44,8 @@ from sapo_megatron.compare.arms import (
 from sapo_megatron.compare.report import ReportFiles, load_arm_result, require_matplotlib, write_report
 from sapo_megatron.config import ConfigError, config_from_dict
 from sapo_megatron.errors import UserError
-from sapo_megatron.interrupts import EXIT_NOW_CODE, InterruptGuard
-from sapo_megatron.run_dir import TRASH_PREFIX
+from sapo_megatron.runtime.interrupts import EXIT_NOW_CODE, InterruptGuard
+from sapo_megatron.runtime.run_dir import TRASH_PREFIX
 
 REPORT_ENTRIES = ("report.md", "report.json", "plots")
 POLL_S = 0.1
@@ -84,8 +84,8 @@ def train_command(config_path: Path, *, debug: bool = False) -> list[str]:
 
 def preflight(plan: ComparePlan, *, overwrite: bool) -> None:
     """Every check that can fail before the first run starts (raises :class:`CompareError` / ``ConfigError``)."""
-    from sapo_megatron.inputs import check_input_files
-    from sapo_megatron.rewards.registry import check_reward_available
+    from sapo_megatron.loop.inputs import check_input_files
+    from sapo_megatron.rewards.runner import check_reward_available
 
     require_matplotlib()
     check_output_dir(plan, overwrite=overwrite)

@@ -38,7 +38,6 @@ import torch
 from torch.distributed.checkpoint import CheckpointException, save
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from sapo_megatron.arch import ArchError, QwenArch
 from sapo_megatron.checkpoint import atomic, dcp_io
 from sapo_megatron.checkpoint.hf_io import CheckpointError, HFCheckpointReader
 from sapo_megatron.checkpoint.mapping import MappingError, Transform, hf_expected_shapes, resolve
@@ -50,6 +49,7 @@ from sapo_megatron.checkpoint.safetensors_stream import (
 )
 from sapo_megatron.data.tokenizer import HF_TOKENIZER_FILES, TOKENIZER_FILE
 from sapo_megatron.errors import UserError
+from sapo_megatron.model.arch import ArchError, QwenArch
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 1024**3
 DEFAULT_READ_BATCH_BYTES = 512 * 1024**2

@@ -64,7 +64,7 @@ def _print(line: str) -> None:
 
 def build_tokenizer(cfg: Any):
     """``data.tokenizer``, refused when it has more tokens than the model's vocabulary."""
-    from sapo_megatron.config import ConfigError
+    from sapo_megatron.errors import ConfigError
 
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     if tokenizer.vocab_size > cfg.model.arch.vocab_size:
@@ -77,7 +77,7 @@ def build_tokenizer(cfg: Any):
 
 def _context_limit(cfg: Any) -> tuple[int, str | None]:
     """The longest prompt the rollout engine takes, and where the limit comes from (None: data.max_prompt_tokens)."""
-    from sapo_megatron.config import ConfigError
+    from sapo_megatron.errors import ConfigError
 
     context = cfg.model.arch.max_position_embeddings
     new_tokens = cfg.rollout.max_new_tokens
@@ -103,7 +103,7 @@ def _rows(cfg: Any, source: str, split: str, size: int) -> tuple[list[PromptRow]
     if not source.startswith("synthetic:"):
         dataset = read_dataset(source, cfg.data)
         return dataset.rows, dataset
-    from sapo_megatron.config import ConfigError
+    from sapo_megatron.errors import ConfigError
 
     tasks = source.removeprefix("synthetic:").split("+")
     unknown = [task for task in tasks if task not in TASKS]

@@ -15,23 +15,21 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from sapo_megatron.tracking import Tracker, truncate_metrics
+from sapo_megatron.runtime.tracking import Tracker, truncate_metrics
 
 SAMPLES_FILE = "samples.jsonl"
 SAMPLES_PER_STEP = 4
 TENSORBOARD_SAMPLES = 2
 
 
-def resume_point(checkpoint: Any) -> dict[str, int] | None:
+def resume_point(checkpoint: Any, *, batch_in_flight: bool = False) -> dict[str, int] | None:
     """The last step whose samples a run resumed from ``checkpoint`` keeps (``None``: a fresh start): the
-    checkpoint's, or one more RL step when it holds the batch in flight (async rollout), whose samples were
-    written and which the resumed run trains on without generating it again."""
+    checkpoint's, or one more RL step when it holds the batch in flight (``batch_in_flight``: async rollout),
+    whose samples were written and which the resumed run trains on without generating it again."""
     if checkpoint is None:
         return None
-    from sapo_megatron.rollout_pipeline import IN_FLIGHT_FILE
-
     steps = dict(checkpoint.steps)
-    if (Path(checkpoint.path) / IN_FLIGHT_FILE).is_file():
+    if batch_in_flight:
         steps["rl"] = steps.get("rl", 0) + 1
     return steps
 

@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 from sapo_megatron.algo import MismatchCorrection, SafFusion, fuse_advantages, opd_advantages
-from sapo_megatron.batching import DOMAIN_IDS, TEACHER_LOGP, UNIT_TEMPERATURE_LOGP
 from sapo_megatron.distill.config import safe_metric_name
-from sapo_megatron.packing import SequenceView
+from sapo_megatron.model.batching import DOMAIN_IDS, TEACHER_LOGP, UNIT_TEMPERATURE_LOGP
+from sapo_megatron.model.packing import SequenceView
 
 Updates = list[list[dict]]
 NO_DOMAIN = "none"

@@ -24,11 +24,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from sapo_megatron.batching import TrainSequence
 from sapo_megatron.data.prompts import PromptRow
 from sapo_megatron.data.tokenizer import load_tokenizer
 from sapo_megatron.distill.config import TeacherConfig, default_teacher, domain_teachers
 from sapo_megatron.errors import UserError
+from sapo_megatron.model.batching import TrainSequence
 from sapo_megatron.rollout.base import RolloutEngine, RolloutError
 from sapo_megatron.rollout.collect import RolloutBatch
 from sapo_megatron.rollout.types import Sample
@@ -159,7 +159,7 @@ def build_teachers(
 def _build_teacher(cfg: TeacherConfig, *, seed: int, log: Log) -> Teacher:
     if cfg.engine == "sglang":
         return _sglang_teacher(cfg, log)
-    from sapo_megatron.rollout.cpu_engine import CPUEngine
+    from sapo_megatron.rollout.cpu.engine import CPUEngine
 
     path = Path(cfg.model_path)
     if not (path / "config.json").is_file():
@@ -171,8 +171,8 @@ def _build_teacher(cfg: TeacherConfig, *, seed: int, log: Log) -> Teacher:
     cpu = CPUEngine.from_pretrained(path, seed=seed, num_threads=cfg.threads)
     if not cfg.cpu_http:
         return Teacher(cfg, cpu)
-    from sapo_megatron.rollout.cpu_server import CPUServer
-    from sapo_megatron.rollout.sglang_client import SGLangClient
+    from sapo_megatron.rollout.cpu.server import CPUServer
+    from sapo_megatron.rollout.sglang.client import SGLangClient
 
     server = CPUServer(cpu).start()
     client = SGLangClient(
@@ -184,8 +184,8 @@ def _build_teacher(cfg: TeacherConfig, *, seed: int, log: Log) -> Teacher:
 def _sglang_teacher(cfg: TeacherConfig, log: Log) -> Teacher:
     import httpx
 
-    from sapo_megatron.rollout.sglang_client import SGLangClient
-    from sapo_megatron.rollout.topology import auth_headers, resolve_topology
+    from sapo_megatron.rollout.sglang.client import SGLangClient
+    from sapo_megatron.rollout.sglang.topology import auth_headers, resolve_topology
 
     api_key = os.environ.get(cfg.api_key_env) or None
     topology = resolve_topology(

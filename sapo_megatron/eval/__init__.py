@@ -7,7 +7,7 @@ training (the ``eval`` config section) and standalone (``sapo-megatron eval``); 
 - :mod:`~sapo_megatron.eval.inputs`: datasets, prompt encoding and rewards for evaluation (the one adapter to
   the data and reward packages);
 - :mod:`~sapo_megatron.eval.runner`: generate, score, aggregate; ``eval.json`` and ``samples.jsonl``;
-- :mod:`~sapo_megatron.eval.training`: the trainer's one call;
+- the trainer's one call lives in the loop, :mod:`~sapo_megatron.loop.evaluation`;
 - :mod:`~sapo_megatron.eval.cli`: the ``eval`` and ``report`` commands; :mod:`~sapo_megatron.eval.report`:
   a run's plots and ``report.md``.
 """

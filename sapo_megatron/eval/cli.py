@@ -156,8 +156,13 @@ def _convert(checkpoint: Path, out: Path, run_config: Path | None) -> Path:
 def eval_config(args: argparse.Namespace, hf_dir: Path | None, run_config: Path | None):
     """The run config evaluation reads: CONFIG (else the run's ``config.yaml``, else defaults for ``hf_dir``),
     with ``--set``, ``--data``, ``--n`` and ``--temperature`` applied."""
-    from sapo_megatron.cli import _parse_overrides
-    from sapo_megatron.config import _read_yaml, _resolve_relative_hf_config, _set_dotted, config_from_dict
+    from sapo_megatron.config import (
+        _read_yaml,
+        _resolve_relative_hf_config,
+        _set_dotted,
+        config_from_dict,
+        parse_overrides,
+    )
 
     source = Path(args.config) if args.config else run_config
     if source is not None:
@@ -173,7 +178,7 @@ def eval_config(args: argparse.Namespace, hf_dir: Path | None, run_config: Path 
         for key in ("n", "temperature"):
             if getattr(args, key) is not None:
                 raw["eval"]["datasets"][index][key] = getattr(args, key)
-    for dotted, value in _parse_overrides(args.set).items():
+    for dotted, value in parse_overrides(args.set).items():
         _set_dotted(raw, dotted, value)
     if source is not None:
         _resolve_relative_hf_config(raw, source.resolve().parent)
@@ -191,8 +196,8 @@ def build_engine(args: argparse.Namespace, cfg: Any, hf_dir: Path | None, tokeni
     """The in-process CPU engine on ``hf_dir``, or a client of the servers named by ``--urls`` /
     ``--endpoints-file``."""
     if args.urls or args.endpoints_file:
-        from sapo_megatron.rollout.sglang_client import SGLangClient
-        from sapo_megatron.rollout.topology import resolve_topology
+        from sapo_megatron.rollout.sglang.client import SGLangClient
+        from sapo_megatron.rollout.sglang.topology import resolve_topology
 
         api_key = os.environ.get(cfg.rollout.api_key_env) or None
         topology = resolve_topology(
@@ -216,7 +221,7 @@ def build_engine(args: argparse.Namespace, cfg: Any, hf_dir: Path | None, tokeni
         )
     if hf_dir is None:
         raise EvalError("give --model (an HF folder, run folder or Megatron checkpoint) or --urls")
-    from sapo_megatron.rollout.cpu_engine import CPUEngine
+    from sapo_megatron.rollout.cpu.engine import CPUEngine
 
     return CPUEngine.from_pretrained(
         hf_dir, seed=seed, num_threads=args.threads or cfg.rollout.threads, precision=cfg.rollout.precision

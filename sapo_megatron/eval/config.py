@@ -131,7 +131,7 @@ def resolve_datasets(cfg: Any) -> list[EvalDataset]:
 
 def _keys(cfg: Any, dataset: EvalDatasetConfig, index: int) -> DatasetKeys:
     """The dataset's keys: its own where set, else ``eval.defaults``', else ``data``'s."""
-    from sapo_megatron.config import ConfigError
+    from sapo_megatron.errors import ConfigError
 
     def pick(key: str) -> Any:
         for source in (dataset, cfg.eval.defaults):
@@ -152,7 +152,7 @@ OLD_KEYS = (("data", "heldout"), ("data", "heldout_size"), ("trainer", "eval_eve
 def refuse_old_eval_keys(raw: dict[str, Any]) -> None:
     """Raise :class:`~sapo_megatron.config.ConfigError` when the raw config still uses ``data.heldout``,
     ``data.heldout_size`` or ``trainer.eval_every``, giving the ``eval`` section that does the same."""
-    from sapo_megatron.config import ConfigError
+    from sapo_megatron.errors import ConfigError
 
     found = {
         f"{section}.{key}": raw[section][key]

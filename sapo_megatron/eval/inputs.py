@@ -27,8 +27,8 @@ from sapo_megatron.rewards.answers import extract_final_answer, extract_last_num
 def load_eval_rows(dataset: EvalDataset, *, digits: int, seed: int) -> list[PromptRow]:
     """The dataset's prompt rows: a ``synthetic:`` task's held-out split (``size`` of them, default
     :data:`SYNTHETIC_SIZE`), or a file's (directory's, glob's) first ``size`` rows (all by default)."""
-    from sapo_megatron.config import ConfigError
     from sapo_megatron.data.synthetic import TASKS, make_mixed_rows
+    from sapo_megatron.errors import ConfigError
 
     if dataset.path.startswith("synthetic:"):
         tasks = dataset.path.removeprefix("synthetic:").split("+")
@@ -61,7 +61,7 @@ class EvalPrompts:
         check_encodable(rows, self.tokenizer, dataset.path, template=keys.prompt_template)
         limit = None if context is None else context - dataset.max_new_tokens
         if limit is not None and limit < 1:
-            from sapo_megatron.config import ConfigError
+            from sapo_megatron.errors import ConfigError
 
             raise ConfigError(
                 f"eval dataset {dataset.name}: max_new_tokens={dataset.max_new_tokens} leaves no room for a prompt "

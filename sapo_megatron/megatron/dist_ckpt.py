@@ -39,13 +39,13 @@ from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 from megatron.core.models.gpt import GPTModel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from sapo_megatron.arch import QwenArch
 from sapo_megatron.checkpoint import atomic, dcp_io
 from sapo_megatron.checkpoint.atomic import IncompleteCheckpointError
 from sapo_megatron.config import ModelConfig, ParallelConfig, PrecisionConfig
 from sapo_megatron.errors import UserError
 from sapo_megatron.megatron.model import BuildOptions, layer_spec, transformer_config
 from sapo_megatron.megatron.weights import unwrap
+from sapo_megatron.model.arch import QwenArch
 
 logger = logging.getLogger(__name__)
 

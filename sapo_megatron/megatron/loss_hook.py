@@ -16,9 +16,9 @@ With the global normalisers each micro-batch returns its exact share of the full
 not depend on the micro-batch split or the data/pipeline layout (tests/loss prove it). A sequence must stay
 within one micro-batch, and context parallelism (which splits sequences) is refused.
 
-Packed micro-batches (one row ``[1, T]`` holding several sequences, ``segment_ids``; :mod:`sapo_megatron.packing`):
+Packed micro-batches (one row ``[1, T]`` holding several sequences, ``segment_ids``; :mod:`sapo_megatron.model.packing`):
 log-probs and entropy are computed on the packed logits, then every per-token tensor (any key shaped like
-``labels``) is viewed as per-sequence rows ``[n, w]`` (:class:`~sapo_megatron.packing.SequenceView`) before the
+``labels``) is viewed as per-sequence rows ``[n, w]`` (:class:`~sapo_megatron.model.packing.SequenceView`) before the
 loss, so sequence means, sequence-level ratios and sequence counts are per sequence, not per row; per-sequence
 keys (``advantages`` ``[n]``) already are.
 """
@@ -42,7 +42,6 @@ from sapo_megatron.algo import (
     opd_k3,
 )
 from sapo_megatron.algo.losses import LOG_RATIO_CLAMP
-from sapo_megatron.batching import TEACHER_LOGP
 from sapo_megatron.megatron.logprobs import (
     DEFAULT_CHUNK_TOKENS,
     MEGATRON_GROUP,
@@ -50,7 +49,8 @@ from sapo_megatron.megatron.logprobs import (
     vocab_parallel_logprobs,
 )
 from sapo_megatron.megatron.train_step import Metrics, MicroBatch
-from sapo_megatron.packing import SequenceView, sequences_with_tokens
+from sapo_megatron.model.batching import TEACHER_LOGP
+from sapo_megatron.model.packing import SequenceView, sequences_with_tokens
 
 NORMALISER_KEYS = ("num_sequences_global", "num_tokens_global")
 

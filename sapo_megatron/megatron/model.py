@@ -21,9 +21,9 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from sapo_megatron.arch import ArchError, QwenArch
 from sapo_megatron.config import ConfigError, ModelConfig, ParallelConfig, PrecisionConfig
-from sapo_megatron.precision import FP8_RECIPES, fp8_runtime_problem, have_transformer_engine
+from sapo_megatron.model.arch import ArchError, QwenArch
+from sapo_megatron.model.precision import FP8_RECIPES, fp8_runtime_problem, have_transformer_engine
 
 PARAMS_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
 

@@ -1,4 +1,4 @@
-"""Packed micro-batches (:mod:`sapo_megatron.packing`) on Megatron-Core: what ``GPTModel.forward`` gets.
+"""Packed micro-batches (:mod:`sapo_megatron.model.packing`) on Megatron-Core: what ``GPTModel.forward`` gets.
 
 A packed micro-batch is one row ``[1, T]`` of several sequences; attention must stay inside each sequence and
 RoPE must restart at each. Both are derived from ``position_ids`` alone – a segment starts wherever they restart
@@ -39,7 +39,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-from sapo_megatron.packing import POSITION_IDS, is_packed
+from sapo_megatron.model.packing import POSITION_IDS, is_packed
 
 MicroBatch = Mapping[str, torch.Tensor]
 

@@ -3,7 +3,7 @@
 Micro-batch keys (int32 CPU tensors ``[b, s, L, k]``: batch row, model position, global layer index 0..L-1, top-k
 slot; ``NO_ROUTE`` (-1) on dense layers and on layers this pipeline stage does not own):
 
-- ``engine_routes``: the rollout engine's routes laid onto the trainer's positions (:mod:`sapo_megatron.batching`).
+- ``engine_routes``: the rollout engine's routes laid onto the trainer's positions (:mod:`sapo_megatron.model.batching`).
 - ``recorded_routes``: what this rank's routers chose in a recording forward-only pass
   (``TrainEngine.forward_only(..., record_routes=True)``): this stage's MoE layers, whole sequences (the
   sequence-parallel slices of the tensor-parallel ranks are gathered back).
@@ -59,7 +59,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from sapo_megatron.batching import ENGINE_ROUTES, NO_ROUTE, RoutingReplayError
+from sapo_megatron.model.batching import ENGINE_ROUTES, NO_ROUTE, RoutingReplayError
 
 __all__ = [
     "ENGINE_ROUTES",

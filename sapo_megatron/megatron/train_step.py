@@ -45,7 +45,7 @@ MicroBatch = dict[str, torch.Tensor]
 """One micro-batch: ``input_ids`` [b, s] (right-padded), optional ``position_ids`` [b, s], plus whatever
 tensors the loss function reads (labels, masks, advantages, ...), and MoE routes int32 [b, s, L, k]
 (``engine_routes``, ``recorded_routes``, ``used_routes``: see :mod:`sapo_megatron.megatron.routing_replay`).
-Packed micro-batches (``segment_ids``; one row [1, T], :mod:`sapo_megatron.packing`) run as THD or with a block
+Packed micro-batches (``segment_ids``; one row [1, T], :mod:`sapo_megatron.model.packing`) run as THD or with a block
 mask (:mod:`sapo_megatron.megatron.packed_seq`)."""
 
 Metrics = dict[str, torch.Tensor]
@@ -70,7 +70,7 @@ class StepResult:
     metrics: dict[str, float] = field(default_factory=dict)
     metric_sums: dict[str, tuple[float, float]] = field(default_factory=dict)
     """``metrics`` before division: ``(weighted sum, weight)`` over every micro-batch and rank, to pool several
-    optimizer steps exactly (:class:`sapo_megatron.step_metrics.StepMetrics`)."""
+    optimizer steps exactly (:class:`sapo_megatron.loop.step_metrics.StepMetrics`)."""
 
 
 class TrainEngine:

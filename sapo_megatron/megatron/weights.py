@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from sapo_megatron.arch import QwenArch
 from sapo_megatron.checkpoint.mapping import MappingError, Resolved, ShardInfo, hf_expected_shapes, resolve
+from sapo_megatron.model.arch import QwenArch
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"(local_experts\.|linear_fc[12]\.weight)(\d+)")

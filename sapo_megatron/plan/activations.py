@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from sapo_megatron.config import RunConfig, data_parallel_size, sequence_length_multiple
-from sapo_megatron.precision import round_up
+from sapo_megatron.model.precision import round_up
 
 Spec = Literal["te", "local"]
 ACTIVATION_BYTES = {"fp32": 4, "bf16": 2, "fp8": 2}

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sapo_megatron.config import RunConfig, data_parallel_size, sequence_length_multiple
+from sapo_megatron.model.precision import GPU_TYPES
 from sapo_megatron.plan.activations import (
     MicroBatchShape,
     Spec,
@@ -22,7 +23,6 @@ from sapo_megatron.plan.activations import (
     stage_activations,
 )
 from sapo_megatron.plan.static import StageShard, StaticMemory, memory_estimate, stage_shards
-from sapo_megatron.precision import GPU_TYPES
 
 GIB = 1024**3
 PLAN_SCHEMA = "sapo-megatron.plan/1"

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sapo_megatron.arch import QwenArch
 from sapo_megatron.config import RunConfig, data_parallel_size
+from sapo_megatron.model.arch import QwenArch
 
 BYTES_PER_PARAM = {"fp32": 4, "bf16": 2, "fp8": 2}
 

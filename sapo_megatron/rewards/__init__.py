@@ -17,12 +17,17 @@ from sapo_megatron.rewards.registry import (
     RewardFn,
     SafeReward,
     available_rewards,
-    check_reward_available,
     get_reward,
     register_reward,
     safe_reward,
 )
-from sapo_megatron.rewards.runner import RewardRunner, RewardSpec, build_reward_runner, check_reward_spec
+from sapo_megatron.rewards.runner import (
+    RewardRunner,
+    RewardSpec,
+    build_reward_runner,
+    check_reward_available,
+    check_reward_spec,
+)
 from sapo_megatron.rewards.types import RewardInput, RewardOutput, group_reward
 
 __all__ = [

@@ -4,15 +4,13 @@ returns into :class:`RewardOutput` – the same code inline and in the pool's wo
 from __future__ import annotations
 
 import math
-import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from sapo_megatron.rewards.loading import call_arguments, is_import_path, load_function
+from sapo_megatron.rewards.outputs import error_output, safe_output, to_output
 from sapo_megatron.rewards.types import RewardInput, RewardOutput, is_group_reward
-
-_JSON_SCALARS = (str, int, float, bool, type(None))
 
 
 def resolve_function(spec: str) -> Callable[..., Any]:
@@ -64,41 +62,4 @@ class BoundReward:
         if len(values) != len(inputs):
             message = f"group reward returned {len(values)} scores for {len(inputs)} samples"
             return [RewardOutput(0.0, {}, message)] * len(inputs)
-        return [_safe_output(value) for value in values]
-
-
-def _safe_output(value: Any) -> RewardOutput:
-    try:
-        return to_output(value)
-    except Exception as exc:
-        return error_output(exc)
-
-
-def error_output(exc: BaseException) -> RewardOutput:
-    where = traceback.extract_tb(exc.__traceback__)[-1:] if exc.__traceback__ else []
-    at = f" (at {where[0].filename}:{where[0].lineno})" if where else ""
-    return RewardOutput(0.0, {}, f"{type(exc).__name__}: {exc}{at}")
-
-
-def to_output(value: Any) -> RewardOutput:
-    """A float, a bool or a dict with ``score`` (other keys become ``fields``); non-finite scores are errors."""
-    fields: dict[str, Any] = {}
-    if isinstance(value, Mapping):
-        if "score" not in value:
-            raise ValueError(f"reward returned a dict without 'score' (keys: {sorted(value)})")
-        fields = {str(k): _jsonable(v) for k, v in value.items() if k != "score"}
-        value = value["score"]
-    score = float(value)
-    if not math.isfinite(score):
-        return RewardOutput(0.0, fields, f"reward returned a non-finite score {score}")
-    return RewardOutput(score, fields)
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, _JSON_SCALARS):
-        return value
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    return str(value)
+        return [safe_output(value) for value in values]

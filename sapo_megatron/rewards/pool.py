@@ -22,8 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sapo_megatron.rewards.framing import read_frame, write_frame
-from sapo_megatron.rewards.registry import RewardError
-from sapo_megatron.rewards.types import RewardInput, RewardOutput
+from sapo_megatron.rewards.types import RewardError, RewardInput, RewardOutput
 
 STARTUP_TIMEOUT_S = 120.0
 

@@ -1,4 +1,4 @@
-"""Reward functions by name, :func:`check_reward_available` (before training), and :class:`SafeReward`, which
+"""Reward functions by name, :func:`check_registered` (before training), and :class:`SafeReward`, which
 keeps a crashing reward from stopping training – up to a per-step error budget."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from sapo_megatron.errors import UserError
 from sapo_megatron.rewards.answers import exact_match, extract_last_number, numeric_match
-from sapo_megatron.rewards.calling import to_output
 from sapo_megatron.rewards.code_exec import code_exec
 from sapo_megatron.rewards.dapo import dapo_math
 from sapo_megatron.rewards.math_verify_reward import INSTALL_HINT, math_verify_available, math_verify_reward
+from sapo_megatron.rewards.outputs import to_output
+from sapo_megatron.rewards.types import RewardError
 
 logger = logging.getLogger(__name__)
 
@@ -22,10 +22,6 @@ class RewardFn(Protocol):
     """Scores one decoded response against its label; returns a float or a dict with ``score``."""
 
     def __call__(self, response: str, label: str) -> float: ...
-
-
-class RewardError(UserError, RuntimeError):
-    """Too many of a step's rewards raised: the reward function (or what it needs) is broken."""
 
 
 _REGISTRY: dict[str, RewardFn] = {}
@@ -64,17 +60,12 @@ def available_rewards() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def check_reward_available(name, *, field: str = "algorithm.reward", kwargs=None) -> None:
-    """Raise :class:`~sapo_megatron.config.ConfigError` (about ``field``) when ``name`` is not a registered
-    reward or a package it needs is missing, so that a run never scores every sample 0. Import paths and remote
-    specs go through :func:`~sapo_megatron.rewards.runner.check_reward_spec` (importable, callable, signature)."""
-    from sapo_megatron.config import ConfigError
+def check_registered(name: str, *, field: str = "algorithm.reward", kwargs=None) -> None:
+    """Raise :class:`~sapo_megatron.errors.ConfigError` (about ``field``) when ``name`` is not a registered
+    reward, a package it needs is missing, or it cannot take ``kwargs``, so that a run never scores every sample
+    0. Any spec (import paths, reward servers): :func:`~sapo_megatron.rewards.runner.check_reward_available`."""
+    from sapo_megatron.errors import ConfigError
 
-    if not isinstance(name, str) or ":" in name:
-        from sapo_megatron.rewards.runner import check_reward_spec
-
-        check_reward_spec(name, field=field, kwargs=kwargs)
-        return
     if name not in _REGISTRY:
         raise ConfigError(
             f"{field}={name!r} is not a registered reward (or an import path 'file.py:fn' / 'pkg.mod:fn'); "
@@ -115,7 +106,7 @@ def check_labels(spec: object, rows: Sequence[Any], where: str) -> None:
         return
     first = f"row {bad[0]} ({str(rows[bad[0]].ground_truth)!r:.60})"
     if len(bad) == len(rows):
-        from sapo_megatron.config import ConfigError
+        from sapo_megatron.errors import ConfigError
 
         raise ConfigError(
             f"algorithm.reward={spec!r} compares numbers, but no label of {where} holds one (first: {first})",

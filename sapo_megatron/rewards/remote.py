@@ -24,7 +24,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from sapo_megatron.rewards.calling import error_output, to_output
+from sapo_megatron.rewards.outputs import error_output, to_output
 from sapo_megatron.rewards.types import RewardInput, RewardOutput
 
 logger = logging.getLogger(__name__)

@@ -18,9 +18,9 @@ from typing import Any, Protocol
 from sapo_megatron.rewards.calling import BoundReward
 from sapo_megatron.rewards.loading import RewardSpecError, absolute_spec, check_signature, is_import_path
 from sapo_megatron.rewards.pool import WorkerPool
-from sapo_megatron.rewards.registry import RewardError
+from sapo_megatron.rewards.registry import check_registered
 from sapo_megatron.rewards.remote import RemoteReward, RemoteSettings
-from sapo_megatron.rewards.types import RewardInput, RewardOutput
+from sapo_megatron.rewards.types import RewardError, RewardInput, RewardOutput
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +66,7 @@ def check_reward_spec(
 ) -> None:
     """Raise :class:`~sapo_megatron.config.ConfigError` naming ``field`` when the reward cannot be used: unknown
     name, missing dependency, not importable, not callable, a signature it cannot be called with."""
-    from sapo_megatron.config import ConfigError
-    from sapo_megatron.rewards.registry import check_reward_available
+    from sapo_megatron.errors import ConfigError
 
     try:
         remote = _remote_settings(spec)
@@ -78,12 +77,21 @@ def check_reward_spec(
             raise ConfigError(f"{field}.url={remote.url!r} must start with http:// or https://")
         return
     if not is_import_path(spec):
-        check_reward_available(spec, field=field)
+        check_registered(spec, field=field)
     try:
         bound = BoundReward.from_spec(absolute_spec(spec))
         check_signature(bound.fn, kwargs or {})
     except RewardSpecError as exc:
         raise ConfigError(f"{field}={spec!r}: {exc}") from None
+
+
+def check_reward_available(spec: RewardSpec, *, field: str = "algorithm.reward", kwargs=None) -> None:
+    """Any reward spec, before training: a registered name (:func:`~.registry.check_registered`: known, its
+    packages installed, ``kwargs`` accepted), an import path or a reward server (:func:`check_reward_spec`)."""
+    if isinstance(spec, str) and ":" not in spec:
+        check_registered(spec, field=field, kwargs=kwargs)
+    else:
+        check_reward_spec(spec, field=field, kwargs=kwargs)
 
 
 def build_reward_runner(

@@ -7,6 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from sapo_megatron.errors import UserError
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 GROUP_ATTRIBUTE = "reward_group"
@@ -48,3 +50,7 @@ def group_reward(fn: F) -> F:
 
 def is_group_reward(fn: Callable[..., Any]) -> bool:
     return bool(getattr(fn, GROUP_ATTRIBUTE, False))
+
+
+class RewardError(UserError, RuntimeError):
+    """Too many of a step's rewards raised: the reward function (or what it needs) is broken."""

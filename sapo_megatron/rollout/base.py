@@ -1,7 +1,7 @@
 """The rollout engine interface. The trainer holds a :class:`RolloutEngine` and never knows which one.
 
-Implementations: :class:`~sapo_megatron.rollout.sglang_client.SGLangClient` (SGLang servers over HTTP, also the
-CPU server) and :class:`~sapo_megatron.rollout.cpu_engine.CPUEngine` (transformers, in-process).
+Implementations: :class:`~sapo_megatron.rollout.sglang.client.SGLangClient` (SGLang servers over HTTP, also the
+CPU server) and :class:`~sapo_megatron.rollout.cpu.engine.CPUEngine` (transformers, in-process).
 """
 
 from __future__ import annotations

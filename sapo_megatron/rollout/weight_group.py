@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from sapo_megatron.errors import UserError
-from sapo_megatron.interrupts import WaitInterrupted, stop_requested
+from sapo_megatron.runtime.interrupts import WaitInterrupted, stop_requested
 
 DEFAULT_TIMEOUT_S = 1800.0  # torch's default_pg_timeout; SGLang passes none, so its groups use this too
 SUPPORTED_BACKENDS = ("gloo", "nccl")

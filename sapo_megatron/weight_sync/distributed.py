@@ -26,9 +26,9 @@ from urllib.parse import urlsplit
 import torch
 import torch.distributed as dist
 
-from sapo_megatron.arch import QwenArch
-from sapo_megatron.interrupts import WaitInterrupted, wait_for
+from sapo_megatron.model.arch import QwenArch
 from sapo_megatron.rollout.base import RolloutEngine, RolloutError
+from sapo_megatron.runtime.interrupts import WaitInterrupted, wait_for
 from sapo_megatron.weight_sync.hf_export import DEFAULT_BUCKET_BYTES, Bucket, bucket_bytes_of, hf_buckets
 from sapo_megatron.weight_sync.modes import WeightSync
 

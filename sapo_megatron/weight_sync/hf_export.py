@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from sapo_megatron.arch import QwenArch
 from sapo_megatron.checkpoint import atomic
 from sapo_megatron.checkpoint.mapping import hf_expected_shapes
 from sapo_megatron.checkpoint.safetensors_stream import TensorSpec, plan_shards, write_index, write_shard
+from sapo_megatron.model.arch import QwenArch
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
 DEFAULT_SHARD_BYTES = 5 * 1024**3

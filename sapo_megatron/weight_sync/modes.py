@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from sapo_megatron.arch import QwenArch
+from sapo_megatron.model.arch import QwenArch
 from sapo_megatron.rollout.base import RolloutEngine
 from sapo_megatron.weight_sync.hf_export import DEFAULT_BUCKET_BYTES, bucket_bytes_of, export_hf, hf_buckets
 

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from sapo_megatron.conversion.convert import hf_to_megatron
-from sapo_megatron.tiny import make_tiny_hf_checkpoint
+from sapo_megatron.model.tiny import make_tiny_hf_checkpoint
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 KINDS = ("moe-fp32", "moe-bf16", "dense-fp32", "dense-bf16")

@@ -12,7 +12,7 @@ import transformers
 from sapo_megatron.checkpoint import atomic
 from sapo_megatron.conversion.convert import hf_to_megatron, megatron_to_hf
 from sapo_megatron.data.tokenizer import CharTokenizer
-from sapo_megatron.tiny import make_tiny_hf_checkpoint
+from sapo_megatron.model.tiny import make_tiny_hf_checkpoint
 from tests.checkpoint.conftest import KINDS, assert_bitwise_equal, read_hf_tensors
 
 

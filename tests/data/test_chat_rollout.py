@@ -21,14 +21,14 @@ from sapo_megatron.distill.config import (
     check_domains_served,
     prompt_domains,
 )
+from sapo_megatron.loop.in_flight import IN_FLIGHT_FILE, holds_batch_in_flight
+from sapo_megatron.model.tiny import make_tiny_hf_checkpoint
 from sapo_megatron.rollout.collect import CollectSettings, collect
-from sapo_megatron.rollout.cpu_engine import CPUEngine
-from sapo_megatron.rollout.cpu_server import CPUServer, serve
-from sapo_megatron.rollout.sglang_client import SGLangClient
+from sapo_megatron.rollout.cpu.engine import CPUEngine
+from sapo_megatron.rollout.cpu.server import CPUServer, serve
+from sapo_megatron.rollout.sglang.client import SGLangClient
 from sapo_megatron.rollout.types import SamplingParams
-from sapo_megatron.rollout_pipeline import IN_FLIGHT_FILE
-from sapo_megatron.tiny import make_tiny_hf_checkpoint
-from sapo_megatron.tracking import Tracker
+from sapo_megatron.runtime.tracking import Tracker
 from tests.data.chat_fixtures import (
     make_chat_tokenizer,
     plain_records,
@@ -187,9 +187,12 @@ def test_samples_file_every_n_steps_and_resume_truncation(tmp_path, run_data, mo
     with_batch = tmp_path / "ckpt"  # a checkpoint that holds the batch in flight keeps that step's samples
     with_batch.mkdir()
     checkpoint = types.SimpleNamespace(path=with_batch, steps={"sft": 0, "rl": 2})
-    assert resume_point(checkpoint) == {"sft": 0, "rl": 2} and resume_point(None) is None
+    in_flight = holds_batch_in_flight(checkpoint)
+    assert not in_flight and resume_point(checkpoint, batch_in_flight=in_flight) == {"sft": 0, "rl": 2}
+    assert resume_point(None) is None
     (with_batch / IN_FLIGHT_FILE).write_bytes(b"")
-    assert resume_point(checkpoint) == {"sft": 0, "rl": 3}
+    in_flight = holds_batch_in_flight(checkpoint)
+    assert in_flight and resume_point(checkpoint, batch_in_flight=in_flight) == {"sft": 0, "rl": 3}
     off = SampleLog(tmp_path / "off", every=0, tokenizer=data.tokenizer, enabled=True)
     assert off.record(10, batch) == [] and not (tmp_path / "off" / SAMPLES_FILE).exists()
 

@@ -14,7 +14,7 @@ import yaml
 
 from sapo_megatron.cli import main
 from sapo_megatron.data.tokenizer import load_tokenizer
-from sapo_megatron.tiny import make_tiny_hf_checkpoint
+from sapo_megatron.model.tiny import make_tiny_hf_checkpoint
 from tests.data.chat_fixtures import (
     make_chat_tokenizer,
     plain_records,

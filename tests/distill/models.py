@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from sapo_megatron.data.tokenizer import CharTokenizer
-from sapo_megatron.tiny import build_hf_model, tiny_hf_config
+from sapo_megatron.model.tiny import build_hf_model, tiny_hf_config
 
 DEMO_VOCAB = CharTokenizer().vocab_size
 

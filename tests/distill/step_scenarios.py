@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from sapo_megatron.config import config_from_dict
 from sapo_megatron.distill.step import DistillStep
-from sapo_megatron.tiny import tiny_hf_config
+from sapo_megatron.model.tiny import tiny_hf_config
 
 SAF = {"mode": "saf", "warmup": {"steps": 4}, "anneal": {"steps": 4}}
 DOMAINS = ["addition", "multiplication"]
@@ -95,13 +95,13 @@ def alignment(payload: dict[str, Any]) -> dict[str, float]:
     Also the same teacher values laid one position off (a misaligned span) for contrast."""
     from dataclasses import replace
 
-    from sapo_megatron.batching import TrainSequence, build_micro_batches
     from sapo_megatron.distill.config import TeacherConfig
     from sapo_megatron.distill.teachers import Teacher
     from sapo_megatron.megatron.loss_hook import LogprobOutput
     from sapo_megatron.megatron.parallel import init_parallel
     from sapo_megatron.megatron.train_step import TrainEngine
-    from sapo_megatron.rollout.cpu_engine import CPUEngine
+    from sapo_megatron.model.batching import TrainSequence, build_micro_batches
+    from sapo_megatron.rollout.cpu.engine import CPUEngine
     from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
 
     hf_dir = payload["hf_dir"]
@@ -156,13 +156,13 @@ def _sampled_hot(payload: dict[str, Any], trainer, engine, prompts, info) -> dic
     step's own old-log-prob pass (RoutingStep) gives the student's log-prob at 1 for A_opd; the log-prob at 0.7
     (what the PPO ratio uses) would leave an identical teacher a clear gap."""
     from sapo_megatron.algo import opd_advantages
-    from sapo_megatron.batching import TrainSequence, build_micro_batches
     from sapo_megatron.distill.config import TeacherConfig
     from sapo_megatron.distill.teachers import Teacher
-    from sapo_megatron.replay import RoutingStep
-    from sapo_megatron.rollout.cpu_engine import CPUEngine
-    from sapo_megatron.rollout.cpu_server import CPUServer
-    from sapo_megatron.rollout.sglang_client import SGLangClient
+    from sapo_megatron.loop.replay import RoutingStep
+    from sapo_megatron.model.batching import TrainSequence, build_micro_batches
+    from sapo_megatron.rollout.cpu.engine import CPUEngine
+    from sapo_megatron.rollout.cpu.server import CPUServer
+    from sapo_megatron.rollout.sglang.client import SGLangClient
     from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
 
     hf_dir = payload["hf_dir"]

@@ -8,7 +8,7 @@ import pytest
 from sapo_megatron.config import ConfigError, config_from_dict
 from sapo_megatron.data.prompts import PromptRow
 from sapo_megatron.distill.config import DistillConfigError, check_domains_served, default_teacher
-from sapo_megatron.tiny import tiny_hf_config
+from sapo_megatron.model.tiny import tiny_hf_config
 
 TEACHER = {"name": "t", "model_path": "teacher/hf"}
 

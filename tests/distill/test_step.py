@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from sapo_megatron.algo import IcePop, NoCorrection, fuse_advantages, opd_advantages
-from sapo_megatron.batching import SEQUENCE_INDEX, TrainSequence, build_micro_batches
 from sapo_megatron.distill.step import DistillStep
-from sapo_megatron.packing import SequenceView
+from sapo_megatron.model.batching import SEQUENCE_INDEX, TrainSequence, build_micro_batches
+from sapo_megatron.model.packing import SequenceView
 from tests.distill.step_scenarios import DOMAINS, SAF, distill_config, make_batches
 from tests.distributed import run_distributed
 
@@ -168,7 +168,7 @@ def test_packed_micro_batches_fuse_like_padded_ones(fusion):
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    from sapo_megatron.tiny import make_tiny_hf_checkpoint
+    from sapo_megatron.model.tiny import make_tiny_hf_checkpoint
 
     hf_dir = make_tiny_hf_checkpoint(tmp_path_factory.mktemp("student") / "hf", "dense", seed=3)
     return run_distributed("tests.distill.step_scenarios:two_ranks", 2, {"hf_dir": str(hf_dir), "world": 2})

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from sapo_megatron.batching import TrainSequence
 from sapo_megatron.data.prompts import PromptRow
 from sapo_megatron.data.tokenizer import CharTokenizer
 from sapo_megatron.distill.config import TeacherConfig
@@ -16,11 +15,12 @@ from sapo_megatron.distill.teachers import (
     TeacherScoring,
     build_teachers,
 )
+from sapo_megatron.model.batching import TrainSequence
 from sapo_megatron.rollout.base import RolloutEngine
 from sapo_megatron.rollout.collect import RolloutBatch
-from sapo_megatron.rollout.cpu_engine import CPUEngine
-from sapo_megatron.rollout.cpu_server import CPUServer
-from sapo_megatron.rollout.sglang_client import SGLangClient
+from sapo_megatron.rollout.cpu.engine import CPUEngine
+from sapo_megatron.rollout.cpu.server import CPUServer
+from sapo_megatron.rollout.sglang.client import SGLangClient
 from sapo_megatron.rollout.types import GenerationRequest, Sample, SamplingParams
 from tests.distill.models import make_teacher
 

@@ -121,7 +121,7 @@ def test_evaluation_draws_nothing_from_the_engine_seed_stream(run_dir):
     from sapo_megatron.config import load_config
     from sapo_megatron.data.tokenizer import load_tokenizer
     from sapo_megatron.eval.runner import build_suite, run_suite
-    from sapo_megatron.rollout.cpu_engine import CPUEngine
+    from sapo_megatron.rollout.cpu.engine import CPUEngine
 
     cfg = load_config(run_dir / "config.yaml", check_layout=False)
     tokenizer = load_tokenizer(cfg.data.tokenizer)

@@ -18,7 +18,7 @@ from sapo_megatron.eval.metrics import (
     pass_at_k,
     prompt_metrics,
 )
-from sapo_megatron.tiny import tiny_hf_config
+from sapo_megatron.model.tiny import tiny_hf_config
 
 
 def samples(scores, answers=None, lengths=None, truncated=None):

@@ -8,9 +8,9 @@ import pytest
 from sapo_megatron.config import ConfigError, config_from_dict
 from sapo_megatron.data.tokenizer import CharTokenizer
 from sapo_megatron.eval.runner import build_suite, eval_seed, run_suite
+from sapo_megatron.model.tiny import tiny_hf_config
 from sapo_megatron.rewards.registry import RewardError, register_reward
 from sapo_megatron.rollout.types import Sample
-from sapo_megatron.tiny import tiny_hf_config
 
 TOKENIZER = CharTokenizer()
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sapo_megatron.tiny import build_hf_model, make_tiny_hf_checkpoint, tiny_hf_config
+from sapo_megatron.model.tiny import build_hf_model, make_tiny_hf_checkpoint, tiny_hf_config
 from tests.distributed import run_distributed
 from tests.loss.test_logprobs import naive
 

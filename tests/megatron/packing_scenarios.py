@@ -18,13 +18,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from sapo_megatron.batching import SEQUENCE_INDEX, RouteLayout, TrainSequence
 from sapo_megatron.megatron.loss_hook import LogprobOutput, PolicyLossHook
 from sapo_megatron.megatron.parallel import data_parallel_group, rank_info
 from sapo_megatron.megatron.routing_replay import ENGINE_ROUTES, RECORDED_ROUTES, USED_ROUTES
 from sapo_megatron.megatron.sft import sft_loss
 from sapo_megatron.megatron.train_step import TrainEngine
-from sapo_megatron.packing import SequenceView
+from sapo_megatron.model.batching import SEQUENCE_INDEX, RouteLayout, TrainSequence
+from sapo_megatron.model.packing import SequenceView
 from tests.loss.scenarios import setup_layout
 from tests.megatron.replay_scenarios import RouteSpy, match_calls, rank_micro_batches
 from tests.megatron.scenarios import layout_config

@@ -21,13 +21,13 @@ from megatron.core import parallel_state
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay
 
-from sapo_megatron.batching import RouteLayout, RoutingReplayError, TrainSequence, build_micro_batches
 from sapo_megatron.megatron.loss_hook import LogprobOutput, add_global_normalisers
 from sapo_megatron.megatron.parallel import data_parallel_group, init_parallel, rank_info
 from sapo_megatron.megatron.routing import agreement_counts, agreement_from_counts
 from sapo_megatron.megatron.routing_replay import check_supported
 from sapo_megatron.megatron.sft import sft_loss
 from sapo_megatron.megatron.train_step import MicroBatch, TrainEngine
+from sapo_megatron.model.batching import RouteLayout, RoutingReplayError, TrainSequence, build_micro_batches
 from tests.megatron.scenarios import layout_config
 
 
@@ -443,7 +443,7 @@ def engine_routes_end_to_end(payload: dict[str, Any]) -> dict[str, Any]:
     trainer's positions: they agree with the trainer's own live routing (and not when shifted by one position);
     after perturbing the trainer's routers, R3 replay still uses them exactly."""
     from sapo_megatron.megatron.routing import routing_agreement_by_layer
-    from sapo_megatron.rollout.cpu_engine import CPUEngine
+    from sapo_megatron.rollout.cpu.engine import CPUEngine
     from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
 
     cfg = layout_config(payload)

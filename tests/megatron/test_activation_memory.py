@@ -27,7 +27,7 @@ BATCH, SEQ, LAYERS = 2, 128, 2
 
 def case_config(kind: str, model: dict[str, Any]):
     from sapo_megatron.config import config_from_dict
-    from sapo_megatron.tiny import tiny_hf_config
+    from sapo_megatron.model.tiny import tiny_hf_config
 
     moe = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64} if kind == "moe" else {}
     hf = tiny_hf_config(

@@ -28,7 +28,7 @@ from sapo_megatron.megatron.model import (
     fp8_optimizer_fields,
     transformer_config,
 )
-from sapo_megatron.tiny import tiny_hf_config
+from sapo_megatron.model.tiny import tiny_hf_config
 
 HAVE_TE = importlib.util.find_spec("transformer_engine") is not None
 VERSION = megatron.core.__version__

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from sapo_megatron.tiny import make_tiny_hf_checkpoint
+from sapo_megatron.model.tiny import make_tiny_hf_checkpoint
 from tests.distributed import run_distributed
 
 

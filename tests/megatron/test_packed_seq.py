@@ -19,9 +19,9 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.utils import attention_mask_func
 
-from sapo_megatron.batching import TrainSequence, to_packed_tensors
 from sapo_megatron.megatron import packed_seq
-from sapo_megatron.packing import POSITION_IDS
+from sapo_megatron.model.batching import TrainSequence, to_packed_tensors
+from sapo_megatron.model.packing import POSITION_IDS
 
 # model positions 5, 2, 3 under TP2 + SP: slots 6, 2, 4, then 2 tokens of tail padding (T = 14)
 SEQS = [TrainSequence([1, 2, 3], [4, 5, 6]), TrainSequence([7], [8, 9]), TrainSequence([1, 2], [3, 4])]

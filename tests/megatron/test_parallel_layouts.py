@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from sapo_megatron.model.tiny import make_tiny_hf_checkpoint
 from sapo_megatron.plan import stage_shards
-from sapo_megatron.tiny import make_tiny_hf_checkpoint
 from tests.distributed import run_distributed
 from tests.megatron.scenarios import layout_config
 

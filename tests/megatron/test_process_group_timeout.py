@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from sapo_megatron.config import config_from_dict
-from sapo_megatron.tiny import make_tiny_hf_checkpoint, tiny_hf_config
+from sapo_megatron.model.tiny import make_tiny_hf_checkpoint, tiny_hf_config
 from tests.distributed import run_distributed
 
 

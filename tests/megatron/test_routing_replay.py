@@ -13,7 +13,7 @@ import pickle
 import pytest
 
 from sapo_megatron.config import ConfigError, config_from_dict
-from sapo_megatron.tiny import make_tiny_hf_checkpoint, tiny_hf_config
+from sapo_megatron.model.tiny import make_tiny_hf_checkpoint, tiny_hf_config
 from tests.distributed import run_distributed
 
 MICRO_BATCHES = 2
@@ -33,8 +33,8 @@ def checkpoints(tmp_path_factory):
 def fp8_sequences(checkpoints, tmp_path_factory) -> str:
     """8 samples of the fp8 CPU rollout engine (SGLang's block-wise W8A8 numerics) serving the "moe" checkpoint,
     with its routes, pickled for the ranks: a real engine whose routing differs from the trainer's."""
-    from sapo_megatron.batching import TrainSequence
-    from sapo_megatron.rollout.cpu_engine import CPUEngine
+    from sapo_megatron.model.batching import TrainSequence
+    from sapo_megatron.rollout.cpu.engine import CPUEngine
     from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
 
     engine = CPUEngine.from_pretrained(checkpoints["moe"], seed=3, num_threads=1, precision="fp8")

@@ -11,8 +11,8 @@ import pytest
 
 from sapo_megatron.config import ConfigError, config_from_dict
 from sapo_megatron.defaults import embedded_default_dict
-from sapo_megatron.rewards.registry import RewardError, check_reward_available
-from sapo_megatron.rewards.runner import build_reward_runner, default_workers
+from sapo_megatron.rewards.registry import RewardError
+from sapo_megatron.rewards.runner import build_reward_runner, check_reward_available, default_workers
 from sapo_megatron.rewards.types import RewardInput
 
 CHAOS = """

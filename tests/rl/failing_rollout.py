@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 import sys
 
-from sapo_megatron import trainer
 from sapo_megatron.cli import main
+from sapo_megatron.loop import trainer
 from sapo_megatron.rollout.base import RolloutError
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 import sys
 
-from sapo_megatron import trainer
 from sapo_megatron.cli import main
+from sapo_megatron.loop import trainer
 
 
 def install() -> None:

@@ -7,15 +7,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from sapo_megatron.batching import TrainSequence, build_micro_batches
 from sapo_megatron.config import config_from_dict
 from sapo_megatron.megatron.loss_hook import LogprobOutput
 from sapo_megatron.megatron.parallel import init_parallel
 from sapo_megatron.megatron.routing import capture_routing, routing_agreement
 from sapo_megatron.megatron.train_step import TrainEngine
-from sapo_megatron.rollout.cpu_engine import CPUEngine
-from sapo_megatron.rollout.cpu_server import CPUServer
-from sapo_megatron.rollout.sglang_client import SGLangClient
+from sapo_megatron.model.batching import TrainSequence, build_micro_batches
+from sapo_megatron.rollout.cpu.engine import CPUEngine
+from sapo_megatron.rollout.cpu.server import CPUServer
+from sapo_megatron.rollout.sglang.client import SGLangClient
 from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
 
 

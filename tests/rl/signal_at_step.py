@@ -8,8 +8,8 @@ import signal
 import sys
 import time
 
-from sapo_megatron import trainer
 from sapo_megatron.cli import main
+from sapo_megatron.loop import trainer
 
 
 def install() -> None:

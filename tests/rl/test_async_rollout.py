@@ -13,7 +13,7 @@ import pytest
 
 from sapo_megatron.data.prompts import save_jsonl
 from sapo_megatron.data.synthetic import make_addition_rows
-from sapo_megatron.rollout_pipeline import IN_FLIGHT_FILE
+from sapo_megatron.loop.pipeline import IN_FLIGHT_FILE
 from tests.rl.test_interrupt_resume import interrupted
 from tests.rl.test_trainer import metrics, run_cli, train, write_config
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from sapo_megatron.tiny import make_tiny_hf_checkpoint
+from sapo_megatron.model.tiny import make_tiny_hf_checkpoint
 from tests.distributed import run_distributed
 
 LOGP_TOLERANCE = 1e-4  # fp32; transformers and Megatron sum in different orders

@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from sapo_megatron.rollout.cpu_engine import CPUEngine
+from sapo_megatron.rollout.cpu.engine import CPUEngine
 
 VOCAB = 64
 NUM_LAYERS = 2

@@ -1,4 +1,4 @@
-"""The CPU server as a real process for tests (see :mod:`sapo_megatron.rollout.server_process`), with an
+"""The CPU server as a real process for tests (see :mod:`sapo_megatron.rollout.cpu.process`), with an
 environment that imports this checkout."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from sapo_megatron.rollout import server_process
+from sapo_megatron.rollout.cpu import process as server_process
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SERVING_LINE = server_process.SERVING_LINE

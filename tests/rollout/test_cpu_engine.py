@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from sapo_megatron.rollout.cpu_engine import CPUEngine
+from sapo_megatron.rollout.cpu.engine import CPUEngine
 from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
 from tests.rollout.conftest import (
     NUM_LAYERS,

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from sapo_megatron.rollout.base import RolloutError
-from sapo_megatron.rollout.cpu_server import CPUServer
-from sapo_megatron.rollout.sglang_client import SGLangClient
-from sapo_megatron.rollout.topology import resolve_topology
+from sapo_megatron.rollout.cpu.server import CPUServer
+from sapo_megatron.rollout.sglang.client import SGLangClient
+from sapo_megatron.rollout.sglang.topology import resolve_topology
 from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
 from tests.rollout.conftest import engine_from
 
@@ -354,7 +354,7 @@ def test_topology_reads_each_workers_tp_size_and_sends_the_api_key(fake):
 
 
 def test_disk_sync_paths_are_absolute(fake, tmp_path, monkeypatch):
-    from sapo_megatron.tiny import tiny_hf_config
+    from sapo_megatron.model.tiny import tiny_hf_config
     from sapo_megatron.weight_sync import DiskSync
 
     monkeypatch.chdir(tmp_path)
@@ -366,7 +366,7 @@ def test_disk_sync_paths_are_absolute(fake, tmp_path, monkeypatch):
 
 
 def _arch(hf_config):
-    from sapo_megatron.arch import QwenArch
+    from sapo_megatron.model.arch import QwenArch
 
     return QwenArch.from_hf_dict(hf_config)
 

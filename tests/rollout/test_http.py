@@ -6,9 +6,9 @@ import httpx
 import numpy as np
 import pytest
 
-from sapo_megatron.rollout.cpu_server import CPUServer
+from sapo_megatron.rollout.cpu.server import CPUServer
 from sapo_megatron.rollout.protocol import decode_routed_experts
-from sapo_megatron.rollout.sglang_client import SGLangClient
+from sapo_megatron.rollout.sglang.client import SGLangClient
 from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
 from tests.rollout.conftest import NUM_LAYERS, TOP_K, engine_from, load, reference_logprobs, reference_routing
 
@@ -124,7 +124,7 @@ def test_serve_decodes_text_with_the_char_tokenizer(moe_dir, tmp_path):
     import shutil
 
     from sapo_megatron.data.tokenizer import CharTokenizer
-    from sapo_megatron.rollout.cpu_server import serve
+    from sapo_megatron.rollout.cpu.server import serve
 
     model_dir = tmp_path / "with_tokenizer"
     shutil.copytree(moe_dir, model_dir)
@@ -159,7 +159,7 @@ def test_module_entry_point_serves(moe_dir):
     command = [
         sys.executable,
         "-m",
-        "sapo_megatron.rollout.cpu_server",
+        "sapo_megatron.rollout.cpu.server",
         "--model",
         str(moe_dir),
         "--port",

@@ -15,8 +15,9 @@ import transformers
 
 from sapo_megatron.config import ConfigError, config_from_dict
 from sapo_megatron.defaults import DEMO_MODEL
-from sapo_megatron.rollout.cpu_engine import CPUEngine, RowSpec
-from sapo_megatron.rollout.cpu_server import ServeError, precision_from_flags, serve
+from sapo_megatron.model.tiny import tiny_hf_config
+from sapo_megatron.rollout.cpu.engine import CPUEngine, RowSpec
+from sapo_megatron.rollout.cpu.server import ServeError, precision_from_flags, serve
 from sapo_megatron.rollout.precision import (
     PrecisionError,
     dequantize_blocks,
@@ -25,7 +26,6 @@ from sapo_megatron.rollout.precision import (
     quantize_blocks,
 )
 from sapo_megatron.rollout.types import SamplingParams
-from sapo_megatron.tiny import tiny_hf_config
 from tests.rollout.conftest import engine_from, load, make_moe_model, reference_logprobs
 
 E4M3_REL_ERROR = 2.0**-4  # round-to-nearest with 3 mantissa bits: half an ulp, relative to the value

@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sapo_megatron.rollout.cpu_server import CPUServer
-from sapo_megatron.rollout.sglang_client import SGLangClient
+from sapo_megatron.rollout.cpu.server import CPUServer
+from sapo_megatron.rollout.sglang.client import SGLangClient
 from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
 from tests.rollout.conftest import NUM_LAYERS, engine_from
 from tests.servers import router

@@ -8,7 +8,7 @@ import signal
 import httpx
 import pytest
 
-from sapo_megatron.rollout.cpu_server import ServeError, add_serve_arguments, main, serve_from_args
+from sapo_megatron.rollout.cpu.server import ServeError, add_serve_arguments, main, serve_from_args
 from tests.rollout.server_process import ServerProcess
 
 

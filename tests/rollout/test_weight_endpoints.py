@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sapo_megatron.rollout.cpu_server import CPUServer
-from sapo_megatron.rollout.sglang_client import SGLangClient
+from sapo_megatron.rollout.cpu.server import CPUServer
+from sapo_megatron.rollout.sglang.client import SGLangClient
 from sapo_megatron.rollout.tensor_transport import serialize_named_tensors
 from tests.rollout.conftest import engine_from, load, reference_logprobs
 

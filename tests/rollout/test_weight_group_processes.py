@@ -1,6 +1,6 @@
 """Distributed weight sync between real processes: a CPU server process and a trainer process (gloo).
 
-One server process (``python -m sapo_megatron.rollout.cpu_server`` with a 4 s ``--dist-timeout``) serves every
+One server process (``python -m sapo_megatron.rollout.cpu.server`` with a 4 s ``--dist-timeout``) serves every
 step; the trainer process (:mod:`tests.rollout.weight_trainer`) reports what it saw as JSON.
 """
 

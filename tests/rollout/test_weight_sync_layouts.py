@@ -10,7 +10,7 @@ import pytest
 
 from sapo_megatron.checkpoint.mapping import hf_expected_shapes
 from sapo_megatron.config import config_from_dict
-from sapo_megatron.tiny import make_tiny_hf_checkpoint
+from sapo_megatron.model.tiny import make_tiny_hf_checkpoint
 from tests.distributed import run_distributed
 from tests.rollout.server_process import ServerProcess
 from tests.servers import local_logprobs, served_logprobs

@@ -8,7 +8,7 @@ from typing import Any
 from sapo_megatron.config import config_from_dict
 from sapo_megatron.megatron.parallel import init_parallel
 from sapo_megatron.megatron.train_step import TrainEngine
-from sapo_megatron.rollout.sglang_client import SGLangClient
+from sapo_megatron.rollout.sglang.client import SGLangClient
 from sapo_megatron.weight_sync import TensorSync, distributed
 
 

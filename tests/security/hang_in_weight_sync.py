@@ -11,7 +11,7 @@ import time
 from concurrent.futures import Future
 
 from sapo_megatron.cli import main
-from sapo_megatron.interrupts import wait_for
+from sapo_megatron.runtime.interrupts import wait_for
 from sapo_megatron.weight_sync import modes
 
 

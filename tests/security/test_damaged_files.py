@@ -10,8 +10,8 @@ import pytest
 
 from sapo_megatron.checkpoint import atomic
 from sapo_megatron.checkpoint.hf_io import CheckpointError, HFCheckpointReader
-from sapo_megatron.rollout.cpu_server import ServeError, serve
-from sapo_megatron.run_dir import find_checkpoint
+from sapo_megatron.rollout.cpu.server import ServeError, serve
+from sapo_megatron.runtime.run_dir import find_checkpoint
 from tests.rollout.conftest import engine_from
 
 

@@ -11,9 +11,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import httpx
 import pytest
 
-from sapo_megatron.rollout.cpu_engine import RowSpec
-from sapo_megatron.rollout.cpu_server import ClientGone, CPUServer, _Batcher, warn_if_exposed
-from sapo_megatron.rollout.cpu_server_http import Limits, Request
+from sapo_megatron.rollout.cpu.engine import RowSpec
+from sapo_megatron.rollout.cpu.http import Limits, Request
+from sapo_megatron.rollout.cpu.server import ClientGone, CPUServer, _Batcher, warn_if_exposed
 from sapo_megatron.rollout.types import SamplingParams
 from tests.rollout.conftest import engine_from
 

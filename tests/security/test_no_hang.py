@@ -11,11 +11,11 @@ import time
 import pytest
 
 from sapo_megatron.config import config_from_dict
-from sapo_megatron.interrupts import InterruptGuard, WaitInterrupted, stop_requested
-from sapo_megatron.rollout.sglang_client import SGLangClient
-from sapo_megatron.rollout.topology import Topology
-from sapo_megatron.session import _sglang_client
-from sapo_megatron.tiny import tiny_hf_config
+from sapo_megatron.loop.session import _sglang_client
+from sapo_megatron.model.tiny import tiny_hf_config
+from sapo_megatron.rollout.sglang.client import SGLangClient
+from sapo_megatron.rollout.sglang.topology import Topology
+from sapo_megatron.runtime.interrupts import InterruptGuard, WaitInterrupted, stop_requested
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ import pytest
 
 from sapo_megatron.cli import main
 from sapo_megatron.config import ConfigError, config_from_dict, load_config
+from sapo_megatron.model.tiny import tiny_hf_config
 from sapo_megatron.plan.gate import LayoutDoesNotFit, check_layout_fits
-from sapo_megatron.tiny import tiny_hf_config
 
 QWEN30B = Path(__file__).resolve().parents[2] / "configs" / "qwen3_30b_a3b_sapo_h100.yaml"
 

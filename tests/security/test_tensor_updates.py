@@ -12,8 +12,8 @@ import httpx
 import pytest
 import torch
 
-from sapo_megatron.rollout.cpu_server import CPUServer
-from sapo_megatron.rollout.cpu_server_http import Request
+from sapo_megatron.rollout.cpu.http import Request
+from sapo_megatron.rollout.cpu.server import CPUServer
 from tests.rollout.conftest import engine_from
 from tests.security.payloads import body, fd_storage, file_storage, tensor_of
 

@@ -20,7 +20,7 @@ import torch
 import transformers
 
 from sapo_megatron.cli import free_port
-from sapo_megatron.rollout.sglang_client import SGLangClient
+from sapo_megatron.rollout.sglang.client import SGLangClient
 from tests.servers import ServerStartError, cpu_server, process, save_demo_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -17,10 +17,10 @@ import pytest
 import safetensors.torch
 import torch
 
-from sapo_megatron.arch import QwenArch
 from sapo_megatron.checkpoint.mapping import hf_expected_shapes
 from sapo_megatron.data.tokenizer import CharTokenizer
 from sapo_megatron.defaults import DEMO_MODEL
+from sapo_megatron.model.arch import QwenArch
 from sapo_megatron.rollout.base import RolloutError
 from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
 from sapo_megatron.weight_sync.hf_export import write_hf_checkpoint
@@ -209,8 +209,8 @@ def test_housekeeping_endpoints_api_key_and_errors(client, sglang_url, model_dir
 def test_bf16_server_scores_like_transformers_in_bf16(sglang_bf16_url, reference):
     """Served in bfloat16 (SGLang's --dtype bfloat16), scoring stays within bf16 rounding of transformers' bf16
     forward, and /get_server_info says bfloat16 (what the client's precision check reads)."""
-    from sapo_megatron.rollout.sglang_client import SGLangClient
-    from sapo_megatron.rollout.topology import served_precision
+    from sapo_megatron.rollout.sglang.client import SGLangClient
+    from sapo_megatron.rollout.sglang.topology import served_precision
 
     client = SGLangClient([sglang_bf16_url], timeout_s=120.0, max_retries=0)
     try:

@@ -1,7 +1,7 @@
 """The cluster path against real SGLang: a 2-process trainer (TP2 + sequence parallel) against TWO real SGLang
 servers on CPU behind the real ``sglang-router`` (PyPI wheel), R3 with the servers' routes, 3 steps.
 
-What the design does here (sapo_megatron/rollout/topology.py): the workers are discovered from the router
+What the design does here (sapo_megatron/rollout/sglang/topology.py): the workers are discovered from the router
 (``GET /workers``) for disk sync, or named in ``rollout.urls`` for distributed sync; weight updates go to every
 worker (the router answers 404 to them); and because the router drops ``return_routed_experts``, a run that needs
 routes probes it at start, logs so, and sends ``/generate`` to the workers directly. So R3's routes come from the

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
-
-import torch.distributed as dist
 
 from sapo_megatron.config import RunConfig
 from sapo_megatron.data.loading import RunData, build_run_data
@@ -25,19 +23,21 @@ from sapo_megatron.distill.config import check_domains_served, prompt_domains
 from sapo_megatron.distill.step import DistillStep
 from sapo_megatron.errors import UserError
 from sapo_megatron.eval.runner import EvalSuite
-from sapo_megatron.eval.training import build_training_suite
-from sapo_megatron.inputs import check_input_files
-from sapo_megatron.interrupts import InterruptGuard, print_line
+from sapo_megatron.loop.evaluation import build_training_suite
+from sapo_megatron.loop.in_flight import holds_batch_in_flight
+from sapo_megatron.loop.inputs import check_input_files
+from sapo_megatron.loop.replay import needs_route_capture
 from sapo_megatron.megatron.parallel import RankInfo, init_parallel
 from sapo_megatron.megatron.train_step import TrainEngine
-from sapo_megatron.replay import needs_route_capture
-from sapo_megatron.rewards.registry import check_labels, check_reward_available
-from sapo_megatron.rewards.runner import RewardRunner, build_reward_runner
+from sapo_megatron.rewards.registry import check_labels
+from sapo_megatron.rewards.runner import RewardRunner, build_reward_runner, check_reward_available
 from sapo_megatron.rollout.base import RolloutEngine
-from sapo_megatron.rollout.topology import Topology, resolve_topology
-from sapo_megatron.run_dir import RunStart, cleanup_failed_start, start_run
-from sapo_megatron.step_health import BadStepGuard
-from sapo_megatron.tracking import Tracker
+from sapo_megatron.rollout.sglang.topology import Topology, resolve_topology
+from sapo_megatron.runtime.interrupts import InterruptGuard, print_line
+from sapo_megatron.runtime.ranks import broadcast_object, on_main_rank
+from sapo_megatron.runtime.run_dir import RunStart, cleanup_failed_start, start_run
+from sapo_megatron.runtime.step_health import BadStepGuard
+from sapo_megatron.runtime.tracking import Tracker
 from sapo_megatron.weight_sync import DiskSync, TensorSync, WeightSync, export_hf
 from sapo_megatron.weight_sync.distributed import DistributedSync
 
@@ -150,7 +150,7 @@ def build_session(
         tokenizer=tokenizer,
         enabled=info.is_main,
         tracker=tracker,
-        resume_at=resume_point(start.checkpoint),
+        resume_at=resume_point(start.checkpoint, batch_in_flight=holds_batch_in_flight(start.checkpoint)),
     )
     return Session(
         cfg,
@@ -198,15 +198,15 @@ def build_rollout(cfg: RunConfig, info: RankInfo, engine: TrainEngine, tokenizer
     initial = _initial_export(cfg, engine, tokenizer if info.is_main else None, run_dir)  # collective
     if not info.is_main:
         return None, None, broadcast_object(None) if cfg.rollout.cpu_http else None
-    from sapo_megatron.rollout.cpu_engine import CPUEngine
+    from sapo_megatron.rollout.cpu.engine import CPUEngine
 
     cpu = CPUEngine.from_pretrained(
         initial, seed=cfg.seed, num_threads=cfg.rollout.threads, precision=cfg.rollout.precision
     )
     if not cfg.rollout.cpu_http:
         return cpu, None, None
-    from sapo_megatron.rollout.cpu_server import CPUServer
-    from sapo_megatron.rollout.cpu_server_weights import WeightGuard
+    from sapo_megatron.rollout.cpu.server import CPUServer
+    from sapo_megatron.rollout.cpu.weights import WeightGuard
 
     # what disk sync writes (its version folders), besides the initial export
     staging = Path(cfg.rollout.weight_sync_dir or run_dir / "rollout_weights").absolute()
@@ -242,7 +242,7 @@ def _initial_export(cfg: RunConfig, engine: TrainEngine, tokenizer, run_dir: Pat
 
 
 def _sglang_client(cfg: RunConfig, topology: Topology, api_key: str | None):
-    from sapo_megatron.rollout.sglang_client import SGLangClient
+    from sapo_megatron.rollout.sglang.client import SGLangClient
 
     arch = cfg.model.arch
     return SGLangClient(
@@ -293,38 +293,3 @@ def build_weight_sync(
         make_client=lambda: _sglang_client(cfg, topology, api_key),
         timeout_s=cfg.rollout.weight_sync_timeout_s,
     )
-
-
-class MainRankFailed(UserError):
-    """Raised on the other ranks when work that only the main rank does (rollout, evaluation) failed there."""
-
-
-def on_main_rank(info: RankInfo, work: Callable[[], T]) -> T:
-    """Run ``work`` on the main rank only and hand its result to every rank. When it raises there, the main rank
-    re-raises it and every other rank raises :class:`MainRankFailed` (same exit code), so no rank is left waiting
-    in the next collective until the process-group timeout."""
-    outcome: tuple[bool, Any, int] | None = None
-    error: BaseException | None = None
-    if info.is_main:
-        try:
-            outcome = (True, work(), 0)
-        except Exception as exc:
-            error = exc
-            outcome = (False, f"{type(exc).__name__}: {exc}", getattr(exc, "exit_code", 1))
-    ok, value, exit_code = broadcast_object(outcome)
-    if ok:
-        return value
-    if error is not None:
-        raise error
-    failure = MainRankFailed(f"rank 0 failed: {value}")
-    failure.exit_code = exit_code
-    raise failure
-
-
-def broadcast_object(obj, *, src: int = 0):
-    """Send a picklable object from ``src`` to every rank (identity on a single process)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]

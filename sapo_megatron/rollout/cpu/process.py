@@ -1,4 +1,4 @@
-"""Start the CPU rollout server (``python -m sapo_megatron.rollout.cpu_server``) as a real process and read the URL
+"""Start the CPU rollout server (``python -m sapo_megatron.rollout.cpu.server``) as a real process and read the URL
 it prints: for tests, benchmarks and tools that need a server in another process, like an SGLang worker."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ class ServerProcess:
     def __init__(
         self, *flags: str, startup_timeout_s: float = 120.0, env: dict[str, str] | None = None
     ) -> None:
-        command = [sys.executable, "-m", "sapo_megatron.rollout.cpu_server", *flags]
+        command = [sys.executable, "-m", "sapo_megatron.rollout.cpu.server", *flags]
         env = env if env is not None else {**os.environ, "OMP_NUM_THREADS": "1"}
         self.process = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from sapo_megatron.eval.runner import EvalResult, EvalSuite, build_suite, run_suite, write_outputs
+from sapo_megatron.runtime.ranks import on_main_rank
 
 When = Literal["before", "step", "after"]
 
@@ -48,7 +49,6 @@ def evaluate(session: Any, state: Any, when: When) -> dict[str, float]:
     cfg, suite = session.cfg, session.eval_suite
     if not suite.datasets or not _due(cfg, state, when):
         return {}
-    from sapo_megatron.session import on_main_rank
 
     metrics = on_main_rank(session.info, lambda: _run_on_main(session, state.step))
     result = EvalResult(metrics, [], 0.0)

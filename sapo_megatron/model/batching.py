@@ -13,7 +13,7 @@ sizes). Dense layers hold ``-1``.
 Two layouts, one source: :func:`position_values` gives a sequence's per-position tensors once (input ids, labels,
 loss mask, rollout log-probs, and every ``TrainSequence.token_values`` key – teacher log-probs, say – aligned like
 the rollout log-probs); :func:`to_tensors` puts sequence ``i`` in row ``i`` of a right-padded ``[b, s]`` rectangle,
-:func:`to_packed_tensors` puts the sequences back to back in one ``[1, T]`` row (see :mod:`sapo_megatron.packing`).
+:func:`to_packed_tensors` puts the sequences back to back in one ``[1, T]`` row (see :mod:`sapo_megatron.model.packing`).
 A per-token key added in :func:`position_values` therefore follows both layouts, and so do the routes.
 """
 
@@ -27,9 +27,9 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from sapo_megatron.arch import QwenArch
 from sapo_megatron.errors import UserError
-from sapo_megatron.packing import POSITION_IDS, SEGMENT_IDS, plan_packing, slot_length
+from sapo_megatron.model.arch import QwenArch
+from sapo_megatron.model.packing import POSITION_IDS, SEGMENT_IDS, plan_packing, slot_length
 
 MicroBatch = dict[str, torch.Tensor]
 Item = TypeVar("Item")
@@ -253,7 +253,7 @@ def to_packed_tensors(
     route_layout: RouteLayout | None = None,
 ) -> MicroBatch:
     """The sequences back to back in one row: every per-token key of :func:`to_tensors` as ``[1, length]``,
-    sequence ``i`` in a slot of :func:`~sapo_megatron.packing.slot_length` tokens (its values, then padding),
+    sequence ``i`` in a slot of :func:`~sapo_megatron.model.packing.slot_length` tokens (its values, then padding),
     then tail padding; ``position_ids`` (restarting at each slot and at the tail), ``segment_ids`` (``i`` on slot
     ``i``, -1 on the tail), ``advantages`` ``[n]``, and with ``route_layout`` ``engine_routes`` ``[1, length, L,
     k]`` (padding rows at the padding positions)."""
@@ -348,7 +348,7 @@ def build_micro_batches(
 
     ``max_tokens_per_micro_batch=None``: ``micro_batches`` equal contiguous shares, right-padded rectangles of
     one length computed over *all* ranks' sequences (pipeline stages exchange fixed-shape activations, and every
-    rank must agree). Else packed (:mod:`sapo_megatron.packing`): as many ``[1, T]`` micro-batches of at most
+    rank must agree). Else packed (:mod:`sapo_megatron.model.packing`): as many ``[1, T]`` micro-batches of at most
     that many tokens as the plan needs (the same count on every rank, at least ``micro_batches``), one ``T`` for
     all; each sequence's slot is rounded up to ``length_multiple``.
 

@@ -1,5 +1,5 @@
 """The flags of ``sapo-megatron serve`` (SGLang's ``launch_server`` names), apart from the server itself so that
-``sapo-megatron --help`` builds its parser without importing torch (:mod:`sapo_megatron.rollout.cpu_server`
+``sapo-megatron --help`` builds its parser without importing torch (:mod:`sapo_megatron.rollout.cpu.server`
 re-exports them)."""
 
 from __future__ import annotations

@@ -412,7 +412,7 @@ def start_run(
     if isinstance(outcome, RunDirError):
         raise outcome
     if is_main:
-        from sapo_megatron import logs
+        from sapo_megatron.runtime import logs
 
         logs.attach_run_log(outcome.run_dir / LOG_FILE, header=f"sapo-megatron train: {_start_text(outcome)}")
         if outcome.note and announce is not None:

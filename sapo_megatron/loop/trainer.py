@@ -3,7 +3,7 @@ configured policy loss → weight sync → logging → checkpoint. Preceded by a
 followed by an HF export and ``summary.json``.
 
 With ``trainer.async_rollout`` each step's rollouts are generated in the background during the step before
-(:mod:`sapo_megatron.rollout_pipeline`). After every step of either phase, :func:`end_of_step` logs it,
+(:mod:`sapo_megatron.loop.pipeline`). After every step of either phase, :func:`end_of_step` logs it,
 checkpoints when due, and stops the run cleanly (checkpoint first) when a signal asked for it.
 """
 
@@ -12,30 +12,30 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from sapo_megatron.batching import RouteLayout, TrainSequence, build_micro_batches, padding_fraction
-from sapo_megatron.checkpointing import Checkpointer, LoopState
 from sapo_megatron.config import sequence_length_multiple
 from sapo_megatron.data.prompts import PromptIterator, PromptRow
 from sapo_megatron.distill.teachers import TeacherScoring
 from sapo_megatron.errors import RunInterrupted
-from sapo_megatron.eval.training import evaluate, summary_fields
+from sapo_megatron.loop.checkpointing import Checkpointer, LoopState
+from sapo_megatron.loop.evaluation import evaluate, summary_fields
+from sapo_megatron.loop.pipeline import RolloutPipeline
+from sapo_megatron.loop.replay import RoutingStep, route_layout
+from sapo_megatron.loop.session import Session, open_session
+from sapo_megatron.loop.step_metrics import StepMetrics
 from sapo_megatron.megatron.loss_hook import LogprobOutput, PolicyLossHook, add_global_normalisers
 from sapo_megatron.megatron.sft import sft_loss
 from sapo_megatron.megatron.train_step import ReferenceModel, StepResult
-from sapo_megatron.replay import RoutingStep, route_layout
+from sapo_megatron.model.batching import RouteLayout, TrainSequence, build_micro_batches, padding_fraction
 from sapo_megatron.rewards.samples import score_sample_groups
 from sapo_megatron.rollout.collect import CollectSettings, RolloutBatch, collect
 from sapo_megatron.rollout.types import SamplingParams
-from sapo_megatron.rollout_pipeline import RolloutPipeline
-from sapo_megatron.session import Session, open_session
-from sapo_megatron.step_metrics import StepMetrics
-from sapo_megatron.tracking import write_json_atomic
+from sapo_megatron.runtime.tracking import write_json_atomic
 from sapo_megatron.weight_sync import export_hf
 
 
 def run(cfg, *, mode: str = "new") -> dict[str, Any]:
     """Run a whole job into ``cfg.output_dir``; ``mode`` is the output-directory policy (new / resume / auto /
-    overwrite, see :mod:`sapo_megatron.run_dir`). Returns the summary written to ``summary.json``."""
+    overwrite, see :mod:`sapo_megatron.runtime.run_dir`). Returns the summary written to ``summary.json``."""
     started = time.perf_counter()
     with open_session(cfg, mode=mode) as session:
         session.checkpointer = Checkpointer(session, started)

@@ -10,8 +10,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sapo_megatron.run_dir import Checkpoint
-from sapo_megatron.session import Session
+from sapo_megatron.loop.session import Session
+from sapo_megatron.runtime.run_dir import Checkpoint
 
 
 @dataclass
@@ -24,7 +24,7 @@ class LoopState:
     sft_prompts: dict[str, Any] = field(default_factory=dict)
     accuracy_before: float | None = None
     eval_before: dict[str, Any] | None = None
-    """The evaluation before RL and the latest one: ``{"step", "datasets"}`` (see ``eval.training``)."""
+    """The evaluation before RL and the latest one: ``{"step", "datasets"}`` (see ``loop.evaluation``)."""
     eval_last: dict[str, Any] | None = None
     wall_seconds: float = 0.0
     bad_steps: dict[str, int] = field(default_factory=dict)
@@ -41,7 +41,7 @@ class Checkpointer:
         self._saved_at: tuple[int, int] | None = None
         self.attachments: dict[str, Callable[[], bytes | None]] = {}
         """Extra files of a checkpoint, by name: what the main rank's callable returns (``None``: no file), e.g.
-        the rollout batch in flight (:mod:`sapo_megatron.rollout_pipeline`)."""
+        the rollout batch in flight (:mod:`sapo_megatron.loop.pipeline`)."""
 
     def save(self, state: LoopState, *, phase: str) -> Path | None:
         """A checkpoint of this moment, named after the phase's step; nothing if this moment is saved already."""

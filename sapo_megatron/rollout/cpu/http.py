@@ -44,7 +44,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
-from sapo_megatron.serve_flags import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS
+from sapo_megatron.rollout.cpu.flags import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 import torch
 
-from sapo_megatron.arch import QwenArch
+from sapo_megatron.model.arch import QwenArch
 
 Kind = Literal["moe", "dense"]
 

@@ -28,7 +28,7 @@ Endpoints (what each checks):
 
 With ``api_key`` (``--api-key``) every path but ``/health*`` needs ``Authorization: Bearer <key>`` (401
 ``{"error": "Unauthorized"}`` otherwise). Start in-process with ``CPUServer(engine).start()`` (port 0 picks a free
-port) or from the shell with SGLang's flags: ``python -m sapo_megatron.rollout.cpu_server --model-path DIR --port P``
+port) or from the shell with SGLang's flags: ``python -m sapo_megatron.rollout.cpu.server --model-path DIR --port P``
 (see :func:`add_serve_arguments`). SGLang's ``--dtype`` and ``--quantization fp8`` set the engine's precision
 (:func:`precision_from_flags`).
 """
@@ -56,8 +56,13 @@ from typing import Any
 from sapo_megatron import __version__
 from sapo_megatron.checkpoint.hf_io import CheckpointError
 from sapo_megatron.errors import UserError
-from sapo_megatron.rollout.cpu_engine import CPUEngine, RowResult, RowSpec
-from sapo_megatron.rollout.cpu_server_http import (
+from sapo_megatron.rollout.cpu.engine import CPUEngine, RowResult, RowSpec
+from sapo_megatron.rollout.cpu.flags import (  # re-exported
+    DEFAULT_MAX_ROWS_PER_REQUEST,
+    DTYPE_CHOICES,
+    add_serve_arguments,
+)
+from sapo_megatron.rollout.cpu.http import (
     HTTPServer,
     Limits,
     Request,
@@ -66,7 +71,7 @@ from sapo_megatron.rollout.cpu_server_http import (
     json_response,
     text_response,
 )
-from sapo_megatron.rollout.cpu_server_weights import (
+from sapo_megatron.rollout.cpu.weights import (
     InvalidRequest,
     WeightEndpoints,
     WeightGuard,
@@ -74,11 +79,6 @@ from sapo_megatron.rollout.cpu_server_weights import (
 from sapo_megatron.rollout.protocol import encode_routed_experts, finish_reason_json
 from sapo_megatron.rollout.types import SamplingParams
 from sapo_megatron.rollout.weight_group import DEFAULT_TIMEOUT_S
-from sapo_megatron.serve_flags import (  # re-exported
-    DEFAULT_MAX_ROWS_PER_REQUEST,
-    DTYPE_CHOICES,
-    add_serve_arguments,
-)
 
 logger = logging.getLogger(__name__)
 
@@ -442,7 +442,7 @@ class CPUServer:
             "dist_timeout": self.weights.dist_timeout_s,
             "weight_version": self.weights.weight_version,
             "version": __version__,
-            "served_by": "sapo_megatron.rollout.cpu_server",
+            "served_by": "sapo_megatron.rollout.cpu.server",
         }
 
 
@@ -748,7 +748,7 @@ class _stop_on_signals:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m sapo_megatron.rollout.cpu_server",
+        prog="python -m sapo_megatron.rollout.cpu.server",
         description="Serve an HF causal LM on CPU with the part of SGLang's HTTP API this project uses",
     )
     add_serve_arguments(parser)

@@ -28,7 +28,7 @@ weights that sampled it, which the checkpoint no longer holds (it holds the next
 next to them (token ids, log-probs, and the routes when ``rollout.routed_experts`` asks for them).
 
 Errors of the background generation (engine, reward budget, data) are kept and re-raised in the loop at the
-next wait, with their type, message and hint; the other ranks raise :class:`~sapo_megatron.session.MainRankFailed`
+next wait, with their type, message and hint; the other ranks raise :class:`~sapo_megatron.runtime.ranks.MainRankFailed`
 with the same message (as for any work of the main rank). Only the main rank generates; the reward runs where
 generation runs (in the background thread: math-verify then runs without its ``signal.alarm`` timeouts).
 """
@@ -49,16 +49,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from sapo_megatron.batching import TrainSequence
 from sapo_megatron.data.prompts import PromptIterator
 from sapo_megatron.errors import UserError
-from sapo_megatron.interrupts import WaitInterrupted
-from sapo_megatron.session import Session, on_main_rank
+from sapo_megatron.loop.in_flight import IN_FLIGHT_FILE
+from sapo_megatron.loop.session import Session
+from sapo_megatron.model.batching import TrainSequence
+from sapo_megatron.runtime.interrupts import WaitInterrupted
+from sapo_megatron.runtime.ranks import on_main_rank
 
 logger = logging.getLogger(__name__)
 
-IN_FLIGHT_FILE = "rollout_in_flight.pt"
-"""The batch in flight, inside a training-state checkpoint (written by the main rank, read on resume)."""
 _FORMAT = 1
 
 

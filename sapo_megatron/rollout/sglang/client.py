@@ -37,7 +37,6 @@ from typing import Any, TypeVar
 import httpx
 import torch
 
-from sapo_megatron.interrupts import wait_for
 from sapo_megatron.rollout.base import RolloutEngine, RolloutError, normalize_response_starts
 from sapo_megatron.rollout.protocol import (
     generate_payload,
@@ -45,8 +44,9 @@ from sapo_megatron.rollout.protocol import (
     parse_score_reply,
     score_payload,
 )
-from sapo_megatron.rollout.topology import auth_headers
+from sapo_megatron.rollout.sglang.topology import auth_headers
 from sapo_megatron.rollout.types import GenerationRequest, Sample
+from sapo_megatron.runtime.interrupts import wait_for
 
 logger = logging.getLogger(__name__)
 

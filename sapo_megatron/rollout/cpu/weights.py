@@ -49,8 +49,9 @@ from typing import Any
 
 import torch
 
-from sapo_megatron.rollout.cpu_engine import CPUEngine
-from sapo_megatron.rollout.cpu_server_http import Request
+from sapo_megatron.rollout.cpu.engine import CPUEngine
+from sapo_megatron.rollout.cpu.flags import DEFAULT_CONNECT_TIMEOUT_S
+from sapo_megatron.rollout.cpu.http import Request
 from sapo_megatron.rollout.tensor_transport import TensorTransportError, deserialize_named_tensors
 from sapo_megatron.rollout.weight_group import (
     DEFAULT_TIMEOUT_S,
@@ -61,7 +62,6 @@ from sapo_megatron.rollout.weight_group import (
     init_custom_process_group,
     parse_dtype,
 )
-from sapo_megatron.serve_flags import DEFAULT_CONNECT_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 

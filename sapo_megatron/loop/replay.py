@@ -5,7 +5,7 @@
 - ``r2``: the old-log-prob pass records the trainer's live routes; every update of the batch replays them
   (forward and recomputation).
 - ``r3``: the rollout engine's routes (``Sample.routed_experts``, laid onto the trainer's positions by
-  :mod:`sapo_megatron.batching`) are replayed in the old-log-prob pass and in every update.
+  :mod:`sapo_megatron.model.batching`) are replayed in the old-log-prob pass and in every update.
 
 Metrics, when the engine returns routes (``rollout.routed_experts``): ``routing/agreement`` – the engine's routes
 against the trainer's live routing at the rollout's weights (the old-log-prob pass; under R3 one extra recording
@@ -20,10 +20,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from sapo_megatron.batching import UNIT_TEMPERATURE_LOGP, RouteLayout
 from sapo_megatron.megatron.loss_hook import LogprobOutput
 from sapo_megatron.megatron.routing_replay import ENGINE_ROUTES, RECORDED_ROUTES, USED_ROUTES
 from sapo_megatron.megatron.train_step import StepResult, TrainEngine
+from sapo_megatron.model.batching import UNIT_TEMPERATURE_LOGP, RouteLayout
 
 REPLAY_SOURCES = {"none": None, "r2": RECORDED_ROUTES, "r3": ENGINE_ROUTES}
 Updates = list[list[dict]]

@@ -1,6 +1,6 @@
 """Sequence packing: sequences of different lengths share a micro-batch up to a token budget
 (``parallel.max_tokens_per_micro_batch``) instead of each taking a row of one right-padded rectangle. Pure
-Python and torch; :mod:`sapo_megatron.batching` lays the tensors out, :mod:`sapo_megatron.megatron.packed_seq`
+Python and torch; :mod:`sapo_megatron.model.batching` lays the tensors out, :mod:`sapo_megatron.megatron.packed_seq`
 feeds them to Megatron (THD through ``PackedSeqParams`` with Transformer Engine, else a block-diagonal causal
 mask with per-sequence RoPE).
 
