@@ -1,0 +1,90 @@
+"""A fresh machine installs from the package registries only: no tracked install file (lock, requirements,
+pyproject, Makefile, CI script) pins a ``file://`` URL or a path on the machine that wrote it. (Issue 30: the SGLang
+tier's lock once named ``sglang @ file:///tmp/...whl``, and CI passed only because an old virtualenv outside the
+clone was still there.)"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+INSTALL_FILE = re.compile(
+    r"(^|/)(requirements[^/]*\.(txt|in|lock)|[^/]*\.lock|constraints[^/]*\.txt|pyproject\.toml|setup\.(cfg|py)"
+    r"|Makefile|[^/]*\.mk)$|^\.ci/"
+)
+# a package source that only exists on one machine: a file: URL, a direct reference or pip option naming an
+# absolute or home path, or an archive given by an absolute path
+LOCAL_PIN = re.compile(
+    r"file:"
+    r"|@\s*[/~]"
+    r"|(^|\s)(-e|--editable|-f|--find-links|-i|--index-url|--extra-index-url|-c|--constraint|-r|--requirement)"
+    r"(\s+|=)[\"']?[/~]"
+    r"|(^|[\s\"'=])[/~][^\s\"']*\.(whl|tar\.gz|zip|tgz)\b"
+    r"|(^|[\s\"'=])(/tmp|/var/tmp|/home|/root|/Users)/"
+)
+
+
+def local_pins(text: str) -> list[str]:
+    """The lines of an install file that name a machine-local package source (comments included: a commented
+    pin is one edit away from breaking a fresh machine)."""
+    return [line.strip() for line in text.splitlines() if LOCAL_PIN.search(line)]
+
+
+def _tracked_files() -> list[str]:
+    done = subprocess.run(
+        ["git", "-C", str(ROOT), "ls-files"], capture_output=True, text=True, check=False, timeout=30
+    )
+    assert done.returncode == 0, f"this test reads the tracked files with git ls-files: {done.stderr.strip()}"
+    return done.stdout.splitlines()
+
+
+def test_no_tracked_install_file_pins_a_local_path():
+    files = [name for name in _tracked_files() if INSTALL_FILE.search(name)]
+    # the files this rule exists for: if one moves, the pattern above must follow it
+    assert {"pyproject.toml", "Makefile", ".ci/run", "tools/sglang_cpu/requirements.lock"} <= set(files)
+    found = {name: local_pins((ROOT / name).read_text()) for name in files if (ROOT / name).is_file()}
+    assert {name: lines for name, lines in found.items() if lines} == {}
+
+
+# line 84 of tools/sglang_cpu/requirements.lock before commit 2d3ee55, which this test must catch
+OLD_LOCK_LINE = (
+    "sglang @ file:///tmp/sgl/sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl"
+    "#sha256=00b3cd5b265ac76c64185fbb6b95424f324ddd9f428d0306b77bc9db9d859937"
+)
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        OLD_LOCK_LINE,
+        "torch @ /opt/wheels/torch-2.13.0+cpu-cp311-cp311-linux_x86_64.whl",
+        "--find-links /opt/wheels",
+        "--extra-index-url=file:///opt/pypi/simple",
+        "-e /home/me/sapo_megatron",
+        "/root/dist/sglang-0.5.23.tar.gz",
+        '"mypkg @ ~/src/mypkg"',
+        "\tpip install --no-deps /tmp/build/thing.whl",
+    ],
+)
+def test_a_local_pin_is_found(line):
+    assert local_pins(f"aiohttp==3.14.5\n{line}\nzmq==0.0.0\n") == [line.strip()]
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        "torch==2.13.0",
+        "sglang @ https://files.pythonhosted.org/packages/sglang-0.5.23-py3-none-any.whl",
+        "--extra-index-url https://download.pytorch.org/whl/cpu",
+        "\t$(BIN)/pip install --quiet -e \".[test,math]\"",
+        "\tSAPO_REQUIRE_SGLANG=1 $(BIN)/pytest -q tests/sglang_real",
+        "# outside the clone ($SAPO_SGLANG_VENV, default /opt/sapo-sglang-venv)",
+        '  dpkg-query -W -f=\'${Status}\' "$package" 2> /dev/null',
+    ],
+)
+def test_registry_pins_and_ordinary_paths_pass(line):
+    assert local_pins(line) == []
