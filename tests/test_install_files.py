@@ -80,10 +80,10 @@ def test_a_local_pin_is_found(line):
         "torch==2.13.0",
         "sglang @ https://files.pythonhosted.org/packages/sglang-0.5.23-py3-none-any.whl",
         "--extra-index-url https://download.pytorch.org/whl/cpu",
-        "\t$(BIN)/pip install --quiet -e \".[test,math]\"",
+        '\t$(BIN)/pip install --quiet -e ".[test,math]"',
         "\tSAPO_REQUIRE_SGLANG=1 $(BIN)/pytest -q tests/sglang_real",
         "# outside the clone ($SAPO_SGLANG_VENV, default /opt/sapo-sglang-venv)",
-        '  dpkg-query -W -f=\'${Status}\' "$package" 2> /dev/null',
+        "  dpkg-query -W -f='${Status}' \"$package\" 2> /dev/null",
     ],
 )
 def test_registry_pins_and_ordinary_paths_pass(line):
