@@ -29,24 +29,20 @@ import re
 import time
 from typing import Any, Literal
 
-from sapo_megatron.rewards.sandbox import SandboxLimits, run_python
+from sapo_megatron.rewards.sandbox import SandboxLimits, run_checked, run_python
 
 _THINK = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
 _FENCE = re.compile(r"```[ \t]*([\w+#.-]*)[^\n]*\n(.*?)```", re.DOTALL)
 _PYTHON = {"python", "py", "python3"}
 
-_CALL_HARNESS = """
-import json, os, sys
-sys.path.insert(0, os.getcwd())
-from solution import *  # noqa
-import solution as _solution
-_args = json.loads(sys.stdin.read())
-_name = {name!r}
-_fn = getattr(_solution, _name, None)
+_CALL_TEST = """
+_fn = getattr(__solution__, {name!r}, None)
 if _fn is None:
-    _fn = getattr(_solution.Solution(), _name)
-print(json.dumps(_fn(*_args)))
+    _fn = getattr(__solution__.Solution(), {name!r})
+__report__(_fn(*__import__("json").loads({args!r})))
 """
+"""The checker's test for a ``fn_name`` case (:func:`.sandbox.run_checked`): the function or ``Solution``
+method called in the solution's process, its plain result reported by the checker."""
 
 
 def extract_code(response: str) -> str:
@@ -137,16 +133,11 @@ def _stdio_case(stdin: Any, expected: Any):
 
 def _call_case(name: str, args: Any, expected: Any):
     def run(code: str, limits: SandboxLimits, require: bool) -> bool:
-        files = {"solution.py": code, "harness.py": _CALL_HARNESS.format(name=name)}
-        result = run_python(
-            files, "harness.py", json.dumps(_arguments(args)), limits, require_isolation=require
-        )
-        if result.returncode != 0:
+        test = _CALL_TEST.format(name=name, args=json.dumps(_arguments(args)))
+        verdict = run_checked({"solution.py": code}, test, limits, require_isolation=require).verdict
+        if not verdict or verdict.get("ok") is not True or "value" not in verdict:
             return False
-        try:
-            got = json.loads(result.stdout.strip().splitlines()[-1])
-        except (ValueError, IndexError):
-            return False
+        got = verdict["value"]
         want = json.loads(expected) if isinstance(expected, str) else expected
         return got == want or (isinstance(want, list) and len(want) == 1 and got == want[0])
 
@@ -155,13 +146,8 @@ def _call_case(name: str, args: Any, expected: Any):
 
 def _assert_case(script: str):
     def run(code: str, limits: SandboxLimits, require: bool) -> bool:
-        program = f"{code}\n\n{script}\n"
-        return (
-            run_python(
-                {"solution.py": program}, "solution.py", "", limits, require_isolation=require
-            ).returncode
-            == 0
-        )
+        verdict = run_checked({"solution.py": code}, script, limits, require_isolation=require).verdict
+        return bool(verdict) and verdict.get("ok") is True
 
     return run
 

@@ -1,25 +1,34 @@
-"""Running untrusted code: a subprocess in its own session with rlimits, a wall timeout, a fresh temporary work
-dir, and (where the kernel allows) its own network, PID and mount namespaces and an unprivileged uid.
+"""Running untrusted code: a subprocess in its own session with rlimits, a wall timeout and, where the kernel
+allows (root with CAP_SYS_ADMIN), its own network, PID and mount namespaces, a private root file system and an
+unprivileged uid. docs/rewards.md ("The sandbox") lists what is and is not contained, with the test of each.
 
-What contains what (see ``sandbox_boot.py`` for the order):
+What contains what (``sandbox_boot.py`` does it, in this order):
 
-- CPU time ``RLIMIT_CPU`` (``cpu_s``), address space ``RLIMIT_AS`` (``memory_mb``), file size ``RLIMIT_FSIZE``
-  (``max_file_mb``: also bounds stdout / stderr, which go to files), processes ``RLIMIT_NPROC`` (``max_procs``,
-  counted per uid: effective because the code runs as its own uid, see below), no core files;
-- a wall-clock timeout (``wall_s``): the launcher's process group is killed with SIGKILL; in a PID namespace
-  that kills every process the code started, even ones that left the group (the kernel ends a namespace with
-  its PID 1);
 - a new network namespace: only a loopback that is down, so every connection fails, 127.0.0.1 included;
-- the interpreter of :func:`sandbox_python` (``python -I``: no user site, no ``PYTHONPATH``);
-- a mount namespace with private, empty tmpfs over ``/tmp``, ``/var/tmp`` and ``/dev/shm`` (``tmpfs_mb``), the
-  code running in a fresh temporary directory and, when the trainer runs as root, as an unprivileged uid
-  (``60000 + pid % 5000``) that cannot write anywhere else.
+- a new PID namespace with its own ``/proc``: the code sees only its own processes, and when the namespace's
+  PID 1 exits the kernel kills every process the code left behind;
+- a private root: an empty tmpfs holding read-only bind mounts of the interpreter, its standard library and
+  site-packages, the shared libraries they load (:func:`readonly_set`), ``/dev/{null,zero,full,random,urandom}``
+  and ``/etc/ld.so.cache``; then ``pivot_root`` and the old root detached. Nothing else of the machine is
+  visible: no checkout, no home, no ``/run`` (so no Unix socket of a host daemon), no ``/etc``;
+- one tmpfs of ``tmpfs_mb`` for all writes: ``/tmp`` (the work dir ``/tmp/work``), ``/var/tmp`` and ``/dev/shm``;
+  the root itself is read-only;
+- an unprivileged uid (``60000 + pid % 5000``) with no supplementary groups and ``no_new_privs``;
+- rlimits: CPU time ``RLIMIT_CPU`` (``cpu_s``), address space ``RLIMIT_AS`` (``memory_mb``), file size
+  ``RLIMIT_FSIZE`` (``max_file_mb``: also bounds stdout / stderr, which go to files), processes ``RLIMIT_NPROC``
+  (``max_procs``, per uid), no core files; a wall-clock timeout (``wall_s``) that kills the process group;
+- an environment of its own (``PATH``, ``LANG``, ``HOME``): none of the trainer's variables.
+
+:func:`run_checked` runs test code against a solution so that the verdict cannot be forged: the solution runs in
+one process, the tests in a second one under another uid (``sandbox_check.py``), which calls into the solution
+over a pipe and only ever receives plain values. The verdict is written by the checker on a descriptor that only
+it holds, after the last test statement ran.
 
 Without the privileges for namespaces (not root, or a container without CAP_SYS_ADMIN) the code still runs with
-the rlimits, its own session and the wall timeout, but **with the machine's network and file system** (as the
-trainer's user): :func:`isolation` says what is available and a warning is logged once; ``require_isolation=True``
-makes that an error instead. ``SAPO_SANDBOX_NAMESPACES=0`` forces that fallback (for tests, or a kernel whose
-namespaces misbehave).
+the rlimits, its own session, its own environment and the wall timeout, but **with the machine's network and file
+system** (as the trainer's user): :func:`isolation` says what is available and a warning is logged once;
+``require_isolation=True`` makes that an error instead. ``SAPO_SANDBOX_NAMESPACES=0`` forces that fallback (for
+tests, or a kernel whose namespaces misbehave).
 """
 
 from __future__ import annotations
@@ -34,11 +43,15 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 BOOT = Path(__file__).with_name("sandbox_boot.py")
+CHECKER = Path(__file__).with_name("sandbox_check.py")
+ISOLATED = ("net", "pid", "root", "private_tmp", "seccomp")
+"""What :func:`isolation` must report for ``require_isolation``."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +71,9 @@ class SandboxResult:
     stdout: str
     stderr: str
     timed_out: bool
+    verdict: dict | None = None
+    """:func:`run_checked` only: the checker's report, ``{"ok": bool, "value": ..., "error": str}``; None when
+    the checker wrote none (it was killed, or timed out)."""
 
 
 class SandboxUnavailable(RuntimeError):
@@ -91,6 +107,84 @@ def sandbox_python() -> str:
     return sys.executable
 
 
+_INTERPRETER_PATHS = """
+import json, os, site, sys, sysconfig
+paths = [sys.executable, sysconfig.get_path("stdlib"), sysconfig.get_path("platstdlib"), *site.getsitepackages()]
+paths.append(os.path.join(sys.prefix, "pyvenv.cfg"))
+dynload = os.path.join(sysconfig.get_path("platstdlib"), "lib-dynload")
+modules = [os.path.join(dynload, n) for n in os.listdir(dynload)] if os.path.isdir(dynload) else []
+print(json.dumps({"paths": paths, "binaries": [os.path.realpath(sys.executable), *modules]}))
+"""
+
+
+@functools.lru_cache(maxsize=4)
+def readonly_set(python: str) -> tuple[str, ...]:
+    """The paths the private root shows, read-only: the interpreter as named (symlinks kept), its standard
+    library, its site-packages, its ``pyvenv.cfg`` if any, the directories of the shared libraries it and its
+    ``lib-dynload`` modules load (``ldd``), and ``/etc/ld.so.cache``. Paths that do not exist are left out."""
+    done = subprocess.run(
+        [python, "-I", "-c", _INTERPRETER_PATHS], capture_output=True, text=True, timeout=60
+    )
+    if done.returncode != 0:
+        raise SandboxUnavailable(
+            f"the sandbox interpreter {python} does not start: {done.stderr.strip()[-300:]}"
+        )
+    found = json.loads(done.stdout)
+    paths = [python, *found["paths"], "/etc/ld.so.cache", *_library_dirs(found["binaries"])]
+    return tuple(dict.fromkeys(path for path in paths if os.path.lexists(path)))
+
+
+def _library_dirs(binaries: list[str]) -> list[str]:
+    """The directories of the shared libraries (and the loader) that ``binaries`` link, by ``ldd``."""
+    if not shutil.which("ldd"):
+        return []
+    done = subprocess.run(["ldd", *binaries], capture_output=True, text=True, timeout=60, check=False)
+    libraries, loaders = set(), set()
+    for line in done.stdout.splitlines():
+        words = line.split()
+        if (
+            "=>" in words
+            and len(words) > words.index("=>") + 1
+            and words[words.index("=>") + 1].startswith("/")
+        ):
+            libraries.add(os.path.dirname(words[words.index("=>") + 1]))
+        elif len(words) == 2 and words[0].startswith("/") and words[1].startswith("(0x"):
+            loaders.add(words[0])  # e.g. /lib64/ld-linux-x86-64.so.2 (a file header line ends with ":")
+    return sorted(libraries | loaders)
+
+
+def root_plan(paths: tuple[str, ...]) -> list[list[str]]:
+    """How ``sandbox_boot.py`` builds the private root from host ``paths``: ``["dir", p]``, ``["link", p,
+    target]`` and ``["bind", p]`` entries, parents first. Each symlink on the way to a path is recreated (so
+    ``/lib64/ld-linux-x86-64.so.2`` resolves as on the host) and only the real file or directory at its end is
+    bound; a path inside a bound directory needs nothing more."""
+    kinds: dict[str, list[str]] = {}
+    for path in paths:
+        _walk(path, kinds, depth=0)
+    binds = [p for p, entry in kinds.items() if entry[0] == "bind"]
+    inside = {p for p in kinds for b in binds if p != b and p.startswith(b.rstrip("/") + "/")}
+    return [kinds[p] for p in sorted(kinds) if p not in inside]
+
+
+def _walk(path: str, kinds: dict[str, list[str]], depth: int) -> None:
+    if depth > 40:
+        raise SandboxUnavailable(f"too many symbolic links on the way to {path}")
+    parts = Path(os.path.abspath(path)).parts[1:]
+    current = "/"
+    for index, part in enumerate(parts):
+        current = os.path.join(current, part)
+        if os.path.islink(current):
+            target = os.readlink(current)
+            kinds[current] = ["link", current, target]
+            resolved = os.path.join(os.path.dirname(current), target)
+            _walk(os.path.join(resolved, *parts[index + 1 :]), kinds, depth + 1)
+            return
+        if index == len(parts) - 1:
+            kinds[current] = ["bind", current]
+        elif kinds.get(current, ["dir"])[0] == "dir":
+            kinds[current] = ["dir", current]
+
+
 def _namespaces_wanted() -> bool:
     """``SAPO_SANDBOX_NAMESPACES=0`` runs without namespaces or uid change (as where the kernel refuses them)."""
     return os.environ.get("SAPO_SANDBOX_NAMESPACES", "1") != "0"
@@ -100,43 +194,48 @@ def _sandbox_uid() -> int:
     return 60000 + os.getpid() % 5000 if os.geteuid() == 0 and _namespaces_wanted() else 0
 
 
-def _settings(workdir: Path, argv: list[str], limits: SandboxLimits, *, probe: bool = False) -> str:
-    rlimits = {
-        "RLIMIT_CPU": limits.cpu_s,
-        "RLIMIT_AS": limits.memory_mb << 20,
-        "RLIMIT_FSIZE": limits.max_file_mb << 20,
-        "RLIMIT_NPROC": limits.max_procs,
-        "RLIMIT_CORE": 0,
+def _settings(workdir: Path, limits: SandboxLimits, **run: object) -> dict:
+    uid = _sandbox_uid()
+    python = sandbox_python()
+    return {
+        "workdir": str(workdir),
+        "python": python,
+        "root_plan": root_plan(readonly_set(python)) if _namespaces_wanted() else [],
+        "uid": uid,
+        "checker_uid": uid + 10000
+        if uid
+        else 0,  # never the solution's: it cannot signal or trace the checker
+        "limits": {
+            "RLIMIT_CPU": limits.cpu_s,
+            "RLIMIT_AS": limits.memory_mb << 20,
+            "RLIMIT_FSIZE": limits.max_file_mb << 20,
+            "RLIMIT_NPROC": limits.max_procs,
+            "RLIMIT_CORE": 0,
+        },
+        "tmpfs_mb": limits.tmpfs_mb,
+        "namespaces": _namespaces_wanted(),
+        "files": {},
+        "argv": [],
+        "check": None,
+        "probe": False,
+        **run,
     }
-    return json.dumps(
-        {
-            "workdir": str(workdir),
-            "argv": argv,
-            "python": sandbox_python(),
-            "uid": _sandbox_uid(),
-            "limits": rlimits,
-            "tmpfs_mb": limits.tmpfs_mb,
-            "probe": probe,
-            "namespaces": _namespaces_wanted(),
-        }
-    )
 
 
 @functools.lru_cache(maxsize=1)
 def isolation() -> dict[str, object]:
-    """What the sandbox manages here: ``{"net", "pid", "mount", "private_tmp": bool, "uid": int}`` (one probe
-    run per process); logs a warning once when the code would see the network or the file system."""
-    with tempfile.TemporaryDirectory(prefix="sapo-sandbox-probe-") as tmp:
-        workdir = _make_workdir(Path(tmp))
-        settings = _settings(workdir, [], SandboxLimits(), probe=True)
-        done = subprocess.run(
-            [sys.executable, "-I", "-S", str(BOOT), settings], capture_output=True, timeout=30, check=False
-        )
+    """What the sandbox manages here: ``{"net", "pid", "mount", "root", "proc", "private_tmp": bool, "uid":
+    int}`` (one probe run per process); logs a warning once when the code would see the network or the file
+    system."""
     try:
-        found = json.loads(done.stdout)
-    except ValueError:
-        found = {"net": False, "pid": False, "mount": False, "private_tmp": False, "uid": os.geteuid()}
-    if not (found["net"] and found["pid"] and found["private_tmp"] and found["uid"] != 0):
+        found = _run(SandboxLimits(wall_s=30.0), probe=True).stdout
+        found = json.loads(found)
+    except (ValueError, SandboxUnavailable, subprocess.SubprocessError, OSError):
+        found = {}
+    found = {
+        key: bool(found.get(key)) for key in ("net", "pid", "mount", "root", "proc", "private_tmp", "seccomp")
+    } | {"uid": found.get("uid", os.geteuid())}
+    if not (all(found[key] for key in ISOLATED) and found["uid"] != 0):
         logger.warning(
             "code sandbox without full isolation here (%s): untrusted code keeps the machine's network and/or "
             "file system; run the trainer as root with CAP_SYS_ADMIN for network / PID / mount namespaces",
@@ -145,13 +244,10 @@ def isolation() -> dict[str, object]:
     return found
 
 
-def _make_workdir(root: Path) -> Path:
-    workdir = root / "work"
-    workdir.mkdir()
-    uid = _sandbox_uid()
-    if uid:
-        os.chown(workdir, uid, uid)
-    return workdir
+def _require(require_isolation: bool) -> None:
+    found = isolation()  # the warning, once
+    if require_isolation and not all(found[key] for key in ISOLATED):
+        raise SandboxUnavailable(f"the code sandbox cannot isolate the code here: {found}")
 
 
 def run_python(
@@ -163,37 +259,109 @@ def run_python(
     require_isolation: bool = False,
 ) -> SandboxResult:
     """Write ``files`` into a fresh work dir and run ``python -I script`` there under the limits above."""
-    if require_isolation and not all(isolation()[k] for k in ("net", "pid", "private_tmp")):
-        raise SandboxUnavailable(f"the code sandbox cannot isolate the code here: {isolation()}")
-    isolation()  # the warning, once
+    _require(require_isolation)
+    return _run(limits, files=files, argv=[script], stdin=stdin)
+
+
+def run_checked(
+    files: dict[str, str],
+    test: str,
+    limits: SandboxLimits = SandboxLimits(),
+    *,
+    require_isolation: bool = False,
+) -> SandboxResult:
+    """Load ``files["solution.py"]`` as the module ``solution`` in one sandboxed process and run the Python
+    ``test`` in a second one (``sandbox_check.py``) with the solution's names bound to proxies. The result's
+    ``verdict`` is the checker's: ``ok`` only when every statement of ``test`` ran; ``value`` what the test
+    passed to ``__report__``."""
+    _require(require_isolation)
+    return _run(limits, files=files, check=test, checker=CHECKER.read_text())
+
+
+def _run(limits: SandboxLimits, stdin: str = "", **run: object) -> SandboxResult:
     root = Path(tempfile.mkdtemp(prefix="sapo-sandbox-"))
     try:
-        workdir = _make_workdir(root)
-        for name, text in files.items():
-            (workdir / name).write_text(text)
+        workdir = root / "work"
+        workdir.mkdir()
+        (root / "fs").mkdir()  # the private root's mount point
+        uid = _sandbox_uid()
+        if uid:
+            os.chown(workdir, uid, uid)
         (root / "stdin").write_text(stdin)
+        settings = json.dumps(_settings(workdir, limits, **run)).encode()
+        settings_read, settings_write = os.pipe()
+        verdict_read, verdict_write = os.pipe()
         with (
             open(root / "stdin", "rb") as inp,
             open(root / "out", "wb") as out,
             open(root / "err", "wb") as err,
         ):
-            process = subprocess.Popen(
-                [sys.executable, "-I", "-S", str(BOOT), _settings(workdir, [script], limits)],
-                stdin=inp,
-                stdout=out,
-                stderr=err,
-                start_new_session=True,
-            )
+            try:
+                process = subprocess.Popen(
+                    [sys.executable, "-I", "-S", str(BOOT), str(settings_read), str(verdict_write)],
+                    stdin=inp,
+                    stdout=out,
+                    stderr=err,
+                    pass_fds=(settings_read, verdict_write),
+                    start_new_session=True,
+                )
+            finally:
+                os.close(settings_read)
+                os.close(verdict_write)
+            verdict = _Reader(verdict_read, limits.max_output_bytes)
             timed_out = False
             try:
+                _send(settings_write, settings)
                 returncode = process.wait(timeout=limits.wall_s)
             except subprocess.TimeoutExpired:
                 timed_out, returncode = True, -1
             finally:
                 _kill_group(process)
-        return SandboxResult(returncode, _head(root / "out", limits), _head(root / "err", limits), timed_out)
+        return SandboxResult(
+            returncode,
+            _head(root / "out", limits),
+            _head(root / "err", limits),
+            timed_out,
+            verdict.result() if "check" in run else None,
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _send(fd: int, data: bytes) -> None:
+    """The settings, on a pipe the launcher reads first (a file would be readable by the code in the fallback
+    without namespaces, and the checker's tests are in them)."""
+    try:
+        with open(fd, "wb") as stream:
+            stream.write(data)
+    except BrokenPipeError:
+        pass  # the launcher died first; its exit status says so
+
+
+class _Reader:
+    """Reads the checker's verdict pipe to its end in a thread (so a large report cannot block the checker),
+    keeping at most ``cap`` bytes."""
+
+    def __init__(self, fd: int, cap: int) -> None:
+        self.data, self._fd, self._cap = b"", fd, cap
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        with open(self._fd, "rb") as stream:
+            while chunk := stream.read(65536):
+                if len(self.data) <= self._cap:
+                    self.data += chunk
+
+    def result(self) -> dict | None:
+        self._thread.join(timeout=5)
+        if len(self.data) > self._cap:
+            return {"ok": False, "error": f"the checker's report is over {self._cap} bytes"}
+        try:
+            verdict = json.loads(self.data)
+        except ValueError:
+            return None
+        return verdict if isinstance(verdict, dict) else None
 
 
 def _kill_group(process: subprocess.Popen) -> None:
