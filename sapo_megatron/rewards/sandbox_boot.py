@@ -97,11 +97,15 @@ def _child(settings: dict, libc, isolation: dict, report_fd: int, verdict_fd: in
     os.write(report_fd, json.dumps(isolation).encode())
     os.close(report_fd)
     python = settings["python"]
-    if settings["check"] is None:
-        os.close(verdict_fd)
-        _become(libc, uid, settings["limits"])
-        os.execve(python, [python, "-I", *settings["argv"]], ENVIRONMENT)
-    _check(settings, libc, uid, verdict_fd)
+    if settings["check"] is not None:
+        _check(settings, libc, uid, verdict_fd)
+    os.close(verdict_fd)
+    # the code runs as this process's child, not as PID 1 itself: its parent is then root and untraceable,
+    # and it gets the signal semantics of an ordinary process
+    code = _spawn(libc, uid, settings["limits"], [python, "-I", *settings["argv"]], keep=(), stdin=True)
+    _, status = os.waitpid(code, 0)
+    status = os.waitstatus_to_exitcode(status)
+    os._exit(128 - status if status < 0 else status)
 
 
 def _build_root(settings: dict, libc) -> None:
@@ -270,8 +274,18 @@ def _check(settings: dict, libc, uid: int, verdict_fd: int) -> None:
 
 
 def _spawn(
-    libc, uid: int, limits: dict, argv: list, *, keep: tuple, close: tuple = (), cwd: str = "."
+    libc,
+    uid: int,
+    limits: dict,
+    argv: list,
+    *,
+    keep: tuple,
+    close: tuple = (),
+    cwd: str = ".",
+    stdin: bool = False,
 ) -> int:
+    """Fork; in the child keep only 0-2 and ``keep`` open across ``exec`` (stdin: /dev/null unless ``stdin``),
+    become ``uid`` with the limits and run ``argv``."""
     pid = os.fork()
     if pid:
         return pid
@@ -280,8 +294,8 @@ def _spawn(
             os.close(fd)
         for fd in keep:
             os.set_inheritable(fd, True)
-        null = os.open("/dev/null", os.O_RDONLY)
-        os.dup2(null, 0)
+        if not stdin:
+            os.dup2(os.open("/dev/null", os.O_RDONLY), 0)
         os.chdir(cwd)
         _become(libc, uid, limits)
         os.execve(argv[0], argv, ENVIRONMENT)

@@ -178,7 +178,8 @@ def host(requests: int, replies: int, path: str) -> None:
                 spec = importlib.util.spec_from_file_location("solution", path)
                 module = importlib.util.module_from_spec(spec)
                 sys.modules["solution"] = module
-                spec.loader.exec_module(module)
+                with contextlib.suppress(SystemExit):  # a script's exit(): the tests judge the names so far
+                    spec.loader.exec_module(module)
                 names = {
                     k: v for k, v in vars(module).items() if not (k.startswith("__") and k.endswith("__"))
                 }
