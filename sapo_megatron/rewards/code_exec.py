@@ -10,11 +10,20 @@ The tests come from ``metadata`` (a dict, or a JSON string of one), else from th
 
 - ``{"inputs": [stdin, ...], "outputs": [stdout, ...]}``: each pair is one test: the program reads ``stdin`` and
   passes when its stdout equals ``stdout`` token by token (whitespace-insensitive, numbers within 1e-6, as
-  the APPS checker and slime's ``code_verifier`` compare). With ``"fn_name": "f"`` the tests call ``f(*args)`` (or ``Solution().f(*args)``) with each input a
-  JSON list of arguments (or a string of JSON lines, one argument each) and compare the return value with the
-  output (JSON; an output wrapped in a one-element list also matches);
-- ``{"test": "assert ..."}`` (one test: the code, then this script) or ``{"tests": ["assert ...", ...]}`` (one
-  test each); a test passes when the process exits 0.
+  the APPS checker and slime's ``code_verifier`` compare). With ``"fn_name": "f"`` the tests call ``f(*args)``
+  (or ``Solution().f(*args)``) with each input a JSON list of arguments (or a string of JSON lines, one argument
+  each) and compare the return value with the output (JSON; an output wrapped in a one-element list also
+  matches);
+- ``{"test": "assert ..."}`` (one test) or ``{"tests": ["assert ...", ...]}`` (one test each): the script runs
+  with the solution's names in scope and passes when every statement of it ran.
+
+``fn_name`` and assertion tests run in a checker process of their own beside the solution's
+(:func:`.sandbox.run_checked`): the checker calls into the solution and receives plain values only, and the
+verdict is the checker's. Exiting early (``sys.exit``, ``os._exit``, ``atexit``), patching ``json`` or the
+harness, returning an object that equals everything, or shadowing a builtin the test uses all score 0
+(tests/rewards/test_sandbox.py). Tests that need an object of the test's own passed into the solution (a callback,
+a class instance defined by the test) fail: only plain values and the solution's own objects cross. Stdin/stdout
+tests compare the program's output with the expected one, which never enters the sandbox.
 
 Score (``mode``): ``"all"`` (default, as verl's ``prime_code``: 1.0 when every test passes, else 0.0; stops at the
 first failure) or ``"fraction"`` (passed / total, every test run). Fields: ``passed``, ``total``. A response

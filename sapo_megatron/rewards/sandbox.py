@@ -33,10 +33,12 @@ tests, or a kernel whose namespaces misbehave).
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
 import json
 import logging
+import marshal
 import os
 import shutil
 import signal
@@ -228,9 +230,8 @@ def isolation() -> dict[str, object]:
     int}`` (one probe run per process); logs a warning once when the code would see the network or the file
     system."""
     try:
-        found = _run(SandboxLimits(wall_s=30.0), probe=True).stdout
-        found = json.loads(found)
-    except (ValueError, SandboxUnavailable, subprocess.SubprocessError, OSError):
+        found = ast.literal_eval(_run(SandboxLimits(wall_s=30.0), probe=True).stdout)
+    except (ValueError, SyntaxError, SandboxUnavailable, subprocess.SubprocessError, OSError):
         found = {}
     found = {
         key: bool(found.get(key)) for key in ("net", "pid", "mount", "root", "proc", "private_tmp", "seccomp")
@@ -288,7 +289,7 @@ def _run(limits: SandboxLimits, stdin: str = "", **run: object) -> SandboxResult
         if uid:
             os.chown(workdir, uid, uid)
         (root / "stdin").write_text(stdin)
-        settings = json.dumps(_settings(workdir, limits, **run)).encode()
+        settings = marshal.dumps(_settings(workdir, limits, **run))
         settings_read, settings_write = os.pipe()
         verdict_read, verdict_write = os.pipe()
         with (

@@ -1,5 +1,5 @@
 """Sandbox launcher, run as ``python -I -S sandbox_boot.py SETTINGS_FD VERDICT_FD`` by :mod:`.sandbox` (stdlib
-only). It reads its settings (JSON) from the pipe ``SETTINGS_FD``; ``VERDICT_FD`` goes to the checker alone.
+only). It reads its settings (a marshalled dict) from the pipe ``SETTINGS_FD``; ``VERDICT_FD`` goes to the checker alone.
 
 In order: die with the parent (``PR_SET_PDEATHSIG``) and stay untraceable (``PR_SET_DUMPABLE`` 0); new network,
 PID and mount namespaces where the kernel allows (each one that fails is skipped and reported); then fork. The
@@ -10,13 +10,12 @@ bound in, a fresh ``/proc``, a few device nodes, one size-capped tmpfs for ``/tm
 It writes the files into the work dir, then either ``exec``s ``python -I`` on the code as an unprivileged uid with
 the rlimits, or (a check run) starts the solution's host and the checker (``sandbox_check.py``) under two
 different uids, feeds the checker its tests and waits for it. The launcher waits and exits with the child's
-status (128 + signal when killed). With ``"probe": true`` it prints what it managed as JSON instead.
+status (128 + signal when killed). With ``"probe": true`` it prints what it managed (a dict's ``repr``) instead.
 """
 
 import ctypes
-import json
+import marshal
 import os
-import platform
 import resource
 import signal
 import sys
@@ -43,7 +42,7 @@ ENVIRONMENT = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "HOME"
 def main() -> None:
     settings_fd, verdict_fd = int(sys.argv[1]), int(sys.argv[2])
     with open(settings_fd, "rb") as stream:
-        settings = json.loads(stream.read())
+        settings = marshal.loads(stream.read())  # from the trainer (marshal: json would cost an import of re)
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
@@ -92,9 +91,9 @@ def _child(settings: dict, libc, isolation: dict, report_fd: int, verdict_fd: in
     if settings.get("probe"):
         libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
         isolation["seccomp"] = _no_new_namespaces(libc)
-        os.write(report_fd, json.dumps(isolation).encode())
+        os.write(report_fd, repr(isolation).encode())
         os._exit(0)
-    os.write(report_fd, json.dumps(isolation).encode())
+    os.write(report_fd, repr(isolation).encode())
     os.close(report_fd)
     python = settings["python"]
     if settings["check"] is not None:
@@ -165,9 +164,9 @@ def _bind_node(libc, source: str, target: str) -> None:
 
 def _pivot_root(libc) -> None:
     """``pivot_root(".", ".")`` puts the old root on top of the new one; detaching it leaves only the new."""
-    number = SYS_PIVOT_ROOT.get(platform.machine())
+    number = SYS_PIVOT_ROOT.get(os.uname().machine)
     if number is None:
-        raise OSError(f"no pivot_root system call number known for {platform.machine()}")
+        raise OSError(f"no pivot_root system call number known for {os.uname().machine}")
     if libc.syscall(number, b".", b".") != 0:
         raise OSError(ctypes.get_errno(), "pivot_root failed")
     if libc.umount2(b".", MNT_DETACH) != 0:
@@ -201,9 +200,9 @@ def _no_new_namespaces(libc) -> bool:
     (whose flags a filter cannot read) with ENOSYS, so that libc falls back to ``clone``; another architecture's
     system calls kill the process. Without it an unprivileged user namespace would give the code its own mounts
     (a tmpfs of any size). False where the machine is not in :data:`SECCOMP_ARCH`."""
-    if platform.machine() not in SECCOMP_ARCH:
+    if os.uname().machine not in SECCOMP_ARCH:
         return False
-    audit, number = SECCOMP_ARCH[platform.machine()]
+    audit, number = SECCOMP_ARCH[os.uname().machine]
     allow, kill = 0x7FFF0000, 0x80000000
     eperm, enosys = 0x00050000 | 1, 0x00050000 | 38
     load, equal, at_least, any_bit, ret = 0x20, 0x15, 0x35, 0x45, 0x06

@@ -26,6 +26,7 @@ import os
 import sys
 
 MAX_MESSAGE = 16 << 20
+_dumps, _loads = json.dumps, json.loads  # taken before a solution's module could replace them
 SCALARS = (type(None), bool, int, float, str)
 UNSAFE_MODULES = {
     "antigravity",
@@ -53,7 +54,7 @@ class SolutionError(Exception):
 
 
 def send(fd: int, message) -> None:
-    data = json.dumps(message).encode()
+    data = _dumps(message).encode()
     if len(data) > MAX_MESSAGE:
         raise ProtocolError(f"a message of {len(data)} bytes (over {MAX_MESSAGE})")
     data = len(data).to_bytes(4, "big") + data
@@ -65,7 +66,7 @@ def receive(fd: int):
     size = int.from_bytes(_exactly(fd, 4), "big")
     if size > MAX_MESSAGE:
         raise ProtocolError(f"a message of {size} bytes (over {MAX_MESSAGE})")
-    return json.loads(_exactly(fd, size))
+    return _loads(_exactly(fd, size))
 
 
 def _exactly(fd: int, size: int) -> bytes:
