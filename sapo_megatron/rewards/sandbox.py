@@ -288,6 +288,7 @@ def _run(limits: SandboxLimits, stdin: str = "", **run: object) -> SandboxResult
         uid = _sandbox_uid()
         if uid:
             os.chown(workdir, uid, uid)
+            root.chmod(0o711)  # without a private root the code's uid reaches its work dir through this one
         (root / "stdin").write_text(stdin)
         settings = marshal.dumps(_settings(workdir, limits, **run))
         settings_read, settings_write = os.pipe()

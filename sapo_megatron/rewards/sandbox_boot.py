@@ -73,12 +73,18 @@ def main() -> None:
 
 
 def _child(settings: dict, libc, isolation: dict, report_fd: int, verdict_fd: int) -> None:
+    workdir = settings["workdir"]
     if isolation["mount"] and _mount(libc, "none", "/", None, MS_REC | MS_PRIVATE):
-        _build_root(settings, libc)
-        isolation.update(root=True, proc=True, private_tmp=True)
-        workdir = WORKDIR
-    else:
-        workdir = settings["workdir"]
+        try:
+            _build_root(settings, libc)
+        except OSError as exc:  # e.g. a root file system pivot_root refuses: the probe reports root=False
+            os.write(
+                2, f"sandbox: no private root here ({exc}); the code sees the machine's files\n".encode()
+            )
+            os.chdir(workdir)
+        else:
+            isolation.update(root=True, proc=True, private_tmp=True)
+            workdir = WORKDIR
     uid = settings["uid"] if os.geteuid() == 0 and settings["namespaces"] else 0
     for name, text in settings["files"].items():
         path = os.path.join(workdir, os.path.basename(name))
@@ -254,7 +260,8 @@ def _check(settings: dict, libc, uid: int, verdict_fd: int) -> None:
         libc, uid, settings["limits"], host_argv, keep=(requests[0], replies[1]), close=(verdict_fd,)
     )
     checker_uid = settings["checker_uid"] if uid else 0
-    check_argv = [python, "-I", "-c", source, "check", str(requests[1]), str(replies[0]), str(tests[0])]
+    # -S: the checker needs the standard library only, and runs no site-packages .pth code
+    check_argv = [python, "-I", "-S", "-c", source, "check", str(requests[1]), str(replies[0]), str(tests[0])]
     keep = (requests[1], replies[0], tests[0], verdict_fd)
     checker = _spawn(
         libc, checker_uid, settings["limits"], [*check_argv, str(verdict_fd)], keep=keep, cwd="/"

@@ -6,6 +6,7 @@ program below is stopped within its limits and leaves the machine as it was."""
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -86,3 +87,24 @@ def test_slow_code_fails_its_tests_within_the_total_budget():
     start = time.monotonic()
     out = code_exec(slow, "", tests, mode="fraction", wall_s=1.0, total_wall_s=1.5)
     assert out == {"score": 0.0, "passed": 0, "total": 3} and time.monotonic() - start < 4
+
+
+def test_a_private_root_that_cannot_be_built_is_reported_not_fatal(monkeypatch, caplog):
+    """Where the kernel gives namespaces but the private root fails (here: a read-only path that does not exist),
+    the code runs on the machine's file system, the probe says root=False, and require_isolation refuses."""
+    from sapo_megatron.rewards import sandbox
+
+    if os.geteuid() != 0:
+        pytest.skip("the private root is built only by root (the fallback without it is the test above)")
+    monkeypatch.setattr(sandbox, "readonly_set", lambda python: ("/nonexistent-sapo/python3",))
+    isolation.cache_clear()
+    try:
+        found = isolation()
+        assert found["root"] is False and found["net"] is True and found["pid"] is True
+        assert "code sandbox without full isolation here" in caplog.text
+        result = run_python({"s.py": "print(6 * 7)"}, "s.py", limits=FAST)
+        assert result.stdout == "42\n" and "no private root here" in result.stderr
+        with pytest.raises(Exception, match="cannot isolate the code here"):
+            run_python({"s.py": "pass"}, "s.py", limits=FAST, require_isolation=True)
+    finally:
+        isolation.cache_clear()
