@@ -88,7 +88,7 @@ def _child(settings: dict, libc, isolation: dict, report_fd: int, verdict_fd: in
     uid = settings["uid"] if os.geteuid() == 0 and settings["namespaces"] else 0
     for name, text in settings["files"].items():
         path = os.path.join(workdir, os.path.basename(name))
-        with open(path, "w") as stream:
+        with open(path, "w", encoding="utf-8") as stream:
             stream.write(text)
         if uid:
             os.chown(path, uid, uid)
@@ -269,7 +269,7 @@ def _check(settings: dict, libc, uid: int, verdict_fd: int) -> None:
     for fd in (*requests, *replies, tests[0], verdict_fd):
         os.close(fd)
     try:
-        with open(tests[1], "w") as stream:
+        with open(tests[1], "w", encoding="utf-8") as stream:
             stream.write(settings["check"])
     except BrokenPipeError:
         pass  # the checker died first: it wrote no verdict

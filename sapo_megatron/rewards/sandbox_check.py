@@ -380,7 +380,7 @@ def check(requests: int, replies: int, tests: int, verdict: int) -> None:
         OSError, AttributeError
     ):  # not even the same uid may trace it or read its memory
         ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE
-    with open(tests) as stream:
+    with open(tests, encoding="utf-8") as stream:
         script = stream.read()
     reported = []
     result = {"ok": False}
