@@ -23,12 +23,16 @@ def fenced(code: str, lang: str = "python") -> str:
     return f"Let me think.\n```{lang}\n{code}\n```\nDone."
 
 
-def test_extraction_and_test_shapes():
+def test_extraction():
     assert extract_code("<think>```python\nwrong\n```</think>" + fenced("right")) == "right\n"
     assert extract_code(fenced("a") + fenced("b", "py")) == "b\n"  # the last python block
     assert extract_code(fenced("x", "python") + fenced("shell", "bash")) == "x\n"  # python blocks first
     assert extract_code(fenced("only", "")) == "only\n"
     assert extract_code("print(1)") == "print(1)"  # no fence: the whole response
+    assert code_exec(fenced("x = 1"), "7", **ROOMY)["reason"] == "no test cases in metadata or label"
+
+
+def test_stdin_stdout_tests():
     double = fenced("n = int(input())\nprint(2 * n)")
     eurus = json.dumps({"inputs": ["3\n", "5\n", "0\n"], "outputs": ["6\n", "10\n", "1\n"]})
     assert code_exec(double, eurus, **ROOMY) == {"score": 0.0, "passed": 2, "total": 3}  # all-or-nothing
@@ -36,6 +40,9 @@ def test_extraction_and_test_shapes():
     assert (
         code_exec(double, "", {"inputs": ["4"], "outputs": ["8  \n\n"]}, **ROOMY)["score"] == 1.0
     )  # whitespace
+
+
+def test_fn_name_and_assertion_tests():
     calls = {"fn_name": "add", "inputs": [[1, 2], "3\n4"], "outputs": [3, [7]]}
     assert code_exec(fenced("def add(a, b):\n    return a + b"), "", calls, **ROOMY)["score"] == 1.0
     method = fenced("class Solution:\n    def add(self, a, b):\n        return a + b")
@@ -45,7 +52,6 @@ def test_extraction_and_test_shapes():
         code_exec(fenced("def add(a, b):\n    return a + b"), "", asserts, mode="fraction", **ROOMY)["score"]
         == 0.5
     )
-    assert code_exec(fenced("x = 1"), "7", **ROOMY)["reason"] == "no test cases in metadata or label"
 
 
 def test_a_sleeper_hits_the_wall_timeout():
