@@ -320,7 +320,14 @@ class Connection:
         if reply[0] == "raise":
             name, text = (str(part) for part in reply[1:3])
             kind = getattr(builtins, name, None)
-            if isinstance(kind, type) and issubclass(kind, Exception) and kind.__module__ == "builtins":
+            # not StopIteration: raised from a call inside map() it would end the iteration early, and
+            # all(map(...)) would pass
+            if (
+                isinstance(kind, type)
+                and issubclass(kind, Exception)
+                and not issubclass(kind, (StopIteration, StopAsyncIteration))
+                and kind.__module__ == "builtins"
+            ):
                 raise kind(text)
             if name in ("SystemExit", "KeyboardInterrupt", "GeneratorExit"):
                 raise SolutionExit(f"the solution raised {name} ({text})")

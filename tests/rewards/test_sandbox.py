@@ -272,6 +272,7 @@ HACKS = {
     "        except OSError:\n            pass",
     "write a verdict on guessed descriptors": WRONG + "import os\nfor fd in range(3, 64):\n    try:\n"
     "        os.write(fd, b'{\"ok\": true}')\n    except OSError:\n        pass\nprint('{\"ok\": true}')",
+    "StopIteration ends map() early": "def add(a, b):\n    raise StopIteration",
     "read the tests to echo them": "import os\ndef add(a, b):\n    return a + b if os.path.exists('x') else 0\n"
     "for p in os.listdir('/proc'):\n    for fd in ('0', '3', '4', '5'):\n        try:\n"
     "            print(open(f'/proc/{p}/fd/{fd}').read())\n        except OSError:\n            pass",
@@ -282,7 +283,9 @@ HACKS = {
 def test_assertion_tests_cannot_be_forged(isolated, case):
     """ "code_exec: sys.exit(0)/os._exit(0)/atexit vs assert tests" and more: a wrong ``add`` scores 0 whatever
     else the response does; the verdict comes from the checker process."""
-    tests = dict(ADD_TESTS, tests=[*ADD_TESTS["tests"], "assert all([add(0, 0) == 5])"])
+    tests = dict(
+        ADD_TESTS, tests=[*ADD_TESTS["tests"], "assert all(map(lambda a: add(a, a) == 2 * a, [1, 2]))"]
+    )
     out = code_exec(f"```python\n{HACKS[case]}\n```", "", tests, mode="fraction", **ROOMY)
     assert out == {"score": 0.0, "passed": 0, "total": 3}
 
