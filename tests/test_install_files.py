@@ -5,6 +5,8 @@ clone was still there.)"""
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
 import subprocess
 from pathlib import Path
@@ -88,3 +90,47 @@ def test_a_local_pin_is_found(line):
 )
 def test_registry_pins_and_ordinary_paths_pass(line):
     assert local_pins(line) == []
+
+
+INSTALL = ROOT / "tools" / "sglang_cpu" / "install.sh"
+
+
+def _fake_venv(path: Path, freeze: list[str]) -> Path:
+    """A directory that looks like an installed SGLang virtualenv to install.sh: its stamp, and a ``python``
+    whose ``-m pip freeze`` prints ``freeze``."""
+    lock = (ROOT / "tools" / "sglang_cpu" / "requirements.lock").read_bytes()
+    (path / "bin").mkdir(parents=True)
+    (path / "freeze.txt").write_text("\n".join(freeze) + "\n")
+    python = path / "bin" / "python"
+    python.write_text('#!/bin/sh\ncat "$(dirname "$0")/../freeze.txt"\n')
+    python.chmod(0o755)
+    digest = hashlib.sha256(lock).hexdigest()[:16]
+    (path / ".sapo-sglang-installed").write_text(f"sglang==0.5.23 torch==2.13.0 lock={digest}\n")
+    return path
+
+
+def _install(venv: Path) -> subprocess.CompletedProcess:
+    # PYTHON=false: a rebuild would fail at its first step instead of downloading 2.4 GB
+    env = {**os.environ, "PYTHON": "false"}
+    return subprocess.run(
+        ["bash", str(INSTALL), str(venv)], capture_output=True, text=True, env=env, timeout=60
+    )
+
+
+def test_install_keeps_a_virtualenv_only_when_pip_freeze_matches_the_lock(tmp_path):
+    pins = [line for line in (INSTALL.parent / "requirements.lock").read_text().splitlines() if line.strip()]
+    exact = _fake_venv(tmp_path / "exact", [*pins, "sglang==0.5.23", "torch==2.13.0+cpu"])
+    done = _install(exact)
+    assert done.returncode == 0 and "verified with pip freeze" in done.stdout and exact.exists()
+
+    other = [*pins[1:], pins[0].replace("==", "==0.0.0+"), "sglang==0.5.23", "torch==2.13.0"]
+    for name, freeze in {
+        "other version": other,
+        "extra package": [*pins, "sglang==0.5.23", "torch==2.13.0", "evil==1.0"],
+        "missing sglang": [*pins, "torch==2.13.0"],
+        "local wheel": [*pins, "sglang @ file:///tmp/sgl/sglang-0.5.23.whl", "torch==2.13.0"],
+    }.items():
+        venv = _fake_venv(tmp_path / name.replace(" ", "_"), freeze)
+        done = _install(venv)
+        assert "differs from the lock, rebuilding it" in done.stderr, name
+        assert done.returncode != 0 and not venv.exists(), name  # removed, and the rebuild was attempted
