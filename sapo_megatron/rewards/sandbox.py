@@ -113,8 +113,8 @@ _INTERPRETER_PATHS = """
 import json, os, site, sys, sysconfig
 paths = [sys.executable, sysconfig.get_path("stdlib"), sysconfig.get_path("platstdlib"), *site.getsitepackages()]
 paths.append(os.path.join(sys.prefix, "pyvenv.cfg"))
-dynload = os.path.join(sysconfig.get_path("platstdlib"), "lib-dynload")
-modules = [os.path.join(dynload, n) for n in os.listdir(dynload)] if os.path.isdir(dynload) else []
+dynload = [p for p in sys.path if os.path.basename(p) == "lib-dynload" and os.path.isdir(p)]
+modules = [os.path.join(d, n) for d in dynload for n in os.listdir(d)]
 print(json.dumps({"paths": paths, "binaries": [os.path.realpath(sys.executable), *modules]}))
 """
 
