@@ -187,7 +187,7 @@ print(json.dumps({"pids": pids, "cmdlines": cmdlines.decode(errors='replace')}))
 """
     found = json.loads(attempt("import json\n" + code))
     assert found["pids"] == [1, 2] and secret not in found["cmdlines"]
-    assert str(process.pid) not in found["pids"]
+    assert process.poll() is None  # the server was running all along, with its secret on its command line
 
 
 def test_the_trainers_environment_does_not_reach_the_code(isolated, monkeypatch):
