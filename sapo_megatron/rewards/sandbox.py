@@ -202,7 +202,8 @@ def _settings(workdir: Path, limits: SandboxLimits, **run: object) -> dict:
     return {
         "workdir": str(workdir),
         "python": python,
-        "root_plan": root_plan(readonly_set(python)) if _namespaces_wanted() else [],
+        # only root builds the private root (mount, pivot_root): elsewhere no need to ask the interpreter
+        "root_plan": root_plan(readonly_set(python)) if _namespaces_wanted() and os.geteuid() == 0 else [],
         "uid": uid,
         "checker_uid": uid + 10000
         if uid
