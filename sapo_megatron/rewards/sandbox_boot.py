@@ -74,7 +74,7 @@ def main() -> None:
 
 def _child(settings: dict, libc, isolation: dict, report_fd: int, verdict_fd: int) -> None:
     workdir = settings["workdir"]
-    if isolation["mount"] and _mount(libc, "none", "/", None, MS_REC | MS_PRIVATE):
+    if isolation["mount"] and settings["root_plan"] and _mount(libc, "none", "/", None, MS_REC | MS_PRIVATE):
         try:
             _build_root(settings, libc)
         except OSError as exc:  # e.g. a root file system pivot_root refuses: the probe reports root=False
