@@ -115,15 +115,19 @@ paths = [sys.executable, sysconfig.get_path("stdlib"), sysconfig.get_path("plats
 paths.append(os.path.join(sys.prefix, "pyvenv.cfg"))
 dynload = [p for p in sys.path if os.path.basename(p) == "lib-dynload" and os.path.isdir(p)]
 modules = [os.path.join(d, n) for d in dynload for n in os.listdir(d)]
-print(json.dumps({"paths": paths, "binaries": [os.path.realpath(sys.executable), *modules]}))
+with open("/proc/self/maps") as maps:  # what this interpreter has loaded: enough to start it even without ldd
+    mapped = {line.split()[-1] for line in maps if ".so" in line and line.split()[-1].startswith("/")}
+binaries = [os.path.realpath(sys.executable), *modules]
+print(json.dumps({"paths": paths, "mapped": sorted(mapped), "binaries": binaries}))
 """
 
 
 @functools.lru_cache(maxsize=4)
 def readonly_set(python: str) -> tuple[str, ...]:
     """The paths the private root shows, read-only: the interpreter as named (symlinks kept), its standard
-    library, its site-packages, its ``pyvenv.cfg`` if any, the directories of the shared libraries it and its
-    ``lib-dynload`` modules load (``ldd``), and ``/etc/ld.so.cache``. Paths that do not exist are left out."""
+    library, its site-packages, its ``pyvenv.cfg`` if any, the directories of the shared libraries it has
+    loaded and that its ``lib-dynload`` modules load (``ldd``, where installed), and ``/etc/ld.so.cache``. Paths
+    that do not exist are left out."""
     done = subprocess.run(
         [python, "-I", "-c", _INTERPRETER_PATHS], capture_output=True, text=True, timeout=60
     )
@@ -132,8 +136,39 @@ def readonly_set(python: str) -> tuple[str, ...]:
             f"the sandbox interpreter {python} does not start: {done.stderr.strip()[-300:]}"
         )
     found = json.loads(done.stdout)
-    paths = [python, *found["paths"], "/etc/ld.so.cache", *_library_dirs(found["binaries"])]
+    mapped = {os.path.dirname(path) for path in found["mapped"]}
+    loader = _elf_interpreter(found["binaries"][0])
+    paths = [python, *found["paths"], "/etc/ld.so.cache", *loader, *sorted(mapped)]
+    paths += _library_dirs(found["binaries"])
     return tuple(dict.fromkeys(path for path in paths if os.path.lexists(path)))
+
+
+def _elf_interpreter(path: str) -> list[str]:
+    """The program interpreter (``PT_INTERP``, e.g. ``/lib64/ld-linux-x86-64.so.2``) a 64-bit little-endian ELF
+    executable names, as a one-element list; empty for anything else (a static binary, another format)."""
+    try:
+        with open(path, "rb") as stream:
+            head = stream.read(64)
+            if head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
+                return []
+            phoff, phentsize, phnum = (
+                int.from_bytes(head[32:40], "little"),
+                int.from_bytes(head[54:56], "little"),
+                int.from_bytes(head[56:58], "little"),
+            )
+            for index in range(phnum):
+                stream.seek(phoff + index * phentsize)
+                header = stream.read(phentsize)
+                if int.from_bytes(header[0:4], "little") == 3:  # PT_INTERP
+                    offset, size = (
+                        int.from_bytes(header[8:16], "little"),
+                        int.from_bytes(header[32:40], "little"),
+                    )
+                    stream.seek(offset)
+                    return [stream.read(size).rstrip(b"\0").decode()]
+    except (OSError, UnicodeDecodeError):
+        pass
+    return []
 
 
 def _library_dirs(binaries: list[str]) -> list[str]:

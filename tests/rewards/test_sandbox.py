@@ -352,3 +352,19 @@ assert solution.root(4) == 2.0
 """
     result = run_checked({"solution.py": code}, tests, FAST)
     assert result.verdict == {"ok": True}, result
+
+
+def test_the_read_only_set_without_ldd(isolated, monkeypatch):
+    """Where ``ldd`` is missing, the interpreter's ELF loader and the libraries it has mapped still make the set:
+    the interpreter starts and its common extension modules load."""
+    from sapo_megatron.rewards import sandbox
+
+    monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)
+    readonly_set.cache_clear()
+    try:
+        found = readonly_set(sandbox_python())
+        assert any(os.path.basename(path).startswith("ld-") for path in found)
+        out = run_python({"s.py": "import ctypes, json, math, socket\nprint('ok')"}, "s.py", limits=FAST)
+        assert out.stdout == "ok\n", out
+    finally:
+        readonly_set.cache_clear()
