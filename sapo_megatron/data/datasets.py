@@ -325,7 +325,14 @@ def _row(record: Any, where: str, keys: dict[str, str | None]) -> PromptRow:
         domain=domain,
         metadata=_optional(record, keys["metadata_key"]),
         response=response,
+        columns=_columns(record, keys["prompt_key"]),
     )
+
+
+def _columns(record: dict[str, Any], prompt_key: str | None) -> dict[str, Any]:
+    """The row's top-level columns but the prompt's: TRL hands these to its rewards as keyword lists."""
+    prompt_column = (prompt_key or "").split(".")[0]
+    return {name: value for name, value in record.items() if name != prompt_column}
 
 
 def _required(record: dict[str, Any], where: str, key: str | None, setting: str) -> Any:

@@ -34,6 +34,8 @@ class PromptRow:
     metadata: Any = None
     response: str | None = None
     prompt_ids: tuple[int, ...] | None = None
+    columns: dict[str, Any] | None = dataclasses.field(default=None, compare=False, repr=False)
+    """The dataset row's top-level columns other than the prompt (TRL-style rewards get them)."""
 
 
 def save_jsonl(rows: Sequence[PromptRow], path: str | Path) -> Path:

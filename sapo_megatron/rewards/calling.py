@@ -8,9 +8,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from sapo_megatron.rewards.conventions import GROUP, TRL, VERL, call_trl, call_verl, detect_convention
 from sapo_megatron.rewards.loading import call_arguments, is_import_path, load_function
 from sapo_megatron.rewards.outputs import error_output, safe_output, to_output
-from sapo_megatron.rewards.types import RewardInput, RewardOutput, is_group_reward
+from sapo_megatron.rewards.types import RewardInput, RewardOutput
 
 
 def resolve_function(spec: str) -> Callable[..., Any]:
@@ -31,7 +32,8 @@ class BoundReward:
     kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.group = is_group_reward(self.fn)
+        self.convention = detect_convention(self.fn)
+        self.group = self.convention in (GROUP, TRL)  # TRL's rewards are batched: one call per group
         self.optional = call_arguments(self.fn)
 
     @classmethod
@@ -47,7 +49,10 @@ class BoundReward:
     def run_one(self, item: RewardInput) -> RewardOutput:
         extra = {name: getattr(item, name) for name in self.optional} if self.optional else {}
         try:
-            value = self.fn(response=item.response, label=item.label, **extra, **self.kwargs)
+            if self.convention == VERL:
+                value = call_verl(self.fn, item, self.kwargs)
+            else:
+                value = self.fn(response=item.response, label=item.label, **extra, **self.kwargs)
             if type(value) is float and math.isfinite(value):  # the common case, kept cheap
                 return RewardOutput(value)
             return to_output(value)
@@ -56,7 +61,10 @@ class BoundReward:
 
     def _run_group(self, inputs: list[RewardInput]) -> list[RewardOutput]:
         try:
-            values = list(self.fn(list(inputs), **self.kwargs))
+            if self.convention == TRL:
+                values = call_trl(self.fn, list(inputs), self.kwargs)
+            else:
+                values = list(self.fn(list(inputs), **self.kwargs))
         except Exception as exc:
             return [error_output(exc)] * len(inputs)
         if len(values) != len(inputs):

@@ -1,7 +1,8 @@
 """From a reward spec (a registered name or an import path) to a checked callable (stdlib only: workers import it).
 
 An import path is ``path/to/file.py:function`` (relative to the working directory) or ``package.module:function``.
-A per-sample reward is called with the keyword arguments ``response`` and ``label``, plus whichever of ``prompt``,
+verl's ``compute_score`` and TRL's batched rewards are recognised by signature (:mod:`.conventions`). A per-sample
+reward of this project is called with the keyword arguments ``response`` and ``label``, plus whichever of ``prompt``,
 ``source`` and ``metadata`` it declares (all of them with ``**kwargs``), plus ``algorithm.reward_kwargs``. A group
 reward (``fn.reward_group = True``) takes one argument, the list of :class:`RewardInput` of a prompt's group.
 """
@@ -16,7 +17,17 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from sapo_megatron.rewards.types import is_group_reward
+from sapo_megatron.rewards.conventions import (
+    GROUP,
+    TRL,
+    VERL,
+    VERL_ARGUMENTS,
+    detect_convention,
+    parameters,
+    takes_var_keyword,
+    unfilled_parameters,
+    unmatched_message,
+)
 
 OPTIONAL_ARGUMENTS = ("prompt", "source", "metadata")
 REQUIRED_ARGUMENTS = ("response", "label")
@@ -81,41 +92,75 @@ def absolute_spec(spec: str) -> str:
 
 
 def check_signature(fn: Callable[..., Any], extra_kwargs: Mapping[str, Any]) -> None:
-    """:class:`RewardSpecError` when ``fn`` cannot be called the way rewards are (see the module docstring)."""
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):
+    """:class:`RewardSpecError` when ``fn`` follows none of the accepted reward shapes
+    (:mod:`~sapo_megatron.rewards.conventions`), or cannot be called the way its shape is."""
+    convention = detect_convention(fn)
+    if convention is None:
+        raise RewardSpecError(unmatched_message(fn))
+    params = parameters(fn)
+    if params is None:
         return  # builtins without a signature: the call will tell
-    params = signature.parameters
-    var_kw = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    if is_group_reward(fn):
-        positional = [p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        required = [p for p in positional[1:] if p.default is p.empty and p.name not in extra_kwargs]
-        if not positional and not any(p.kind is p.VAR_POSITIONAL for p in params.values()):
-            raise RewardSpecError("a group reward must take one argument: the list of samples of a group")
-        if required:
-            raise RewardSpecError(f"group reward argument {required[0].name!r} has no value")
-        _check_extra(params, extra_kwargs, var_kw)
-        return
+    var_kw = takes_var_keyword(params)
+    if convention == GROUP:
+        _check_group(params, extra_kwargs)
+    elif convention == VERL:
+        _check_filled(
+            fn,
+            params,
+            set(VERL_ARGUMENTS),
+            extra_kwargs,
+            "verl's compute_score gets " + ", ".join(VERL_ARGUMENTS),
+        )
+    elif convention == TRL:
+        for name in ("completion_ids", "trainer_state"):
+            if name in params and params[name].default is params[name].empty:
+                raise RewardSpecError(
+                    f"its argument {name!r} (TRL) has no value here: give it a default, or take **kwargs"
+                )
+    else:
+        _check_native(fn, params, extra_kwargs, var_kw)
+    _check_extra(params, extra_kwargs, var_kw)
+
+
+def _check_group(params: Mapping[str, inspect.Parameter], extra_kwargs: Mapping[str, Any]) -> None:
+    positional = [p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    required = [p for p in positional[1:] if p.default is p.empty and p.name not in extra_kwargs]
+    if not positional and not any(p.kind is p.VAR_POSITIONAL for p in params.values()):
+        raise RewardSpecError("a group reward must take one argument: the list of samples of a group")
+    if required:
+        raise RewardSpecError(f"group reward argument {required[0].name!r} has no value")
+
+
+def _check_native(
+    fn: Callable[..., Any],
+    params: Mapping[str, inspect.Parameter],
+    extra_kwargs: Mapping[str, Any],
+    var_kw: bool,
+) -> None:
     for name in REQUIRED_ARGUMENTS:
         param = params.get(name)
         if (param is None or param.kind is param.POSITIONAL_ONLY) and not var_kw:
             raise RewardSpecError(
-                f"it must accept the keyword argument {name!r} (signature: {signature}); rewards are called as "
-                "fn(response=..., label=..., [prompt=..., source=..., metadata=...])"
+                f"it must accept the keyword argument {name!r} (signature: {inspect.signature(fn)}); rewards are "
+                "called as fn(response=..., label=..., [prompt=..., source=..., metadata=...])"
             )
-    known = set(REQUIRED_ARGUMENTS) | set(OPTIONAL_ARGUMENTS) | set(extra_kwargs)
-    for param in params.values():
-        if param.kind is param.POSITIONAL_ONLY or (
-            param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)
-            and param.default is param.empty
-            and param.name not in known
-        ):
-            raise RewardSpecError(
-                f"its argument {param.name!r} would get no value (signature: {signature}); rewards get "
-                "response, label, prompt, source, metadata and algorithm.reward_kwargs"
-            )
-    _check_extra(params, extra_kwargs, var_kw)
+    given = set(REQUIRED_ARGUMENTS) | set(OPTIONAL_ARGUMENTS)
+    _check_filled(fn, params, given, extra_kwargs, "rewards get response, label, prompt, source, metadata")
+
+
+def _check_filled(
+    fn: Callable[..., Any],
+    params: Mapping[str, inspect.Parameter],
+    given: set[str],
+    extra_kwargs: Mapping[str, Any],
+    what: str,
+) -> None:
+    unfilled = unfilled_parameters(params, given, extra_kwargs)
+    if unfilled:
+        raise RewardSpecError(
+            f"its argument {unfilled[0]!r} would get no value (signature: {inspect.signature(fn)}); {what} "
+            "and algorithm.reward_kwargs"
+        )
 
 
 def _check_extra(

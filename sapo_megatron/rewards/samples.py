@@ -28,6 +28,8 @@ def reward_inputs(
                     source=row.domain,
                     metadata=getattr(row, "metadata", None),
                     group_id=group_id,
+                    messages=row.prompt if isinstance(row.prompt, list) else None,
+                    columns=getattr(row, "columns", None),
                 )
             )
     return inputs

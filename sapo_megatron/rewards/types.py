@@ -26,9 +26,16 @@ class RewardInput:
     source: str | None = None
     metadata: Any = None
     group_id: int | None = None
+    messages: list[dict[str, str]] | None = None
+    """The row's prompt as chat messages, when it is a list of messages (TRL-style rewards get these)."""
+    columns: dict[str, Any] | None = None
+    """The row's dataset columns other than the prompt, as read (TRL-style rewards get them as keyword lists)."""
 
     def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The fields of the remote reward protocol (docs/rewards.md): without ``messages`` and ``columns``."""
+        out = dataclasses.asdict(self)
+        del out["messages"], out["columns"]
+        return out
 
 
 @dataclass

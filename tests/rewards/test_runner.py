@@ -84,7 +84,7 @@ def test_each_bad_spec_is_one_named_line(reward_dir):
         f"{d}/broken.py:fn": "raised ImportError: needs a package that is missing",
         f"{d}/kinds.py:nope": "has no attribute 'nope'",
         f"{d}/kinds.py:not_a_function": "is a int, not a function",
-        f"{d}/kinds.py:positional": "must accept the keyword argument 'response'",
+        f"{d}/kinds.py:positional": "matches none of the accepted reward shapes",
         f"{d}/kinds.py:extra": "its argument 'threshold' would get no value",
         f"{d}/group.py:short:": "is not 'path/to/file.py:function'",
     }
