@@ -385,16 +385,28 @@ class DataConfig(DatasetKeys):
     docs/data.md), or the built-in synthetic addition task (``synthetic:addition``); how prompts become ids."""
 
     train: str = "synthetic:addition"
-    tokenizer: str = Field(default="char", description="'char' (demo) or an HF tokenizer directory")
+    tokenizer: str = Field(
+        default="char",
+        description="'char' (the demo's characters), 'chat' (the shipped byte-level BPE with a Qwen-style chat "
+        "template; apply_chat_template defaults to true with it) or an HF tokenizer directory",
+    )
     digits: int = Field(default=2, ge=1, description="operand digits of the synthetic task")
     train_size: int = Field(default=4000, ge=1, description="synthetic training prompts")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _chat_tokenizer_renders_chat(cls, data: Any) -> Any:
+        """``tokenizer: chat`` exists to read message datasets: its template is on unless set off."""
+        if isinstance(data, dict) and data.get("tokenizer") == "chat" and "apply_chat_template" not in data:
+            return {**data, "apply_chat_template": True}
+        return data
 
     @model_validator(mode="after")
     def _check_chat_tokenizer(self) -> DataConfig:
         if self.apply_chat_template and self.tokenizer == "char":
             raise ValueError(
                 "data.apply_chat_template needs an HF tokenizer with a chat template; the char tokenizer has none "
-                "(set data.tokenizer to the model's tokenizer directory)"
+                "(set data.tokenizer to the model's tokenizer directory, or to 'chat' for the tiny models)"
             )
         return self
 
@@ -615,6 +627,7 @@ def config_from_dict(
     checked against ``world_size`` when given, else against ``launch.nodes × launch.procs_per_node``."""
     refuse_old_eval_keys(raw)
     try:
+        raw = fill_auto_sizes(raw)
         cfg = RunConfig.model_validate(raw)
         cfg.model.arch  # noqa: B018 - parse the HF config now, not after process groups exist
     except ValidationError as err:
@@ -624,6 +637,30 @@ def config_from_dict(
     if check_layout:
         validate_layout(cfg, world_size or cfg.launch.world_size)
     return cfg
+
+
+def fill_auto_sizes(raw: dict[str, Any]) -> dict[str, Any]:
+    """``raw`` with the ``"auto"`` sizes of an inline ``model.hf_config`` taken from the tokenizer and the prompts
+    (:mod:`sapo_megatron.data.sizing`); unchanged without any."""
+    from sapo_megatron.data.sizing import CONTEXT_FIELD, auto_fields, measured_context, token_sizes
+    from sapo_megatron.data.tokenizer import load_tokenizer
+    from sapo_megatron.eval.config import resolve_datasets
+
+    model = raw.get("model") if isinstance(raw.get("model"), dict) else {}
+    fields = auto_fields(model.get("hf_config"))
+    if not fields:
+        return raw
+    data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
+    tokenizer = load_tokenizer(str(data.get("tokenizer", "char")))
+    hf = {**model["hf_config"], **token_sizes(tokenizer, fields)}
+    hf = {key: value for key, value in hf.items() if value is not None}
+    if CONTEXT_FIELD in fields:
+        hf[CONTEXT_FIELD] = 1 << 20  # provisional: the prompts are measured with the validated settings
+        cfg = RunConfig.model_validate({**raw, "model": {**model, "hf_config": hf}})
+        sources = [(cfg.data.train, cfg.data, cfg.data.train_size, cfg.rollout.max_new_tokens)]
+        sources += [(d.path, d.keys, d.size, d.max_new_tokens) for d in resolve_datasets(cfg)]
+        hf[CONTEXT_FIELD] = measured_context(sources, tokenizer, digits=cfg.data.digits, seed=cfg.seed)
+    return {**raw, "model": {**model, "hf_config": hf}}
 
 
 def validate_layout(cfg: RunConfig, world_size: int) -> None:

@@ -36,11 +36,16 @@ DEMO_MODEL: dict[str, Any] = {
     "pad_token_id": TOKENIZER.pad_id,
 }
 
+AUTO_SIZED = ("vocab_size", "max_position_embeddings", "bos_token_id", "eos_token_id", "pad_token_id")
+
 DEMO_RUN: dict[str, Any] = {
     "name": "demo-tiny-moe-sapo",
     "output_dir": "runs/demo",
     "seed": 1234,
-    "model": {"hf_config": DEMO_MODEL, "init_std": 0.02},
+    # The sizes that follow the data (sapo_megatron/data/sizing.py): with the char tokenizer and two-digit
+    # addition they are DEMO_MODEL's (52 tokens, context 64, ids 1 / 2 / 0); with data.tokenizer: chat and a
+    # message dataset, the vocabulary and context of those.
+    "model": {"hf_config": {**DEMO_MODEL, **dict.fromkeys(AUTO_SIZED, "auto")}, "init_std": 0.02},
     "launch": {"cpu_threads": 1},
     # RL on this tiny model is stable at 5e-5 and collapses at 3e-4 (measured): RL wants a far smaller rate
     # than the supervised warm start.

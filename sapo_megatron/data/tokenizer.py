@@ -241,15 +241,20 @@ def _digest(data: Any) -> str:
 
 
 def load_tokenizer(spec: str) -> CharTokenizer | HFTokenizer:
-    """``"char"`` for the demo's character tokenizer, a directory with ``char_tokenizer.json``, or an HF
+    """``"char"`` for the demo's character tokenizer, ``"chat"`` for the shipped byte-level BPE with a chat
+    template (:mod:`~sapo_megatron.data.chat_tokenizer`), a directory with ``char_tokenizer.json``, or an HF
     tokenizer directory."""
     if spec == "char":
         return CharTokenizer()
+    if spec == "chat":
+        from sapo_megatron.data.chat_tokenizer import CHAT_TOKENIZER_DIR
+
+        return HFTokenizer(CHAT_TOKENIZER_DIR)
     if (Path(spec) / TOKENIZER_FILE).is_file():
         return CharTokenizer.load(spec)
     if not Path(spec).is_dir():
         raise TokenizerError(
-            f"data.tokenizer={spec!r}: not 'char' and not a directory "
-            "(give 'char' or a directory holding tokenizer.json / tokenizer_config.json)"
+            f"data.tokenizer={spec!r}: not 'char', not 'chat' and not a directory "
+            "(give 'char', 'chat' or a directory holding tokenizer.json / tokenizer_config.json)"
         )
     return HFTokenizer(spec)

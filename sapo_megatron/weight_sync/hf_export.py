@@ -4,6 +4,7 @@ checkpoints written with the same streaming writer as offline conversion."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -13,6 +14,8 @@ from sapo_megatron.checkpoint import atomic
 from sapo_megatron.checkpoint.mapping import hf_expected_shapes
 from sapo_megatron.checkpoint.safetensors_stream import TensorSpec, plan_shards, write_index, write_shard
 from sapo_megatron.model.arch import QwenArch
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 512 * 1024**2
 DEFAULT_SHARD_BYTES = 5 * 1024**3
@@ -49,6 +52,21 @@ def export_hf(
     return Path(out_dir)
 
 
+def hf_config_with_tokens(arch: QwenArch, tokenizer=None) -> dict:
+    """``arch``'s ``config.json`` with the special token ids it leaves unset taken from the tokenizer: without
+    ``eos_token_id`` transformers' ``generate`` and SGLang never stop a response."""
+    config = arch.to_hf_dict()
+    if tokenizer is not None:
+        for key, value in (("eos_token_id", tokenizer.eos_id), ("pad_token_id", tokenizer.pad_id)):
+            if config.get(key) is None and value is not None:
+                config[key] = value
+    if config.get("eos_token_id") is None:
+        logger.warning(
+            "the exported config.json has no eos_token_id: generation will not stop at an end token"
+        )
+    return config
+
+
 def write_hf_checkpoint(
     tensors: Iterable[tuple[str, torch.Tensor]],
     out_dir: str | Path,
@@ -69,7 +87,7 @@ def write_hf_checkpoint(
     for shard in shards:
         write_shard(tmp / shard.filename, shard, stream)
     write_index(tmp, shards)
-    (tmp / "config.json").write_text(json.dumps(arch.to_hf_dict(), indent=2) + "\n")
+    (tmp / "config.json").write_text(json.dumps(hf_config_with_tokens(arch, tokenizer), indent=2) + "\n")
     if tokenizer is not None:
         tokenizer.save(tmp)
     atomic.fsync_path(tmp)

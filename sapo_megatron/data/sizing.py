@@ -1,0 +1,77 @@
+"""Sizes of a tiny model that follow its data: ``"auto"`` in an inline ``model.hf_config`` for ``vocab_size``,
+``max_position_embeddings`` or the special token ids takes them from the run's tokenizer and prompts.
+
+- ``vocab_size``: the tokenizer's size (the char tokenizer 52, the shipped chat tokenizer 512);
+- ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id``: the tokenizer's (a tokenizer without a bos token, as
+  Qwen's, leaves ``bos_token_id`` out);
+- ``max_position_embeddings``: the longest prompt of ``data.train`` and of the eval datasets, as the engine
+  receives it, plus the longest response (``rollout.max_new_tokens``, or an eval dataset's own), rounded up to a
+  multiple of :data:`CONTEXT_MULTIPLE` (the embedded demo's 64 stays 64).
+
+The materialised ``config.yaml`` holds the numbers, so an evaluation or a resume reads them back unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+AUTO = "auto"
+TOKEN_FIELDS = ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")
+CONTEXT_FIELD = "max_position_embeddings"
+CONTEXT_MULTIPLE = 64
+SYNTHETIC_ROWS = 256
+
+
+def auto_fields(hf_config: Any) -> list[str]:
+    """The fields of an inline HF config that are ``"auto"``."""
+    if not isinstance(hf_config, dict):
+        return []
+    return [key for key in (*TOKEN_FIELDS, CONTEXT_FIELD) if hf_config.get(key) == AUTO]
+
+
+def token_sizes(tokenizer: Any, fields: Iterable[str]) -> dict[str, int | None]:
+    """``fields`` (of :data:`TOKEN_FIELDS`) as the tokenizer has them (``None``: the tokenizer has no such token)."""
+    values = {
+        "vocab_size": tokenizer.vocab_size,
+        "bos_token_id": tokenizer.bos_id,
+        "eos_token_id": tokenizer.eos_id,
+        "pad_token_id": tokenizer.pad_id,
+    }
+    return {key: values[key] for key in fields if key in values}
+
+
+def context_size(longest_prompt: int, longest_response: int) -> int:
+    """The context a model needs for these, rounded up to :data:`CONTEXT_MULTIPLE`."""
+    needed = longest_prompt + longest_response
+    return max(CONTEXT_MULTIPLE, -(-needed // CONTEXT_MULTIPLE) * CONTEXT_MULTIPLE)
+
+
+def longest_prompt(rows: list[Any], renderer: Any) -> int:
+    """The longest prompt of ``rows`` in tokens, as the engine receives it."""
+    return max((len(ids) for ids in renderer.encode_many(rows)), default=0)
+
+
+def measured_context(
+    sources: Iterable[tuple[str, Any, int | None, int]], tokenizer: Any, *, digits: int, seed: int
+) -> int:
+    """:func:`context_size` over ``sources``: ``(path, keys, rows to read or None for all, max_new_tokens)``
+    each (``data.train`` and each eval dataset, with its own keys)."""
+    from sapo_megatron.data.datasets import read_dataset
+    from sapo_megatron.data.render import PromptRenderer
+    from sapo_megatron.data.synthetic import TASKS, make_mixed_rows
+
+    needed = 0
+    for path, keys, size, new_tokens in sources:
+        if path.startswith("synthetic:"):
+            tasks = path.removeprefix("synthetic:").split("+")
+            if any(task not in TASKS for task in tasks):
+                continue  # loading the data names the unknown task
+            # their lengths depend on the digits only: a few hundred rows hold the longest
+            rows = make_mixed_rows(
+                tasks, min(size or SYNTHETIC_ROWS, SYNTHETIC_ROWS), digits=digits, seed=seed
+            )
+        else:
+            rows = read_dataset(path, keys).rows[:size]
+        needed = max(needed, context_size(longest_prompt(rows, PromptRenderer(tokenizer, keys)), new_tokens))
+    return max(needed, CONTEXT_MULTIPLE)
