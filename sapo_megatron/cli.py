@@ -248,6 +248,11 @@ def _add_compare_parser(commands) -> None:
         "--losses × --replay × --corrections; e.g. the distillation arms of configs/distill/",
     )
     compare.add_argument(
+        "--runs",
+        help="comma-separated run directories that already finished: write their report (table, plots, reading) "
+        "into --output-dir without training anything; --steps is not needed",
+    )
+    compare.add_argument(
         "--teachers",
         help="with --arms: comma-separated teacher run configs, trained first into OUTPUT_DIR/teachers/<name>; "
         "each arm's teacher of that name scores with its HF export",
@@ -279,7 +284,7 @@ def _add_compare_parser(commands) -> None:
         "(Cartesian product); report.json arms carry 'overrides'",
     )
     compare.add_argument("--seeds", type=int, default=1, help="seeds per configuration: 0 .. N-1")
-    compare.add_argument("--steps", type=int, required=True, help="RL steps of every arm")
+    compare.add_argument("--steps", type=int, help="RL steps of every arm (required unless --runs)")
     compare.add_argument(
         "--output-dir", required=True, help="where the warm start, the arms and the report go"
     )
@@ -603,6 +608,10 @@ def _compare(args: argparse.Namespace) -> int:
     )
     from sapo_megatron.config import parse_overrides
 
+    if args.runs:
+        return _compare_finished(args)
+    if args.steps is None:
+        raise CompareError("--steps is required (RL steps of every arm), unless --runs reports finished runs")
     grid = parse_grid(args.grid)
 
     if args.arms:
@@ -635,6 +644,22 @@ def _compare(args: argparse.Namespace) -> int:
         )
     outcome = run_compare(plan, overwrite=args.overwrite, debug=args.debug)
     return 1 if outcome.failures else 0
+
+
+def _compare_finished(args: argparse.Namespace) -> int:
+    from sapo_megatron.compare import CompareError
+    from sapo_megatron.compare.finished import report_finished_runs
+
+    given = [
+        flag
+        for flag, value in (("CONFIG", args.config), ("--arms", args.arms), ("--grid", args.grid))
+        if value
+    ]
+    if given:
+        raise CompareError(f"--runs reports finished runs as they are; drop {', '.join(given)}")
+    files = report_finished_runs([p.strip() for p in args.runs.split(",") if p.strip()], args.output_dir)
+    print(f"wrote {files.markdown} and {files.json}")
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:

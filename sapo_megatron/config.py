@@ -26,7 +26,7 @@ from sapo_megatron.algo import (
 from sapo_megatron.data.datasets import DatasetKeys
 from sapo_megatron.distill.config import TeacherConfig, check_distillation
 from sapo_megatron.errors import ConfigError  # ConfigError: also importable from here, as before
-from sapo_megatron.eval.config import EvalConfig, refuse_old_eval_keys
+from sapo_megatron.eval.config import EvalConfig, materialised_eval, refuse_old_eval_keys
 from sapo_megatron.model.arch import ArchError, QwenArch
 from sapo_megatron.model.precision import (
     FP8_RECIPES,
@@ -53,7 +53,10 @@ class ModelConfig(Section):
     resolved against the YAML file's folder, or the same fields inline as a mapping.
     """
 
-    hf_config: str | dict[str, Any]
+    hf_config: str | dict[str, Any] | None = Field(
+        default=None,
+        description="an HF config.json, its folder, or the fields inline; with init: hf, default: init_path's",
+    )
     init: Literal["random", "hf", "megatron"] = "random"
     init_path: str | None = None
     moe_token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
@@ -76,6 +79,13 @@ class ModelConfig(Section):
     def _check_init(self) -> ModelConfig:
         if self.init != "random" and not self.init_path:
             raise ValueError(f"model.init={self.init!r} needs model.init_path (a checkpoint directory)")
+        if self.hf_config is None:
+            if self.init != "hf":
+                raise ValueError(
+                    "model.hf_config is missing: give an HF config.json (or its folder, or the fields inline), or "
+                    "model.init: hf with model.init_path (whose config.json is then used)"
+                )
+            self.hf_config = self.init_path  # an HF checkpoint folder holds its own config.json
         if self.recompute_modules is not None and self.recompute != "selective":
             raise ValueError(
                 f"model.recompute_modules only applies to model.recompute=selective (recompute is {self.recompute})"
@@ -586,6 +596,7 @@ class RunConfig(Section):
         """The resolved config as plain data (HF architecture inlined): what :meth:`save_resolved` writes."""
         data = self.model_dump(mode="json")
         data["model"]["hf_config"] = self.model.arch.to_hf_dict()
+        data["eval"] = materialised_eval(self.eval)
         return data
 
     def save_resolved(self, path: str | Path) -> Path:

@@ -17,7 +17,7 @@ from sapo_megatron.compare.results import ArmResult, by_configuration
 
 PLOTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("reward", "reward (mean over the step's samples)", ("reward",)),
-    ("accuracy", "held-out accuracy (greedy)", ("accuracy",)),
+    ("accuracy", "held-out accuracy (first eval dataset's avg@n, report.md says n and T)", ("accuracy",)),
     ("entropy", "entropy (nats per token)", ("entropy",)),
     ("mismatch_k3", "mismatch k3 (trainer vs engine)", ("mismatch_k3",)),
     (

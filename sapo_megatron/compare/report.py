@@ -11,7 +11,8 @@ Definitions (``report.json`` → ``arms[i].final``):
 - ``reward``, ``entropy``, ``reverse_kl``: mean of ``reward/mean`` / ``entropy`` / ``opd/reverse_kl`` (the
   student–teacher reverse KL of runs with a teacher) over the last 10 % of the arm's logged RL steps (at least one
   step), ignoring null values;
-- ``accuracy``: ``summary.json`` ``accuracy_after`` (greedy held-out accuracy after the last step);
+- ``accuracy``: ``summary.json`` ``accuracy_after`` (the first eval dataset's avg@n after the last step; the
+  report names its n and temperature, :func:`accuracy_label`);
 - ``mismatch_k3``: mean of ``mismatch/k3`` over all steps; ``routing_agreement``: mean of
   ``routing/agreement_used``; ``routing_agreement_live``: mean of ``routing/agreement``;
 - ``grad_norm_max``: the largest finite ``grad_norm``;
@@ -288,14 +289,20 @@ def write_report(
     *,
     failures: Mapping[str, str] | None = None,
     header: Sequence[str] = (),
+    run_dirs: Mapping[str, Path] | None = None,
 ) -> ReportFiles:
     """Read the arms' run directories ``output_dir/<arm.name>`` and write ``report.json``, ``report.md`` and
     ``plots/*.png`` into ``output_dir``. ``failures``: arm name → error line of arms whose run failed;
-    ``header``: lines that describe the comparison (shown first in ``report.md``)."""
+    ``header``: lines that describe the comparison (shown first in ``report.md``); ``run_dirs``: arm name → its run
+    directory, where it is not ``output_dir/<arm.name>`` (``compare --runs``)."""
     require_matplotlib()
     output_dir = Path(output_dir)
     failures = failures or {}
-    results = [load_arm_result(arm, output_dir / arm.name, failures.get(arm.name)) for arm in arms]
+    where = run_dirs or {}
+    results = [
+        load_arm_result(arm, where.get(arm.name, output_dir / arm.name), failures.get(arm.name))
+        for arm in arms
+    ]
     from sapo_megatron.compare.plots import write_plots
 
     plots = write_plots(results, output_dir / "plots")
@@ -320,7 +327,14 @@ def render_markdown(
     results: Sequence[ArmResult], *, plots: Sequence[Path], header: Sequence[str] = ()
 ) -> str:
     lines = ["# sapo-megatron compare", "", *header, ""] if header else ["# sapo-megatron compare", ""]
-    lines += ["## Results", "", *_table(results), "", _DEFINITIONS, ""]
+    lines += [
+        "## Results",
+        "",
+        *_table(results),
+        "",
+        _DEFINITIONS.format(accuracy=accuracy_label(results)),
+        "",
+    ]
     lines += ["## By configuration", "", *configuration_table(results), "", _CONFIGURATION_NOTE, ""]
     lines += ["## Reading (automatic)", "", *[f"- {line}" for line in reading(results)], ""]
     lines += ["## Collapse rule", "", COLLAPSE_RULE, ""]
@@ -333,11 +347,44 @@ def render_markdown(
 
 _DEFINITIONS = (
     f"reward, entropy, reverse KL (student–teacher): mean over the last {FINAL_FRACTION:.0%} of the RL steps; "
-    "held-out accuracy: greedy, before "
+    "held-out accuracy: {accuracy}, before "
     "the first and after the last RL step; k3 and routing agreement: mean over all steps (agreement used: the "
     "routing of the training forward vs the engine's; live: the trainer's own routing vs the engine's); "
     "–: not logged by the run."
 )
+
+
+def measured_as(run_dir: Path) -> str | None:
+    """What a run's held-out accuracy (``summary.json``'s, its first eval dataset's avg@n) measured, from its
+    ``config.yaml``: ``"avg@4 of heldout (n 4, T 1)"``; None without one."""
+    import yaml
+
+    try:
+        raw = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+        section = raw.get("eval") or {}
+        dataset, defaults = section["datasets"][0], section.get("defaults") or {}
+    except (OSError, yaml.YAMLError, KeyError, IndexError, TypeError, AttributeError):
+        return None
+
+    def pick(key: str, default: Any) -> Any:
+        for value in (dataset.get(key), defaults.get(key)):
+            if value is not None:
+                return value
+        return default
+
+    n, temperature = pick("n", 1), pick("temperature", 0.0)
+    return (
+        f"avg@{n} of {dataset.get('name')} (n {n}, T {temperature:g}{', greedy' if temperature == 0 else ''})"
+    )
+
+
+def accuracy_label(results: Sequence[ArmResult]) -> str:
+    """What the held-out accuracy column measured: one description when the arms agree, else one per arm."""
+    labels = {r.arm.name: measured_as(r.run_dir) or "unknown (no config.yaml)" for r in results}
+    distinct = set(labels.values())
+    if len(distinct) == 1:
+        return distinct.pop()
+    return "; ".join(f"`{name}` {label}" for name, label in labels.items())
 
 
 def _table(results: Sequence[ArmResult]) -> list[str]:

@@ -43,6 +43,12 @@ def add_eval_parser(commands) -> None:
     )
     parser.add_argument("--n", type=int, help="samples per prompt, every dataset")
     parser.add_argument("--temperature", type=float, help="sampling temperature, every dataset (0: greedy)")
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        help="longest response, every dataset (default: the config's; for an HF folder alone, what fits its "
+        "context: min(512, max_position_embeddings / 2))",
+    )
     parser.add_argument("--seed", type=int, help="sampling seed (default: the config's seed)")
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field (YAML value)"
@@ -178,11 +184,34 @@ def eval_config(args: argparse.Namespace, hf_dir: Path | None, run_config: Path 
         for key in ("n", "temperature"):
             if getattr(args, key) is not None:
                 raw["eval"]["datasets"][index][key] = getattr(args, key)
+    _apply_max_new_tokens(raw, args.max_new_tokens, hf_dir if source is None else None)
     for dotted, value in parse_overrides(args.set).items():
         _set_dotted(raw, dotted, value)
     if source is not None:
         _resolve_relative_hf_config(raw, source.resolve().parent)
     return config_from_dict(raw, check_layout=False)
+
+
+DEFAULT_MAX_NEW_TOKENS = 512
+
+
+def _apply_max_new_tokens(raw: dict[str, Any], max_new_tokens: int | None, bare_hf_dir: Path | None) -> None:
+    """``--max-new-tokens`` on every dataset; without it, for an HF folder evaluated without a config, a default
+    that leaves half of the model's context to the prompt (a 64-token tiny model gets 32, not 512)."""
+    if max_new_tokens is not None:
+        if max_new_tokens < 1:
+            raise EvalError(f"--max-new-tokens {max_new_tokens}: must be at least 1")
+        section = raw.setdefault("eval", {})
+        section.setdefault("defaults", {})["max_new_tokens"] = max_new_tokens
+        for dataset in section.get("datasets", []):
+            dataset["max_new_tokens"] = max_new_tokens
+        return
+    if bare_hf_dir is not None:
+        import json
+
+        context = json.loads((bare_hf_dir / "config.json").read_text()).get("max_position_embeddings")
+        if isinstance(context, int) and context > 1:
+            raw.setdefault("rollout", {})["max_new_tokens"] = min(DEFAULT_MAX_NEW_TOKENS, context // 2)
 
 
 def _data_entry(text: str) -> dict[str, Any]:

@@ -146,6 +146,18 @@ def _keys(cfg: Any, dataset: EvalDatasetConfig, index: int) -> DatasetKeys:
         raise ConfigError(f"eval.datasets[{index}] ({dataset.name}): {problems}") from None
 
 
+def materialised_eval(section: EvalConfig) -> dict[str, Any]:
+    """The ``eval`` section as ``config.yaml`` writes it: every setting, but the dataset keys (``format``, the
+    chat template, ...) only where set, so that reading the file back still takes the unset ones from ``data``
+    (spelling out their defaults would turn a run's chat template off for ``eval --model RUN``)."""
+    out = section.model_dump(mode="json")
+    for dumped, model in ((out["defaults"], section.defaults), *zip(out["datasets"], section.datasets)):
+        for key in KEY_FIELDS:
+            if key not in model.model_fields_set:
+                dumped.pop(key, None)
+    return out
+
+
 OLD_KEYS = (("data", "heldout"), ("data", "heldout_size"), ("trainer", "eval_every"))
 
 

@@ -30,9 +30,12 @@ def test_compare_options_have_help_with_their_defaults():
 
 def test_steps_and_output_dir_are_required(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        build_parser().parse_args(["compare", "--output-dir", "d"])
+        build_parser().parse_args(["compare", "--steps", "2"])
     assert exit_info.value.code == 2
-    assert "the following arguments are required: --steps" in capsys.readouterr().err
+    assert "the following arguments are required: --output-dir" in capsys.readouterr().err
+    # --steps is optional on the command line (--runs trains nothing) and required for a comparison that trains
+    assert main(["compare", "--output-dir", "d"]) == 2  # a CompareError
+    assert "--steps is required (RL steps of every arm), unless --runs" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
