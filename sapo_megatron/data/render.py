@@ -119,6 +119,11 @@ def _context(row: PromptRow) -> str | Messages:
     return messages
 
 
+def sft_target(row: PromptRow) -> str:
+    """The text SFT trains for ``row``: its trailing assistant message, else ``response``, else the label."""
+    return _target(row)
+
+
 def _target(row: PromptRow) -> str:
     if not isinstance(row.prompt, str) and len(row.prompt) > 1 and row.prompt[-1]["role"] == "assistant":
         return row.prompt[-1]["content"]

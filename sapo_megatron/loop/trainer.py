@@ -18,6 +18,7 @@ from sapo_megatron.distill.teachers import TeacherScoring
 from sapo_megatron.errors import RunInterrupted
 from sapo_megatron.loop.checkpointing import Checkpointer, LoopState
 from sapo_megatron.loop.evaluation import evaluate, summary_fields
+from sapo_megatron.loop.learning_signal import NoSignalWatch, check_sft_targets
 from sapo_megatron.loop.pipeline import RolloutPipeline
 from sapo_megatron.loop.replay import RoutingStep, route_layout
 from sapo_megatron.loop.session import Session, open_session
@@ -48,6 +49,8 @@ def run(cfg, *, mode: str = "new") -> dict[str, Any]:
         prompts = PromptIterator(session.train_rows, batch_size=cfg.trainer.prompts_per_step, seed=cfg.seed)
         if state.prompts:
             prompts.load_state_dict(state.prompts)
+        if session.info.is_main and state.sft_step < cfg.sft.steps:  # before the warm start teaches it
+            check_sft_targets(session.reward, session.train_rows, response_key=cfg.data.response_key)
         run_sft(session, state)
         session.sync.push(session.engine.module)
         evaluate(session, state, "before")  # the eval section's datasets (a resumed run keeps its value)
@@ -103,9 +106,14 @@ def run_rl(session: Session, state: LoopState, prompts: PromptIterator) -> None:
         total_steps=cfg.trainer.steps,
         overlap=cfg.trainer.async_rollout,
     ) as rollouts:
+        no_signal = NoSignalWatch(
+            cfg
+        )  # every group's rewards equal for a few steps: say why nothing is learnt
         while state.step < cfg.trainer.steps:
             metrics = rl_step(session, hook, rollouts, state.step, reference)
             state.step += 1
+            if session.info.is_main:
+                no_signal.observe(state.step, metrics)
             state.prompts = prompts.state_dict()  # past the batch in flight, which a checkpoint holds
             metrics.update(evaluate(session, state, "step"))  # every eval.every steps and after the last
             end_of_step(session, state, "rl", metrics)

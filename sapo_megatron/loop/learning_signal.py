@@ -1,0 +1,129 @@
+"""Warnings where a run would learn nothing, said once and early, with the likely causes.
+
+- :func:`check_sft_targets` (before the warm start): the reward scores a few SFT targets (as a response, against
+  their own label). When none scores above the lowest score, SFT teaches a format the reward never rewards – a
+  verl GSM8K reward wants ``#### 72`` while the default target is the bare label ``72``. It names the row fields
+  whose text does score (``data.response_key: extra_info.answer``).
+- :class:`NoSignalWatch` (each RL step): when every group's rewards were equal for :data:`PATIENCE` steps in a row,
+  every advantage is zero and the policy gets no gradient: one warning with the causes to check.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from sapo_megatron.data.render import sft_target
+from sapo_megatron.rewards.types import RewardInput
+
+logger = logging.getLogger(__name__)
+
+TARGETS_SCORED = 16
+"""SFT targets scored by :func:`check_sft_targets` (the first rows: a check, not an evaluation)."""
+FIELD_ROWS, FIELDS_TRIED = 4, 12
+"""Rows and row fields :func:`scoring_fields` tries."""
+PATIENCE = 3
+"""RL steps in a row with zero reward spread in every group before :class:`NoSignalWatch` warns."""
+
+
+def _inputs(rows: Sequence[Any], texts: Sequence[str]) -> list[RewardInput]:
+    return [
+        RewardInput(
+            response=text,
+            label=row.ground_truth,
+            source=row.domain,
+            metadata=row.metadata,
+            messages=row.prompt if isinstance(row.prompt, list) else None,
+            columns=row.columns,
+        )
+        for row, text in zip(rows, texts)
+    ]
+
+
+def _text_fields(value: Any, prefix: str = "", depth: int = 2) -> Iterator[tuple[str, str]]:
+    """``(dotted path, text)`` of the string values of a row's columns, nested dicts to ``depth`` levels."""
+    if isinstance(value, dict) and depth:
+        for key, item in value.items():
+            yield from _text_fields(item, f"{prefix}{key}.", depth - 1)
+    elif isinstance(value, str) and prefix:
+        yield prefix[:-1], value
+
+
+def scoring_fields(reward: Any, rows: Sequence[Any]) -> list[str]:
+    """The row fields (dotted paths; at most :data:`FIELDS_TRIED`, on :data:`FIELD_ROWS` rows: a reward may run
+    code) whose text scores above 0 under ``reward`` for some of ``rows``."""
+    rows = rows[:FIELD_ROWS]
+    paths = list(dict.fromkeys(path for row in rows for path, _ in _text_fields(row.columns or {})))[
+        :FIELDS_TRIED
+    ]
+    found = []
+    for path in paths:
+        texts = [dict(_text_fields(row.columns or {})).get(path, "") for row in rows]
+        if any(out.score > 0 for out in reward.score(_inputs(rows, texts))):
+            found.append(path)
+    return found
+
+
+def check_sft_targets(reward: Any, rows: Sequence[Any], *, response_key: str | None) -> str | None:
+    """Score the first :data:`TARGETS_SCORED` SFT targets; the warning (also logged) when none scores above the
+    lowest score, else None."""
+    sample = list(rows[:TARGETS_SCORED])
+    if not sample:
+        return None
+    scores = [out.score for out in reward.score(_inputs(sample, [sft_target(row) for row in sample]))]
+    if max(scores) > min(scores) or max(scores) > 0:
+        return None
+    fields = scoring_fields(reward, sample)
+    where = f"data.response_key={response_key!r}" if response_key else "the label (no data.response_key)"
+    hint = (
+        f"these row fields do score: {', '.join(fields)} – set data.response_key to one"
+        if fields
+        else "give the SFT targets the answer format the reward expects (data.response_key), or check the reward"
+    )
+    message = (
+        f"none of the first {len(sample)} SFT targets ({where}; e.g. {sft_target(sample[0])!r:.60}) scores "
+        f"above {max(scores):g} under algorithm.reward {reward.name!r}: the warm start teaches a format the "
+        f"reward never rewards, so RL starts with no reward signal; {hint}"
+    )
+    logger.warning(message)
+    return message
+
+
+class NoSignalWatch:
+    """Counts RL steps in a row whose groups all had equal rewards; warns once after :data:`PATIENCE`."""
+
+    def __init__(self, cfg: Any) -> None:
+        self.cfg = cfg
+        self.in_a_row = 0
+        self.warned = False
+
+    def observe(self, step: int, metrics: dict[str, float]) -> str | None:
+        """Record one RL step's metrics; the warning (also logged) the first time it is due, else None."""
+        spread = metrics.get("reward/group_std_mean")
+        if spread is None:  # a step without rollout metrics (should not happen): no evidence either way
+            return None
+        self.in_a_row = self.in_a_row + 1 if spread == 0 else 0
+        if self.warned or self.in_a_row < PATIENCE:
+            return None
+        self.warned = True
+        message = self.message(step, metrics)
+        logger.warning(message)
+        return message
+
+    def message(self, step: int, metrics: dict[str, float]) -> str:
+        mean, truncated = metrics.get("reward/mean", 0.0), metrics.get("response/truncated_frac", 0.0)
+        causes = [
+            "the SFT target's format against the reward's (data.response_key; e.g. verl GSM8K rewards want "
+            "'#### 72', the label alone is '72')",
+            "the answer key (data.label_key: does the label hold what the reward compares with?)",
+            f"rollout.max_new_tokens={self.cfg.rollout.max_new_tokens} too short ({truncated:.0%} of the last "
+            "step's responses were cut at it)",
+        ]
+        if mean > 0:
+            causes.insert(0, "a task the policy already solves every time (every sample scored the same)")
+        return (
+            f"no reward signal: in the last {self.in_a_row} RL steps (to step {step}) every group's rewards were "
+            f"equal (reward mean {mean:g}), so every advantage is 0 and the policy does not change. Likely causes: "
+            + "; ".join(causes)
+        )
