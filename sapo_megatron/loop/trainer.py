@@ -108,7 +108,7 @@ def run_rl(session: Session, state: LoopState, prompts: PromptIterator) -> None:
     ) as rollouts:
         no_signal = NoSignalWatch(
             cfg
-        )  # every group's rewards equal for a few steps: say why nothing is learnt
+        )  # equal rewards in every group, step after step: say why nothing is learnt
         while state.step < cfg.trainer.steps:
             metrics = rl_step(session, hook, rollouts, state.step, reference)
             state.step += 1
