@@ -106,9 +106,8 @@ def run_rl(session: Session, state: LoopState, prompts: PromptIterator) -> None:
         total_steps=cfg.trainer.steps,
         overlap=cfg.trainer.async_rollout,
     ) as rollouts:
-        no_signal = NoSignalWatch(
-            cfg
-        )  # equal rewards in every group, step after step: say why nothing is learnt
+        # equal rewards in every group, step after step: say once why nothing is learnt
+        no_signal = NoSignalWatch(cfg)
         while state.step < cfg.trainer.steps:
             metrics = rl_step(session, hook, rollouts, state.step, reference)
             state.step += 1
