@@ -55,7 +55,8 @@ class ModelConfig(Section):
 
     hf_config: str | dict[str, Any] | None = Field(
         default=None,
-        description="an HF config.json, its folder, or the fields inline; with init: hf, default: init_path's",
+        description="an HF config.json, its folder, the fields inline, or 'tiny' (the embedded demo's architecture, "
+        "sized to the data); with init: hf, default: init_path's",
     )
     init: Literal["random", "hf", "megatron"] = "random"
     init_path: str | None = None
@@ -650,14 +651,23 @@ def config_from_dict(
     return cfg
 
 
+TINY = "tiny"
+"""``model.hf_config: tiny``: the embedded demo's architecture with its sizes following the data."""
+
+
 def fill_auto_sizes(raw: dict[str, Any]) -> dict[str, Any]:
-    """``raw`` with the ``"auto"`` sizes of an inline ``model.hf_config`` taken from the tokenizer and the prompts
-    (:mod:`sapo_megatron.data.sizing`); unchanged without any."""
+    """``raw`` with ``model.hf_config: tiny`` expanded and the ``"auto"`` sizes of an inline ``model.hf_config``
+    taken from the tokenizer and the prompts (:mod:`sapo_megatron.data.sizing`); unchanged without any."""
     from sapo_megatron.data.sizing import CONTEXT_FIELD, auto_fields, measured_context, token_sizes
     from sapo_megatron.data.tokenizer import load_tokenizer
     from sapo_megatron.eval.config import resolve_datasets
 
     model = raw.get("model") if isinstance(raw.get("model"), dict) else {}
+    if model.get("hf_config") == TINY:
+        from sapo_megatron.defaults import tiny_model
+
+        model = {**model, "hf_config": tiny_model()}
+        raw = {**raw, "model": model}
     fields = auto_fields(model.get("hf_config"))
     if not fields:
         return raw
@@ -909,7 +919,11 @@ def _resolve_relative_hf_config(raw: dict[str, Any], base_dir: Path) -> None:
         return
     for key in ("hf_config", "init_path"):
         value = model.get(key)
-        if isinstance(value, str) and not Path(value).is_absolute():
+        if (
+            isinstance(value, str)
+            and not Path(value).is_absolute()
+            and not (key == "hf_config" and value == TINY)
+        ):
             model[key] = str((base_dir / value).resolve())
 
 

@@ -45,7 +45,7 @@ DEMO_RUN: dict[str, Any] = {
     # The sizes that follow the data (sapo_megatron/data/sizing.py): with the char tokenizer and two-digit
     # addition they are DEMO_MODEL's (52 tokens, context 64, ids 1 / 2 / 0); with data.tokenizer: chat and a
     # message dataset, the vocabulary and context of those.
-    "model": {"hf_config": {**DEMO_MODEL, **dict.fromkeys(AUTO_SIZED, "auto")}, "init_std": 0.02},
+    "model": {"hf_config": {**DEMO_MODEL, **dict.fromkeys(AUTO_SIZED, "auto")}, "init_std": 0.02},  # = tiny
     "launch": {"cpu_threads": 1},
     # RL on this tiny model is stable at 5e-5 and collapses at 3e-4 (measured): RL wants a far smaller rate
     # than the supervised warm start.
@@ -69,6 +69,11 @@ DEMO_RUN: dict[str, Any] = {
     # Held-out accuracy: greedy (n 1, temperature 0) on 200 held-out addition problems, every 50 steps.
     "eval": {"every": 50, "datasets": [{"name": "heldout", "path": "synthetic:addition", "size": 200}]},
 }
+
+
+def tiny_model() -> dict[str, Any]:
+    """What ``model.hf_config: tiny`` stands for: the demo's architecture, its sizes ``auto``."""
+    return {**DEMO_MODEL, **dict.fromkeys(AUTO_SIZED, "auto")}
 
 
 def embedded_default_dict() -> dict[str, Any]:

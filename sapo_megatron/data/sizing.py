@@ -5,7 +5,7 @@
 - ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id``: the tokenizer's (a tokenizer without a bos token, as
   Qwen's, leaves ``bos_token_id`` out);
 - ``max_position_embeddings``: the longest prompt of ``data.train`` and of the eval datasets, as the engine
-  receives it, plus the longest response (``rollout.max_new_tokens``, or an eval dataset's own), rounded up to a
+  receives it (``max_prompt_tokens`` where set), plus the longest response (``rollout.max_new_tokens``, or an eval dataset's own), rounded up to a
   multiple of :data:`CONTEXT_MULTIPLE` (the embedded demo's 64 stays 64).
 
 The materialised ``config.yaml`` holds the numbers, so an evaluation or a resume reads them back unchanged.
@@ -63,6 +63,9 @@ def measured_context(
 
     needed = 0
     for path, keys, size, new_tokens in sources:
+        if keys.max_prompt_tokens is not None:  # longer prompts are the length policy's to filter or cut
+            needed = max(needed, context_size(keys.max_prompt_tokens, new_tokens))
+            continue
         if path.startswith("synthetic:"):
             tasks = path.removeprefix("synthetic:").split("+")
             if any(task not in TASKS for task in tasks):

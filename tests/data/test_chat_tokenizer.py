@@ -110,3 +110,12 @@ def test_export_takes_eos_from_the_tokenizer(tokenizer):
     tok = load_tokenizer(tokenizer)
     config = hf_config_with_tokens(arch, tok)
     assert (config["eos_token_id"], config["pad_token_id"]) == (tok.eos_id, tok.pad_id)
+
+
+def test_tiny_is_the_demo_architecture_sized_to_the_data(tmp_path):
+    """Friction 3: ``model.hf_config: tiny`` needs no architecture edits for a chat dataset."""
+    raw = _verl_run(tmp_path, tokenizer="chat")
+    raw["model"]["hf_config"] = "tiny"
+    arch = config_from_dict(raw).model.arch
+    assert arch == config_from_dict(_verl_run(tmp_path, tokenizer="chat")).model.arch
+    assert (arch.vocab_size, arch.hidden_size, arch.num_experts) == (512, DEMO_MODEL["hidden_size"], 8)

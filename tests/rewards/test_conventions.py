@@ -13,8 +13,7 @@ import pytest
 
 from sapo_megatron.config import ConfigError
 from sapo_megatron.data.datasets import DatasetKeys, read_dataset
-from sapo_megatron.rewards.runner import check_reward_available
-from sapo_megatron.rewards.runner import build_reward_runner
+from sapo_megatron.rewards.runner import build_reward_runner, check_reward_available
 from sapo_megatron.rewards.samples import score_sample_groups
 from sapo_megatron.rewards.types import RewardInput
 
