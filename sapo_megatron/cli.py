@@ -17,6 +17,7 @@ import shlex
 import socket
 import sys
 import traceback
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from sapo_megatron import __version__
@@ -424,6 +425,7 @@ def _train(args: argparse.Namespace) -> int:
     from sapo_megatron.plan.gate import check_layout_fits
     from sapo_megatron.rewards.runner import check_reward_available
     from sapo_megatron.runtime.run_dir import check_run_dir
+    from sapo_megatron.runtime.wandb_tracking import check_trackers
 
     cfg = resolve_config(args, world_size=args.world_size if args.dry_run else None)
     if args.launch_info:
@@ -437,6 +439,7 @@ def _train(args: argparse.Namespace) -> int:
     if "WORLD_SIZE" not in os.environ:  # the command the user typed (not a rank it started): before torch
         check_run_dir(cfg.output_dir, mode=mode)
     check_reward_available(cfg.algorithm.reward, kwargs=cfg.algorithm.reward_kwargs)
+    check_trackers(cfg)  # tracking.wandb without the package: stop now, not after the warm start
     check_training_precision(cfg)
     check_layout_fits(cfg, force=args.force)  # the planner's verdict (runs that name launch.gpu_type)
     if cfg.launch.world_size > 1 and "WORLD_SIZE" not in os.environ:
@@ -448,10 +451,12 @@ def _train(args: argparse.Namespace) -> int:
 def _run_training(cfg: RunConfig, mode: str) -> None:
     from sapo_megatron.eval.report import report_after_training
     from sapo_megatron.loop import trainer
+    from sapo_megatron.runtime.wandb_tracking import upload_report
 
     trainer.run(cfg, mode=mode)
     if os.environ.get("RANK", "0") == "0":
         print(report_after_training(cfg.output_dir))
+        upload_report(cfg, Path(cfg.output_dir), sorted((Path(cfg.output_dir) / "report").glob("*.png")))
 
 
 def _dry_run(cfg: RunConfig, args: argparse.Namespace) -> int:

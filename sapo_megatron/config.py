@@ -35,6 +35,7 @@ from sapo_megatron.model.precision import (
     GpuTypeName,
     fp8_capability_problem,
 )
+from sapo_megatron.runtime.wandb_tracking import TrackingConfig
 
 
 class Section(BaseModel):
@@ -536,6 +537,9 @@ class RunConfig(Section):
     trainer: TrainerConfig = TrainerConfig()
     eval: EvalConfig = Field(
         default_factory=EvalConfig, description="evaluation datasets (docs/evaluation.md)"
+    )
+    tracking: TrackingConfig = Field(
+        default_factory=TrackingConfig, description="W&B besides TensorBoard (docs/evaluation.md)"
     )
     teachers: list[TeacherConfig] = Field(
         default_factory=list, description="teachers that score the student's samples (distillation)"

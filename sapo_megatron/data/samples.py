@@ -73,6 +73,7 @@ class SampleLog:
         if self.tracker is not None:
             for row in rows[:TENSORBOARD_SAMPLES]:
                 self.tracker.text("rl", "samples", _as_markdown(row), step)
+            self.tracker.samples(step, rows)
         return rows
 
     def _row(self, step: int, batch: Any, group_index: int, sample: Any) -> dict[str, Any]:

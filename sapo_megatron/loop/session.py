@@ -38,6 +38,7 @@ from sapo_megatron.runtime.ranks import broadcast_object, on_main_rank
 from sapo_megatron.runtime.run_dir import RunStart, cleanup_failed_start, start_run
 from sapo_megatron.runtime.step_health import BadStepGuard
 from sapo_megatron.runtime.tracking import Tracker
+from sapo_megatron.runtime.wandb_tracking import build_wandb_sink
 from sapo_megatron.weight_sync import DiskSync, TensorSync, WeightSync, export_hf
 from sapo_megatron.weight_sync.distributed import DistributedSync
 
@@ -143,7 +144,8 @@ def build_session(
         timeout_s=cfg.algorithm.reward_timeout_s,
         kwargs=cfg.algorithm.reward_kwargs,
     )
-    tracker = Tracker(run_dir, enabled=info.is_main, resume_at=start.resume_at)
+    wandb = build_wandb_sink(cfg, run_dir, resume=start.resume, enabled=info.is_main)  # tracking.wandb
+    tracker = Tracker(run_dir, enabled=info.is_main, resume_at=start.resume_at, sink=wandb)
     samples = SampleLog(
         run_dir,
         every=cfg.trainer.log_samples_every,

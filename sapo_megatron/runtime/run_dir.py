@@ -54,7 +54,7 @@ MODES: tuple[str, ...] = ("new", "resume", "auto", "overwrite")
 PROGRESS_ENTRIES = ("checkpoints", "reference_policy", "hf", "summary.json")
 """Entries whose presence means a run got past its first step (``metrics.jsonl`` counts when non-empty)."""
 
-START_ENTRIES = ("config.yaml", "metrics.jsonl", "tensorboard", "rollout_weights")
+START_ENTRIES = ("config.yaml", "metrics.jsonl", "tensorboard", "rollout_weights", "wandb")
 """Entries a start writes before its first step."""
 
 RUN_ENTRIES = START_ENTRIES + PROGRESS_ENTRIES

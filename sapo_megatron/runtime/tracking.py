@@ -57,8 +57,11 @@ class Tracker:
         enabled: bool,
         tensorboard: bool = True,
         resume_at: Mapping[str, int] | None = None,
+        sink: Any = None,
     ) -> None:
         self.enabled = enabled
+        self.sink = sink
+        """Another tracker fed the same rows (:class:`~sapo_megatron.runtime.wandb_tracking.WandbSink`), or None."""
         self.output_dir = Path(output_dir)
         self.tensorboard = tensorboard
         self.resume_at = dict(resume_at or {})
@@ -104,6 +107,8 @@ class Tracker:
         row.update({name: _json_value(value) for name, value in values.items()})
         self._jsonl.write(json.dumps(row, allow_nan=False) + "\n")
         self._jsonl.flush()
+        if self.sink is not None:
+            self.sink.log(phase, step, {name: value for name, value in values.items() if _finite(value)})
         if self._bar is not None and self._bar_phase == phase:
             self._bar.set_postfix(
                 {short: f"{values[k]:.3g}" for k, short in CONSOLE_KEYS.items() if values.get(k) is not None}
@@ -117,6 +122,11 @@ class Tracker:
             writer = self._writer(phase)
             writer.add_text(tag, text, step)
             writer.flush()
+
+    def samples(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Generated samples of RL ``step`` (``samples.jsonl``'s rows) for the trackers that keep tables."""
+        if self.enabled and self.sink is not None:
+            self.sink.samples(step, rows)
 
     def message(self, text: str) -> None:
         """Print a line on the console without breaking the progress bar."""
@@ -137,6 +147,9 @@ class Tracker:
             writer.close()
         self._writers.clear()
         self._jsonl.close()
+        if self.sink is not None:
+            self.sink.finish()
+            self.sink = None
 
     def _writer(self, phase: str):
         """The phase's TensorBoard writer, created on first use (with the resume's purge step)."""
@@ -187,6 +200,10 @@ def truncate_metrics(path: str | Path, resume_at: Mapping[str, int]) -> int:
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     return dropped
+
+
+def _finite(value: float | None) -> bool:
+    return value is not None and math.isfinite(value)
 
 
 def _as_float(name: str, value: Any) -> float | None:
