@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -31,6 +32,8 @@ from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
 ROWS_PER_CHUNK = 256
 EVAL_FILE = "eval.json"
 SAMPLES_FILE = "samples.jsonl"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -130,7 +133,26 @@ def run_suite(
         dataset_samples = _run_dataset(engine, tokenizer, suite, dataset, seed, progress)
         samples += dataset_samples
         metrics[dataset.name] = _aggregate(dataset, suite.rows[dataset.name], dataset_samples)
+        note_missing_majority(dataset, metrics[dataset.name])
     return EvalResult(metrics, samples, time.perf_counter() - start)
+
+
+_NOTED_MAJORITY: set[tuple[str, str]] = set()
+
+
+def note_missing_majority(dataset: EvalDataset, metrics: dict[str, Any]) -> str | None:
+    """Say once per dataset and reward why ``maj@n`` is missing (n > 1 and no sample had an answer to vote on);
+    the line, or None."""
+    key = (dataset.name, str(dataset.reward))
+    if dataset.n < 2 or f"maj@{dataset.n}" in metrics or key in _NOTED_MAJORITY:
+        return None
+    _NOTED_MAJORITY.add(key)
+    line = (
+        f"eval dataset {dataset.name}: no maj@{dataset.n}: the reward {dataset.reward} gave no answer to vote on "
+        "(return {'score': s, 'answer': a} from it, or use numeric_match / exact_match / math_verify / dapo_math)"
+    )
+    logger.warning(line)
+    return line
 
 
 def _run_dataset(engine, tokenizer, suite: EvalSuite, dataset: EvalDataset, seed: int, progress):
