@@ -40,6 +40,15 @@ KNOWN_HARMLESS_WARNINGS = (
     # megatron-core 0.16.1's TransformerConfig turns its own default cuda_graph_scope "full" into [] with this
     # notice on every model build; the project never sets the field (transformer_config.py, __post_init__).
     ("full scope is deprecated", UserWarning, r"megatron\.core"),
+    # Loading a distributed checkpoint (every --resume): torch's deprecation notices about the APIs Megatron-Core's
+    # torch_dist strategy calls (dist_checkpointing/strategies/torch.py: checkpoint.load_state_dict, and the
+    # ShardedTensor it builds, reached on CPU through megatron/cpu_compat.py's function mode).
+    ("`load_state_dict` is deprecated", FutureWarning, r"megatron\.core\.dist_checkpointing"),
+    (
+        "Please use DTensor instead and we are deprecating ShardedTensor",
+        FutureWarning,
+        r"(megatron\.core|sapo_megatron\.megatron)",
+    ),
 )
 """(message, category, module) of library warnings that say nothing a user can act on; filtered by name."""
 PACKAGE = "sapo_megatron"
