@@ -119,3 +119,18 @@ def test_tiny_is_the_demo_architecture_sized_to_the_data(tmp_path):
     arch = config_from_dict(raw).model.arch
     assert arch == config_from_dict(_verl_run(tmp_path, tokenizer="chat")).model.arch
     assert (arch.vocab_size, arch.hidden_size, arch.num_experts) == (512, DEMO_MODEL["hidden_size"], 8)
+
+
+def test_a_resolved_config_read_back_keeps_the_chat_template(tmp_path):
+    """Friction 6: config.yaml (and compare's per-arm compare.yaml) no longer spells out the eval datasets'
+    ``apply_chat_template: false``: read back, evaluation renders with the run's template, as training did."""
+    from sapo_megatron.config import load_config
+    from sapo_megatron.eval.config import resolve_datasets
+
+    raw = _verl_run(tmp_path, tokenizer="chat")
+    raw["eval"] = {"datasets": [{"name": "v", "path": raw["data"]["train"]}]}
+    cfg = config_from_dict(raw)
+    again = load_config(cfg.save_resolved(tmp_path / "config.yaml"))
+    assert resolve_datasets(again)[0].keys == resolve_datasets(cfg)[0].keys
+    assert resolve_datasets(again)[0].keys.apply_chat_template is True
+    assert again.model.arch == cfg.model.arch
