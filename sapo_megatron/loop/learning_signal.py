@@ -71,10 +71,13 @@ def check_sft_targets(reward: Any, rows: Sequence[Any], *, response_key: str | N
     sample = list(rows[:TARGETS_SCORED])
     if not sample:
         return None
-    scores = [out.score for out in reward.score(_inputs(sample, [sft_target(row) for row in sample]))]
-    if max(scores) > min(scores) or max(scores) > 0:
-        return None
-    fields = scoring_fields(reward, sample)
+    try:
+        scores = [out.score for out in reward.score(_inputs(sample, [sft_target(row) for row in sample]))]
+        if max(scores) > min(scores) or max(scores) > 0:
+            return None
+        fields = scoring_fields(reward, sample)
+    finally:
+        reward.take_step_metrics()  # the first RL step's reward/error_frac and error budget start from zero
     where = f"data.response_key={response_key!r}" if response_key else "the label (no data.response_key)"
     hint = (
         f"these row fields do score: {', '.join(fields)} – set data.response_key to one"
