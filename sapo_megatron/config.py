@@ -75,6 +75,11 @@ class ModelConfig(Section):
         description="recompute: selective only; Megatron's module names (default [core_attn]): core_attn, mlp "
         "(dense MLP), moe (the whole MoE layer), moe_act (expert activation; needs moe_grouped_gemm)",
     )
+    freeze_vision: bool = Field(
+        default=False,
+        description="vision-language models: the vision tower gets no gradients, no optimizer state and no "
+        "weight sync (the rollout engine keeps the tower it loaded)",
+    )
     _arch: QwenArch | None = PrivateAttr(default=None)
 
     @model_validator(mode="after")

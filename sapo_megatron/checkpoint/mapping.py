@@ -11,8 +11,14 @@ transform that knows how the *full* (unsharded) tensor is laid out and how tenso
 - ``GatedMLP``: HF ``gate_proj`` + ``up_proj`` → Megatron's ``linear_fc1`` with each rank holding
   ``[gate_r; up_r]`` (SwiGLU chunks its local output in two).
 
-Placeholders: ``{L}`` the global layer index, ``{E}`` the global expert index. The same table serves
-in-memory loading (any TP/PP/EP layout), online export for weight sync, and offline conversion.
+Placeholders: ``{L}`` the global layer index, ``{E}`` the global expert index, ``{V}`` the rest of a vision
+tower name. The same table serves in-memory loading (any TP/PP/EP layout), online export for weight sync, and
+offline conversion.
+
+Qwen3-VL-MoE (:data:`VL_RULES`) is the same table with the language model under ``model.language_model.`` plus
+one rule for the vision tower, which Megatron holds as transformers' own module (``visual.*`` ⇄
+``model.visual.*``, replicated). Its fused expert tensors are a storage layout, read and written by
+:mod:`sapo_megatron.checkpoint.fused_experts`; the table speaks per-expert names.
 """
 
 from __future__ import annotations
@@ -152,7 +158,12 @@ class Rule:
     expert: bool = False  # expert weights shard over the expert-tensor-parallel group
 
     def regex(self) -> re.Pattern[str]:
-        pattern = re.escape(self.megatron).replace(r"\{L\}", r"(?P<L>\d+)").replace(r"\{E\}", r"(?P<E>\d+)")
+        pattern = (
+            re.escape(self.megatron)
+            .replace(r"\{L\}", r"(?P<L>\d+)")
+            .replace(r"\{E\}", r"(?P<E>\d+)")
+            .replace(r"\{V\}", r"(?P<V>.+)")
+        )
         return re.compile(f"^{pattern}$")
 
 
@@ -220,7 +231,22 @@ RULES: tuple[Rule, ...] = (
         expert=True,
     ),
 )
+
+
+def _vl_hf_name(name: str) -> str:
+    """A text model's HF name as Qwen3-VL-MoE stores it (the LM under ``model.language_model``)."""
+    return name.replace("model.", "model.language_model.", 1) if name.startswith("model.") else name
+
+
+VL_RULES: tuple[Rule, ...] = (
+    *(
+        Rule(rule.megatron, tuple(_vl_hf_name(n) for n in rule.hf), rule.transform, rule.expert)
+        for rule in RULES
+    ),
+    Rule("visual.{V}", ("model.visual.{V}",), Replicated()),
+)
 _COMPILED = tuple((rule, rule.regex()) for rule in RULES)
+_VL_COMPILED = tuple((rule, rule.regex()) for rule in VL_RULES)
 
 
 class MappingError(UserError, KeyError):
@@ -239,9 +265,10 @@ class Resolved:
     hf_names: tuple[str, ...]
 
 
-def resolve(global_megatron_name: str) -> Resolved:
-    """Match a Megatron parameter name whose layer/expert indices are global."""
-    for rule, regex in _COMPILED:
+def resolve(global_megatron_name: str, arch: QwenArch | None = None) -> Resolved:
+    """Match a Megatron parameter name whose layer/expert indices are global (in ``arch``'s table: the text
+    models' unless ``arch`` is a vision-language model)."""
+    for rule, regex in _VL_COMPILED if arch is not None and arch.is_vl else _COMPILED:
         match = regex.match(global_megatron_name)
         if match:
             fields = match.groupdict()
@@ -251,7 +278,17 @@ def resolve(global_megatron_name: str) -> Resolved:
 
 
 def hf_expected_shapes(arch: QwenArch) -> dict[str, tuple[int, ...]]:
-    """Every tensor an HF checkpoint of this architecture holds, with its shape (the on-disk layout)."""
+    """Every tensor an HF checkpoint of this architecture holds, with its shape (the on-disk layout; experts
+    per expert, whatever their storage)."""
+    text = _text_shapes(arch)
+    if not arch.is_vl:
+        return text
+    shapes = {f"model.visual.{name}": shape for name, shape in arch.vision.tensor_shapes().items()}
+    shapes.update({_vl_hf_name(name): shape for name, shape in text.items()})
+    return shapes
+
+
+def _text_shapes(arch: QwenArch) -> dict[str, tuple[int, ...]]:
     h, hd = arch.hidden_size, arch.head_dim
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (arch.vocab_size, h),

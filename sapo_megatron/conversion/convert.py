@@ -193,7 +193,7 @@ def plan_params(layout, arch: QwenArch) -> list[ParamPlan]:
     plans, problems = [], []
     for param in layout.params:
         try:
-            resolved = resolve(param.name)
+            resolved = resolve(param.name, arch)
         except MappingError as err:
             problems.append(str(err))
             continue

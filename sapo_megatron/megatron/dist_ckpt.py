@@ -43,7 +43,7 @@ from sapo_megatron.checkpoint import atomic, dcp_io
 from sapo_megatron.checkpoint.atomic import IncompleteCheckpointError
 from sapo_megatron.config import ModelConfig, ParallelConfig, PrecisionConfig
 from sapo_megatron.errors import UserError
-from sapo_megatron.megatron.model import BuildOptions, layer_spec, transformer_config
+from sapo_megatron.megatron.model import BuildOptions, build_model_chunk, transformer_config
 from sapo_megatron.megatron.weights import unwrap
 from sapo_megatron.model.arch import QwenArch
 
@@ -102,18 +102,7 @@ def build_meta_model(arch: QwenArch) -> GPTModel:
     config.use_cpu_initialization = True  # an explicit CUDA device would bypass the meta device
     config.perform_initialization = False
     with torch.device("meta"):
-        return GPTModel(
-            config=config,
-            transformer_layer_spec=layer_spec(config, opts),
-            vocab_size=arch.vocab_size,
-            max_sequence_length=arch.max_position_embeddings,
-            pre_process=True,
-            post_process=True,
-            share_embeddings_and_output_weights=arch.tie_word_embeddings,
-            position_embedding_type="rope",
-            rotary_base=int(arch.rope_theta),
-            parallel_output=True,
-        )
+        return build_model_chunk(opts, config, pre_process=True, post_process=True)
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,7 @@ def transformer_config(opts: BuildOptions) -> TransformerConfig:
         sequence_parallel=par.sequence_parallel,
         variable_seq_lengths=False,  # every micro-batch of a step has one shape; see TrainEngine
         moe_token_dispatcher_type=opts.model.moe_token_dispatcher,
+        mrope_section=list(arch.mrope_section) if arch.is_vl else None,
         **fp8_fields(opts.precision),
         **recompute_fields(opts.model),
         **_moe_fields(arch, opts),
@@ -188,18 +189,11 @@ def build_gpt_model(opts: BuildOptions, *, vp_stage: int | None = None) -> GPTMo
         if problem:
             raise ConfigError(problem)
     config = transformer_config(opts)
-    arch = opts.model.arch
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=layer_spec(config, opts),
-        vocab_size=arch.vocab_size,
-        max_sequence_length=arch.max_position_embeddings,
+    model = build_model_chunk(
+        opts,
+        config,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=True),
         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=True),
-        share_embeddings_and_output_weights=arch.tie_word_embeddings,
-        position_embedding_type="rope",
-        rotary_base=int(arch.rope_theta),
-        parallel_output=True,
     )
     if config.bf16:
         # The pure-torch norms ignore params_dtype; cast them like Megatron's Float16Module does, but keep the
@@ -208,3 +202,30 @@ def build_gpt_model(opts: BuildOptions, *, vp_stage: int | None = None) -> GPTMo
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model
+
+
+def build_model_chunk(
+    opts: BuildOptions, config: TransformerConfig, *, pre_process: bool, post_process: bool
+) -> GPTModel:
+    """The ``GPTModel`` of ``opts`` (a :class:`~sapo_megatron.megatron.vl_model.VLGPTModel` for a
+    vision-language config) on the current device, before any dtype cast."""
+    arch = opts.model.arch
+    if opts.model.freeze_vision and not arch.is_vl:
+        raise ConfigError(f"model.freeze_vision: the model ({arch.model_type}) has no vision tower")
+    common = dict(
+        config=config,
+        transformer_layer_spec=layer_spec(config, opts),
+        vocab_size=arch.vocab_size,
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        rotary_base=int(arch.rope_theta),
+        parallel_output=True,
+    )
+    if arch.is_vl:
+        from sapo_megatron.megatron.vl_model import VLGPTModel, check_vl_layout
+
+        check_vl_layout(arch, pp=opts.parallel.pp, cp=opts.parallel.cp, recompute=opts.model.recompute)
+        return VLGPTModel(arch=arch, freeze_vision=opts.model.freeze_vision, **common)
+    return GPTModel(position_embedding_type="rope", **common)

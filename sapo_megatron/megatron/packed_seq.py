@@ -26,6 +26,11 @@ attention by construction:
   so a packed token gets bitwise the angle it has in its padded row.
 
 Padded micro-batches (no ``segment_ids``) go through unchanged: ``position_ids`` arange, no mask (causal).
+
+Vision-language models (:class:`~sapo_megatron.megatron.vl_model.VLGPTModel`) also get the micro-batch's
+``pixel_values`` and ``image_grid_thw``; their MRoPE table is computed from ``position_ids`` (per segment) by
+the model itself, so the local path installs no RoPE hook. The THD path is refused for them: Megatron's THD
+RoPE applies ``freqs[0 : len]`` to every segment, which cannot carry per-token 3-D positions.
 """
 
 from __future__ import annotations
@@ -95,13 +100,22 @@ def model_inputs(model: torch.nn.Module, batch: MicroBatch) -> Iterator[dict[str
     """Keyword arguments of ``model(batch["input_ids"], **kwargs)`` for this micro-batch, valid inside the block
     (the local path's RoPE hook is removed when it exits)."""
     input_ids = batch["input_ids"]
+    vision = {k: batch[k].to(input_ids.device) for k in VISION_INPUTS if k in batch}
     if not is_packed(batch):
         position_ids = batch.get(POSITION_IDS)
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
-        yield {"position_ids": position_ids, "attention_mask": None}
+        yield {"position_ids": position_ids, "attention_mask": None, **vision}
         return
     position_ids = batch[POSITION_IDS].to(input_ids.device)
+    if _is_vl(model):
+        if not uses_local_attention(model):
+            raise NotImplementedError(
+                "packed micro-batches of a vision-language model need Megatron's local attention (block mask); "
+                "THD RoPE cannot carry MRoPE positions: set parallel.max_tokens_per_micro_batch: null"
+            )
+        yield {"position_ids": position_ids, "attention_mask": block_causal_mask(position_ids), **vision}
+        return
     if not uses_local_attention(model):
         yield {
             "position_ids": position_ids,
@@ -115,6 +129,17 @@ def model_inputs(model: torch.nn.Module, batch: MicroBatch) -> Iterator[dict[str
         yield {"position_ids": position_ids, "attention_mask": block_causal_mask(position_ids)}
     finally:
         handle.remove()
+
+
+VISION_INPUTS = ("pixel_values", "image_grid_thw")
+"""Micro-batch keys a vision-language model takes as they are (the images of the micro-batch's rows)."""
+
+
+def _is_vl(model: torch.nn.Module) -> bool:
+    while not isinstance(model, GPTModel) and hasattr(model, "module"):
+        model = model.module
+    arch = getattr(model, "arch", None)
+    return arch is not None and arch.is_vl
 
 
 def rope_at_positions(position_ids: torch.Tensor):

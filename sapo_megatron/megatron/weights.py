@@ -57,10 +57,11 @@ def local_params(model: torch.nn.Module) -> list[LocalParam]:
         parallel_state.get_expert_tensor_parallel_world_size(),
         parallel_state.get_expert_tensor_parallel_rank(),
     )
+    arch = getattr(gpt, "arch", None)  # a vision-language model names its HF tensors differently
     out = []
     for name, param in gpt.named_parameters():
         global_name = _globalise(name, layer_offset, expert_offset)
-        resolved = resolve(global_name)
+        resolved = resolve(global_name, arch)
         out.append(LocalParam(name, param, resolved, expert if resolved.rule.expert else dense))
     return out
 
