@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from sapo_megatron.checkpoint.fused_experts import FUSED_NAME, ExpertSlice, FusedExpertsError, per_expert_view
 from sapo_megatron.checkpoint.mapping import MappingError, hf_expected_shapes
 from sapo_megatron.errors import UserError
 from sapo_megatron.model.arch import QwenArch
@@ -42,6 +43,10 @@ class HFCheckpointReader:
 
     Nothing is loaded until :meth:`get`; :meth:`validate` compares names, shapes and dtypes with the
     architecture using only the safetensors headers.
+
+    Fused expert tensors (Qwen3-VL-MoE, either layout: :mod:`~sapo_megatron.checkpoint.fused_experts`) are
+    presented under the mapping table's per-expert names; reading one reads that expert's slab of the fused
+    tensor (one ``pread``), not the whole tensor.
     """
 
     def __init__(self, directory: str | Path) -> None:
@@ -51,9 +56,25 @@ class HFCheckpointReader:
         self._handles: dict[str, object] = {}
         self._raw: dict[str, tuple[int, dict, int]] = {}
         self._raw_lock = threading.Lock()
+        fused = {n: self._stored_shape_and_dtype(n)[0] for n in self.weight_map if FUSED_NAME.match(n)}
+        try:
+            self.experts: dict[str, ExpertSlice] = per_expert_view(
+                {**dict.fromkeys(self.weight_map, ()), **fused}
+            )
+        except FusedExpertsError as err:
+            raise CheckpointError(f"{self.directory}: {err}") from None
+        self._fused = {s.fused for s in self.experts.values()}
 
     def names(self) -> list[str]:
-        return list(self.weight_map)
+        """Tensor names, fused experts as their per-expert names."""
+        return [n for n in self.weight_map if n not in self._fused] + list(self.experts)
+
+    def _expert(self, name: str) -> torch.Tensor:
+        piece = self.experts[name]
+        shape, dtype = self._stored_shape_and_dtype(piece.fused)
+        slab = torch.empty(shape[1:], dtype=_SAFETENSORS_DTYPES[dtype])
+        self.read_rows_into(piece.fused, piece.expert, slab)
+        return piece.take(slab)
 
     def _handle(self, filename: str):
         if filename not in self._handles:
@@ -62,6 +83,8 @@ class HFCheckpointReader:
 
     def get(self, name: str) -> torch.Tensor:
         """The tensor stored under ``name``; :class:`MappingError` if there is none."""
+        if name in self.experts:
+            return self._expert(name)
         filename = self.weight_map.get(name)
         if filename is None:
             raise MappingError(f"tensor {name!r} is missing from the HF checkpoint {self.directory}")
@@ -74,6 +97,8 @@ class HFCheckpointReader:
         (up to the whole checkpoint after a full pass); bytes read here do not. Safe to call from several
         threads at once.
         """
+        if name in self.experts:
+            return self._expert(name)
         filename = self.weight_map.get(name)
         if filename is None:
             raise MappingError(f"tensor {name!r} is missing from the HF checkpoint {self.directory}")
@@ -93,6 +118,12 @@ class HFCheckpointReader:
     def read_rows_into(self, name: str, first_row: int, out: torch.Tensor) -> None:
         """Read rows ``first_row …`` of tensor ``name`` (rows along dim 0) into the contiguous ``out``, which
         sets how many; one ``pread`` straight into ``out``, no intermediate copy. Thread-safe."""
+        if name in self.experts:  # a slice of a fused tensor: read the expert, then copy the rows
+            full = self._expert(name)
+            out.view(-1).copy_(
+                full[first_row : first_row + out.numel() // max(full[0].numel(), 1)].reshape(-1)
+            )
+            return
         filename = self.weight_map.get(name)
         if filename is None:
             raise MappingError(f"tensor {name!r} is missing from the HF checkpoint {self.directory}")
@@ -139,13 +170,18 @@ class HFCheckpointReader:
             self._handle(filename)
 
     def shape_and_dtype(self, name: str) -> tuple[tuple[int, ...], str]:
+        if name in self.experts:
+            return self.experts[name].shape, self._stored_shape_and_dtype(self.experts[name].fused)[1]
+        return self._stored_shape_and_dtype(name)
+
+    def _stored_shape_and_dtype(self, name: str) -> tuple[tuple[int, ...], str]:
         piece = self._handle(self.weight_map[name]).get_slice(name)
         return tuple(piece.get_shape()), piece.get_dtype()
 
     def validate(self, arch: QwenArch, dtype: str | None = None) -> None:
         """Raise :class:`CheckpointError` naming every missing / unexpected / misshapen tensor."""
         expected = hf_expected_shapes(arch)
-        present = set(self.weight_map)
+        present = set(self.names())
         problems = [
             f"missing tensor {n} (expected shape {expected[n]})" for n in sorted(set(expected) - present)
         ]

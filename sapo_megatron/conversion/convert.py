@@ -38,7 +38,7 @@ import torch
 from torch.distributed.checkpoint import CheckpointException, save
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from sapo_megatron.checkpoint import atomic, dcp_io
+from sapo_megatron.checkpoint import atomic, dcp_io, fused_experts
 from sapo_megatron.checkpoint.hf_io import CheckpointError, HFCheckpointReader
 from sapo_megatron.checkpoint.mapping import MappingError, Transform, hf_expected_shapes, resolve
 from sapo_megatron.checkpoint.safetensors_stream import (
@@ -563,11 +563,16 @@ def megatron_to_hf(
         _check_keys(path, plans, dtypes)
         out_dtype = _output_dtype(dtype, plans, dtypes)
         specs = _hf_specs(plans, arch, out_dtype)
+        groups = fused_experts.fused_groups({s.name: s.shape for s in specs}) if arch.is_vl else []
+        if groups:  # Qwen3-VL-MoE: experts stored fused, in the hub layout (what SGLang 0.5.23 loads)
+            fused = fused_experts.fuse_specs([(s.name, s.shape) for s in specs])
+            specs = [TensorSpec(name, shape, out_dtype) for name, shape in fused]
         shards = plan_shards(specs, max_shard_bytes)
         tmp = atomic.prepare_output_dir(out_dir, force=force)
         try:
             bar = _progress_bar(sum(s.nbytes for s in specs), "megatron→hf", progress)
             stream = _hf_tensor_stream(path, plans, arch, dtypes, out_dtype, read_batch_bytes, bar)
+            stream = fused_experts.fuse_stream(stream, groups)
             for shard in shards:
                 write_shard(tmp / shard.filename, shard, stream)
             bar.close()
@@ -690,17 +695,24 @@ class ParityReport:
     tolerance: float
     dtype: str
     tokens: int
+    differing: tuple[str, ...] = ()
+    """HF tensors whose weights in the Megatron model differ from ``hf_dir``'s (after a cast to its dtype)."""
 
     @property
     def ok(self) -> bool:
-        return self.max_abs <= self.tolerance
+        return self.max_abs <= self.tolerance and not self.differing
 
     def summary(self) -> str:
         verdict = "OK" if self.ok else "FAILED"
+        weights = (
+            f"; {len(self.differing)} tensors differ from the HF checkpoint: {', '.join(self.differing[:5])}"
+            if self.differing
+            else "; every weight equals the HF checkpoint's"
+        )
         return (
             f"logit parity ({self.dtype}, {self.tokens} tokens): max |Δlogit| = {self.max_abs:.3e}, "
             f"mean |Δlogit| = {self.mean_abs:.3e}, cosine = {self.cosine:.8f}; "
-            f"tolerance max |Δlogit| <= {self.tolerance:.1e}: {verdict}"
+            f"tolerance max |Δlogit| <= {self.tolerance:.1e}{weights}: {verdict}"
         )
 
 
@@ -717,7 +729,8 @@ def verify(
     log: Callable[[str], None] | None = print,
 ) -> ParityReport:
     """Run the same random token batch through HF transformers (from ``hf_dir``) and through the Megatron
-    model loaded from ``megatron_dir``; compare the logits.
+    model loaded from ``megatron_dir``; compare the logits. A vision-language model gets rows of text and
+    seeded images of several sizes (and a text-only row when ``batch`` >= 3); padding is not compared.
 
     Runs in the current process group when one exists (under ``torchrun``: every rank calls it, ``parallel``
     gives the layout, e.g. ``{"tp": 2, "sequence_parallel": True}``), else in a single process. The HF model
@@ -748,17 +761,20 @@ def verify(
             "launch": {"procs_per_node": world},
         }
     )
-    ids = torch.randint(0, arch.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(seed))
+    inputs = _parity_inputs(arch, batch, seq_len, seed)
+    ids, real = inputs["input_ids"], inputs["attention_mask"].bool()
+    vision = {k: inputs[k] for k in ("pixel_values", "image_grid_thw") if k in inputs}
     with dist_ckpt.parallel_context(cfg, seed=seed):
         model = build_gpt_model(BuildOptions(cfg.model, cfg.parallel, cfg.precision))
         dist_ckpt.load_model_weights(model, mc_path)
-        logits = dist_ckpt.forward_logits(model, ids)
+        logits = dist_ckpt.forward_logits(model, ids, **vision)
         figures = torch.zeros(4, dtype=torch.float64)
         if logits is not None and dist_ckpt.is_reporting_rank():
-            figures = _compare(logits.cpu(), _hf_logits(hf_dir, ids, dtype))
+            figures = _compare(logits.cpu()[real], _hf_logits(hf_dir, inputs, dtype, arch)[real])
         figures = figures.to(_collective_device())
         dist.all_reduce(figures)
         figures = figures.cpu()
+        differing = _differing_weights(model, arch, hf_dir)
         rank = dist.get_rank()
     report = ParityReport(
         max_abs=float(figures[0]),
@@ -766,11 +782,34 @@ def verify(
         cosine=float(figures[2]),
         tolerance=tolerance,
         dtype=dtype,
-        tokens=batch * seq_len,
+        tokens=int(real.sum()),
+        differing=differing,
     )
     if log is not None and rank == 0:
         log(report.summary())
     return report
+
+
+def _differing_weights(model: torch.nn.Module, arch: QwenArch, hf_dir: Path) -> tuple[str, ...]:
+    """Collective: the HF tensors (in HF order) whose copy in the loaded model is not bitwise the HF file's
+    (after casting the file's to the model's dtype). Names a perturbed tensor that the logits may hide."""
+    import torch.distributed as dist
+
+    from sapo_megatron.megatron.weights import iter_hf_weights
+
+    reader = HFCheckpointReader(hf_dir)
+    try:
+        mine = [
+            name
+            for name, tensor in iter_hf_weights(model, arch, owned_only=True)
+            if not torch.equal(reader.get(name).to(tensor.dtype), tensor.cpu())
+        ]
+    finally:
+        reader.close()
+    gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, mine)
+    order = {name: i for i, name in enumerate(hf_expected_shapes(arch))}
+    return tuple(sorted({n for names in gathered for n in names}, key=order.__getitem__))
 
 
 def _collective_device() -> torch.device:
@@ -781,13 +820,38 @@ def _collective_device() -> torch.device:
     )
 
 
-def _hf_logits(hf_dir: Path, ids: torch.Tensor, dtype: str) -> torch.Tensor:
+def _parity_inputs(arch: QwenArch, batch: int, seq_len: int, seed: int) -> dict[str, torch.Tensor]:
+    """Random tokens ``[batch, seq_len]``; for a vision-language model, rows of text and seeded images of
+    several sizes (two images, one image, text only, in turn), right-padded, with their processor outputs."""
+    if not arch.is_vl:
+        ids = torch.randint(
+            0, arch.vocab_size, (batch, seq_len), generator=torch.Generator().manual_seed(seed)
+        )
+        return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    from sapo_megatron.model.tiny import vl_batch
+
+    unit = arch.vision.patch_size * arch.vision.spatial_merge_size  # one merged token per unit × unit pixels
+    text = max(seq_len // 4, 1)
+    patterns = [
+        [text, (2 * unit, 2 * unit), text, (unit, 2 * unit), text],
+        [text, (2 * unit, unit), 2 * text],
+        [seq_len],
+    ]
+    return vl_batch(arch, [patterns[i % 3] for i in range(batch)], seed=seed)
+
+
+def _hf_logits(hf_dir: Path, inputs: dict[str, torch.Tensor], dtype: str, arch: QwenArch) -> torch.Tensor:
     import transformers
 
     torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf_dir)).to(torch_dtype).eval()
+    model_cls = (
+        transformers.Qwen3VLMoeForConditionalGeneration if arch.is_vl else transformers.AutoModelForCausalLM
+    )
+    model = model_cls.from_pretrained(str(hf_dir)).to(torch_dtype).eval()
+    if not arch.is_vl:
+        inputs = {"input_ids": inputs["input_ids"]}
     with torch.no_grad():
-        return model(input_ids=ids).logits.float()
+        return model(**inputs).logits.float()
 
 
 def _compare(mc: torch.Tensor, hf: torch.Tensor) -> torch.Tensor:

@@ -669,9 +669,12 @@ def is_reporting_rank() -> bool:
 
 
 @torch.no_grad()
-def forward_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor | None:
+def forward_logits(
+    model: torch.nn.Module, input_ids: torch.Tensor, **vision: torch.Tensor
+) -> torch.Tensor | None:
     """Logits ``[b, s, vocab]`` (float32) for ``input_ids [b, s]`` through the pipeline schedule; returned on
-    the last pipeline stage (gathered over tensor parallelism), ``None`` on the other stages."""
+    the last pipeline stage (gathered over tensor parallelism), ``None`` on the other stages. A
+    vision-language model also takes ``pixel_values`` and ``image_grid_thw``."""
     model.eval()
     batch, seq = input_ids.shape
 
@@ -682,7 +685,8 @@ def forward_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Ten
     def forward_step(data_iterator, chunk):
         ids = next(data_iterator)
         positions = torch.arange(seq, device=ids.device).expand_as(ids)
-        return chunk(ids, positions, attention_mask=None), loss_func
+        images = {k: v.to(ids.device) for k, v in vision.items()}
+        return chunk(ids, positions, attention_mask=None, **images), loss_func
 
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
     outputs = get_forward_backward_func()(

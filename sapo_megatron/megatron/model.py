@@ -79,7 +79,6 @@ def transformer_config(opts: BuildOptions) -> TransformerConfig:
         sequence_parallel=par.sequence_parallel,
         variable_seq_lengths=False,  # every micro-batch of a step has one shape; see TrainEngine
         moe_token_dispatcher_type=opts.model.moe_token_dispatcher,
-        mrope_section=list(arch.mrope_section) if arch.is_vl else None,
         **fp8_fields(opts.precision),
         **recompute_fields(opts.model),
         **_moe_fields(arch, opts),

@@ -32,7 +32,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from torch import Tensor, nn
 
-from sapo_megatron.arch import QwenArch, VisionArch
+from sapo_megatron.model.arch import QwenArch, VisionArch
 from sapo_megatron.errors import UserError
 
 
@@ -148,8 +148,12 @@ class VLGPTModel(GPTModel):
     """
 
     def __init__(self, *, arch: QwenArch, freeze_vision: bool = False, **gpt_kwargs: Any) -> None:
-        super().__init__(position_embedding_type="mrope", **gpt_kwargs)
+        # Built as "rope", then switched: Megatron's own MultimodalRotaryEmbedding (the chunked layout) is never
+        # built; with "mrope" set, GPTModel calls rotary_pos_emb(position_ids [3, b, s], mrope_section).
+        super().__init__(position_embedding_type="rope", **gpt_kwargs)
         self.arch = arch
+        self.position_embedding_type = "mrope"
+        self.mrope_section = list(arch.mrope_section)
         self.rotary_pos_emb = InterleavedMRoPE(arch.head_dim, arch.rope_theta, arch.mrope_section)
         self.visual = build_vision_tower(arch.vision) if self.pre_process else None
         self.freeze_vision = freeze_vision

@@ -11,7 +11,7 @@ import pytest
 import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
 
-from sapo_megatron.arch import QwenArch
+from sapo_megatron.model.arch import QwenArch
 from sapo_megatron.checkpoint.fused_experts import unfuse
 from sapo_megatron.config import ConfigError, config_from_dict
 from sapo_megatron.megatron import dist_ckpt
@@ -19,7 +19,7 @@ from sapo_megatron.megatron.model import BuildOptions, build_gpt_model
 from sapo_megatron.megatron.packed_seq import block_causal_mask
 from sapo_megatron.megatron.vl_model import InterleavedMRoPE, VisionInputError, mrope_positions
 from sapo_megatron.megatron.weights import iter_hf_weights, load_hf_weights
-from sapo_megatron.tiny import build_hf_model, tiny_vl_hf_config, vl_batch
+from sapo_megatron.model.tiny import build_hf_model, tiny_vl_hf_config, vl_batch
 
 LOGIT_ATOL = 1e-5
 """fp32 bound on max |Δlogit| against transformers (measured: 1.2e-7 on logits of magnitude ~0.5)."""
@@ -198,7 +198,7 @@ def test_frozen_vision_tower_gets_no_gradient(hf_model, megatron, batch):
 
 
 def test_freeze_vision_on_a_text_model_is_refused():
-    from sapo_megatron.tiny import tiny_hf_config
+    from sapo_megatron.model.tiny import tiny_hf_config
 
     cfg = config_from_dict({"model": {"hf_config": tiny_hf_config(), "freeze_vision": True}})
     with pytest.raises(ConfigError, match="has no vision tower"):
