@@ -32,8 +32,8 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from torch import Tensor, nn
 
+from sapo_megatron.errors import ConfigError, UserError
 from sapo_megatron.model.arch import QwenArch, VisionArch
-from sapo_megatron.errors import UserError
 
 
 class VisionInputError(UserError, ValueError):
@@ -255,8 +255,6 @@ def _add_rows(hidden: Tensor, index: Tensor, rows: Tensor) -> Tensor:
 
 def check_vl_layout(arch: QwenArch, *, pp: int, cp: int, recompute: str) -> None:
     """Refuse layouts this model cannot run faithfully, before any weight exists."""
-    from sapo_megatron.config import ConfigError
-
     levels = len(arch.vision.deepstack_visual_indexes)
     first_stage = arch.num_hidden_layers // pp
     if levels > first_stage:

@@ -11,10 +11,10 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-from sapo_megatron.model.arch import QwenArch
 from sapo_megatron.checkpoint.fused_experts import FusedExpertsError, per_expert_view, unfuse
 from sapo_megatron.checkpoint.hf_io import HFCheckpointReader
 from sapo_megatron.conversion.convert import ConversionError, hf_to_megatron, megatron_to_hf, verify
+from sapo_megatron.model.arch import QwenArch
 from sapo_megatron.model.tiny import make_tiny_hf_checkpoint, tiny_vl_hf_config, vl_batch
 from tests.checkpoint.conftest import assert_bitwise_equal, read_hf_tensors
 

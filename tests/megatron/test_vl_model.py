@@ -11,7 +11,6 @@ import pytest
 import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
 
-from sapo_megatron.model.arch import QwenArch
 from sapo_megatron.checkpoint.fused_experts import unfuse
 from sapo_megatron.config import ConfigError, config_from_dict
 from sapo_megatron.megatron import dist_ckpt
@@ -19,6 +18,7 @@ from sapo_megatron.megatron.model import BuildOptions, build_gpt_model
 from sapo_megatron.megatron.packed_seq import block_causal_mask
 from sapo_megatron.megatron.vl_model import InterleavedMRoPE, VisionInputError, mrope_positions
 from sapo_megatron.megatron.weights import iter_hf_weights, load_hf_weights
+from sapo_megatron.model.arch import QwenArch
 from sapo_megatron.model.tiny import build_hf_model, tiny_vl_hf_config, vl_batch
 
 LOGIT_ATOL = 1e-5
