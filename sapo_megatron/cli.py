@@ -364,6 +364,13 @@ def _add_plan_options(parser: argparse.ArgumentParser, prefix: str = "") -> None
         default="te",
         help=prefix + "layer spec whose activations are counted: te (GPU clusters) or local (pure torch)",
     )
+    parser.add_argument(
+        "--image-patches",
+        type=int,
+        default=0,
+        help=prefix + "vision-language models: ViT patches per micro-batch whose activations are counted "
+        "(an image of H×W pixels has H·W/patch² of them; default 0: text only)",
+    )
 
 
 def _add_serve_parser(commands) -> None:
@@ -513,12 +520,18 @@ def plan_settings(cfg: RunConfig, args: argparse.Namespace, world: int):
     for name, value in (("--gpu-memory-gb", args.gpu_memory_gb), ("--prompt-tokens", args.prompt_tokens)):
         if value is not None and value <= 0:
             raise ConfigError(f"{name}={value}: expected a positive number")
+    patches = getattr(args, "image_patches", 0)
+    if patches < 0:
+        raise ConfigError(f"--image-patches={patches}: expected a count >= 0")
+    if patches and not cfg.model.arch.is_vl:
+        raise ConfigError(f"--image-patches: the model ({cfg.model.arch.model_type}) has no vision tower")
     return PlanSettings(
         world_size=world,
         gpu_memory_gib=args.gpu_memory_gb,
         prompt_tokens=args.prompt_tokens,
         rollout_mem_fraction=fraction,
         spec=args.spec,
+        image_patches=patches,
     )
 
 

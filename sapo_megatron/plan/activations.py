@@ -13,6 +13,12 @@ Per token and layer, with ``d`` bytes per activation (2 for bf16/fp8, 4 for fp32
 see :func:`layer_blocks` for the terms. What is not counted: allocator fragmentation, communication buffers,
 FP8 keeping some GEMM inputs in 1 byte instead of 2 (the estimate is then an upper bound), MoE routing
 imbalance (every expert is assumed to receive ``T·k/E`` tokens), the loss hook's per-token inputs.
+
+The vision tower of a vision-language model (first stage, for an image budget of ``P`` ViT patches per
+micro-batch, :func:`vision_bytes`): per patch and ViT block of width ``hv`` and MLP width ``Iv``, what a pre-norm
+block keeps for its backward with flash-style attention – the two norm inputs and outputs, q, k, v, the
+attention output (``10·hv``) and the MLP's two ``Iv``-wide tensors – plus the mergers' inputs; nothing when
+``model.freeze_vision`` (the tower runs without autograd).
 """
 
 from __future__ import annotations
@@ -219,14 +225,34 @@ class StageActivations:
         return self.in_flight * self.per_micro_batch + self.transient
 
 
+def vision_bytes(cfg: RunConfig, image_patches: int) -> float:
+    """Bytes the vision tower keeps for the backward for ``image_patches`` ViT patches (module docstring)."""
+    vision = cfg.model.arch.vision
+    if vision is None or image_patches <= 0 or cfg.model.freeze_vision:
+        return 0.0
+    d = ACTIVATION_BYTES[cfg.precision.dtype]
+    per_block = 10 * vision.hidden_size + 2 * vision.intermediate_size
+    mergers = (1 + len(vision.deepstack_visual_indexes)) * 3 * vision.hidden_size
+    return image_patches * (vision.depth * per_block + mergers) * d
+
+
 def stage_activations(
-    cfg: RunConfig, shape: MicroBatchShape, stage: int, layers: tuple[int, int], *, spec: Spec
+    cfg: RunConfig,
+    shape: MicroBatchShape,
+    stage: int,
+    layers: tuple[int, int],
+    *,
+    spec: Spec,
+    image_patches: int = 0,
 ) -> StageActivations:
-    """Activations of pipeline stage ``stage`` (decoder layers ``layers[0]..layers[1]-1``) for ``shape``."""
+    """Activations of pipeline stage ``stage`` (decoder layers ``layers[0]..layers[1]-1``) for ``shape`` (and
+    ``image_patches`` ViT patches per micro-batch on the first stage of a vision-language model)."""
     par = cfg.parallel
     pattern = cfg.model.arch.moe_layer_pattern()[layers[0] : layers[1]]
     kinds = {moe: layer_memory(cfg, shape, moe=bool(moe), spec=spec) for moe in set(pattern)}
     edges = edge_bytes(cfg, shape, first=stage == 0, last=stage == par.pp - 1, spec=spec)
+    if stage == 0 and vision_bytes(cfg, image_patches):
+        edges["vision"] = vision_bytes(cfg, image_patches)
     per_micro = sum(kinds[moe].kept for moe in pattern) + sum(edges.values())
     in_flight = min(par.pp - stage, par.micro_batches)
     # On top of what is kept, the backward holds the logits' gradient (last stage) and either what one layer's

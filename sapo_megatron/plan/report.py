@@ -43,6 +43,7 @@ class PlanSettings:
     prompt_tokens: int = 512  # prompt length of the padded micro-batch (responses: rollout.max_new_tokens)
     rollout_mem_fraction: float | None = None  # None: 0.5 when rollout.colocated, else 0
     spec: Spec = "te"
+    image_patches: int = 0  # ViT patches per micro-batch (vision-language models; before the merge)
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,14 @@ def build_plan(cfg: RunConfig, settings: PlanSettings) -> Plan:
         StagePlan(
             shard,
             memory_estimate(cfg, shard, settings.world_size),
-            stage_activations(cfg, shape, shard.pp_rank, shard.layers, spec=settings.spec),
+            stage_activations(
+                cfg,
+                shape,
+                shard.pp_rank,
+                shard.layers,
+                spec=settings.spec,
+                image_patches=settings.image_patches,
+            ),
             budget,
         )
         for shard in stage_shards(cfg)
@@ -170,7 +178,7 @@ def _header_lines(cfg: RunConfig, plan: Plan) -> list[str]:
         f"model: {arch.model_type}, {arch.num_hidden_layers} layers, hidden {arch.hidden_size}, "
         f"{arch.num_attention_heads} q / {arch.num_key_value_heads} kv heads × {arch.head_dim}, "
         f"vocab {arch.vocab_size}{model}",
-        f"total parameters: {_human_count(arch.num_parameters())}",
+        f"total parameters: {_human_count(arch.num_parameters())}" + _vision_line(cfg, plan),
         f"world size {world} = tp {par.tp} × pp {par.pp} × cp {par.cp} × dp {dp}; experts: ep {par.ep} × etp "
         f"{par.etp}; sequence parallel: {par.sequence_parallel}; micro-batches {par.micro_batches}",
         f"precision {precision.dtype}{fp8}; optimizer {cfg.optimizer.name}, distributed: "
@@ -179,6 +187,17 @@ def _header_lines(cfg: RunConfig, plan: Plan) -> list[str]:
         f"GPU {plan.gpu_memory / GIB:.1f} GiB - reserved {_gib(plan.reserved)} (CUDA context, NCCL, "
         f"fragmentation) - colocated rollout {_gib(plan.rollout)} = {_gib(plan.budget)} GiB per rank",
     ]
+
+
+def _vision_line(cfg: RunConfig, plan: Plan) -> str:
+    vision = cfg.model.arch.vision
+    if vision is None:
+        return ""
+    frozen = ", frozen" if cfg.model.freeze_vision else ""
+    return (
+        f" (vision tower {_human_count(vision.num_parameters())} on stage 0, replicated over TP{frozen}; "
+        f"{plan.settings.image_patches:,} ViT patches per micro-batch)"
+    )
 
 
 def _stage_table(plan: Plan) -> list[str]:

@@ -2,7 +2,9 @@
 
 The counts follow Megatron's sharding: attention and dense MLP split over TP, the vocabulary split over TP
 (embedding on the first pipeline stage, output layer on the last), experts split over EP then expert-TP, norms
-and the router replicated. A test checks them against models Megatron builds.
+and the router replicated. A vision-language model's vision tower sits whole on every rank of the first stage
+(replicated over TP, like slime's); ``model.freeze_vision`` leaves it without gradients or optimizer state.
+A test checks the counts against models Megatron builds.
 """
 
 from __future__ import annotations
@@ -24,10 +26,16 @@ class StageShard:
     dense_params: int  # everything but the experts, embeddings included
     expert_params: int
     embedding_params: int = 0  # of dense_params: input embedding, output layer, final norm
+    vision_params: int = 0  # of dense_params: the vision tower and its mergers (first stage)
+    frozen_params: int = 0  # of dense_params: parameters without gradients (a frozen vision tower)
 
     @property
     def params(self) -> int:
         return self.dense_params + self.expert_params
+
+    @property
+    def trained_params(self) -> int:
+        return self.params - self.frozen_params
 
 
 def stage_shards(cfg: RunConfig) -> list[StageShard]:
@@ -41,7 +49,11 @@ def stage_shards(cfg: RunConfig) -> list[StageShard]:
         dense = sum(_layer_dense_params(arch, cfg, pattern[i]) for i in range(first, last))
         experts = sum(_layer_expert_params(arch, cfg) for i in range(first, last) if pattern[i])
         embedding = _embedding_params(arch, cfg, first_stage=stage == 0, last_stage=stage == par.pp - 1)
-        out.append(StageShard(stage, (first, last), dense + embedding, experts, embedding))
+        vision = arch.vision.num_parameters() if arch.vision is not None and stage == 0 else 0
+        frozen = vision if cfg.model.freeze_vision else 0
+        out.append(
+            StageShard(stage, (first, last), dense + embedding + vision, experts, embedding, vision, frozen)
+        )
     return out
 
 
@@ -92,15 +104,14 @@ def memory_estimate(cfg: RunConfig, shard: StageShard, world_size: int) -> Stati
     weights = shard.params * BYTES_PER_PARAM[dtype]
     if dtype == "fp8" and cfg.precision.fp8_param_gather:
         weights -= shard.params - shard.embedding_params  # norms and routers stay bf16: a few MB, ignored
-    grads = shard.params * 4
+    grads = shard.trained_params * 4
     state_per_param = (8 if cfg.optimizer.name == "adam" else 4) + (4 if dtype != "fp32" else 0)
     dp = data_parallel_size(cfg, world_size)
     expert_dp = max(1, world_size // (cfg.parallel.ep * cfg.parallel.etp * cfg.parallel.pp))
+    trained_dense = shard.dense_params - shard.frozen_params
     if cfg.optimizer.use_distributed_optimizer:
-        optimizer = (
-            shard.dense_params * state_per_param // dp + shard.expert_params * state_per_param // expert_dp
-        )
+        optimizer = trained_dense * state_per_param // dp + shard.expert_params * state_per_param // expert_dp
     else:
-        optimizer = shard.params * state_per_param
+        optimizer = shard.trained_params * state_per_param
     reference = shard.params * BYTES_PER_PARAM[dtype] if cfg.algorithm.loss.kl_coef > 0 else 0
     return StaticMemory(weights, grads, optimizer, reference)

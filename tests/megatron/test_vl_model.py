@@ -230,3 +230,17 @@ def test_deepstack_layers_beyond_the_first_pipeline_stage_are_refused(hf_config)
     check_vl_layout(
         QwenArch.from_hf_dict(tiny_vl_hf_config(text={"num_hidden_layers": 6})), pp=2, cp=1, recompute="none"
     )
+
+
+def test_planner_counts_the_parameters_megatron_builds(hf_config, hf_model, megatron):
+    from sapo_megatron.plan import stage_shards
+
+    model = megatron(hf_model, freeze_vision=True)
+    cfg = config_from_dict({"model": {"hf_config": hf_config, "freeze_vision": True}})
+    (shard,) = stage_shards(cfg)
+    assert (
+        shard.params
+        == sum(p.numel() for p in model.parameters())
+        == sum(p.numel() for p in hf_model.parameters())
+    )
+    assert shard.frozen_params == sum(p.numel() for p in model.parameters() if not p.requires_grad)
