@@ -20,6 +20,8 @@ from sapo_megatron.checkpoint.mapping import MappingError, Resolved, ShardInfo, 
 from sapo_megatron.model.arch import QwenArch
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+VISION_PREFIX = "visual."  # a vision-language model's tower (Megatron names), ...
+VISION_HF_PREFIX = "model.visual."  # ... and its HF names
 _EXPERT = re.compile(r"(local_experts\.|linear_fc[12]\.weight)(\d+)")
 
 
@@ -175,10 +177,15 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _export_units(params: list[LocalParam], arch: QwenArch) -> list[_ExportUnit]:
+def _export_units(
+    params: list[LocalParam], arch: QwenArch, *, skip_vision: bool = False
+) -> list[_ExportUnit]:
     """Every published parameter of the whole model, in HF order, identical on all ranks (one all-gather of
-    names). Raises :class:`MappingError` unless every HF tensor of the architecture is published once."""
+    names). Raises :class:`MappingError` unless every HF tensor of the architecture (but a skipped vision tower)
+    is published once."""
     expected = hf_expected_shapes(arch)
+    if skip_vision:
+        expected = {n: s for n, s in expected.items() if not n.startswith(VISION_HF_PREFIX)}
     mine = [
         (
             p.resolved.megatron_name,
@@ -261,6 +268,7 @@ def iter_hf_buckets(
     *,
     all_ranks: bool = False,
     per_stage: bool = False,
+    include_frozen: bool = False,
 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Full HF-named tensors of a TP/PP/EP-sharded model in buckets of at most ``bucket_bytes`` (a larger
     tensor gets a bucket of its own), delivered on global rank ``dst`` (on every rank with ``all_ranks``).
@@ -268,6 +276,9 @@ def iter_hf_buckets(
     With ``per_stage``, each pipeline stage delivers only its own layers' tensors, on its source rank
     (:func:`stage_sources`; ``dst`` is ignored), so no rank ever holds more than one bucket of another stage's
     or another expert rank's weights; stages proceed independently and may yield different bucket counts.
+
+    A frozen vision tower (``model.freeze_vision``) never changes, so weight sync leaves it out unless
+    ``include_frozen`` (a whole checkpoint written to disk needs it).
 
     Every rank must exhaust the iterator: all ranks (of a stage, with ``per_stage``) yield the same number of
     buckets, empty lists where nothing is delivered. Each HF tensor appears exactly once, in HF order.
@@ -282,7 +293,10 @@ def iter_hf_buckets(
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
     params = local_params(model)
-    units = _export_units(params, arch)
+    skip_vision = not include_frozen and bool(getattr(unwrap(model), "freeze_vision", False))
+    if skip_vision:
+        params = [p for p in params if not p.local_name.startswith(VISION_PREFIX)]
+    units = _export_units(params, arch, skip_vision=skip_vision)
     me = dist.get_rank()
     if per_stage:
         sources, stage_of_rank = stage_sources(), _stage_of_ranks()

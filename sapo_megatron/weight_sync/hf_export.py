@@ -24,14 +24,22 @@ Bucket = list[tuple[str, torch.Tensor]]
 
 
 def hf_buckets(
-    module: torch.nn.Module, arch: QwenArch, bucket_bytes: int, *, per_stage: bool = False
+    module: torch.nn.Module,
+    arch: QwenArch,
+    bucket_bytes: int,
+    *,
+    per_stage: bool = False,
+    include_frozen: bool = False,
 ) -> Iterator[Bucket]:
     """Full HF-named tensors in buckets: of the whole model on the main rank, or (``per_stage``) of each
     pipeline stage on that stage's source rank. Every rank must exhaust the iterator (it takes part in the
-    gathers and transfers); ranks that receive nothing get empty buckets."""
+    gathers and transfers); ranks that receive nothing get empty buckets. A frozen vision tower is left out
+    unless ``include_frozen`` (the engine keeps the one it loaded)."""
     from sapo_megatron.megatron.weights import iter_hf_buckets
 
-    yield from iter_hf_buckets(module, arch, bucket_bytes=bucket_bytes, dst=0, per_stage=per_stage)
+    yield from iter_hf_buckets(
+        module, arch, bucket_bytes=bucket_bytes, dst=0, per_stage=per_stage, include_frozen=include_frozen
+    )
 
 
 def bucket_bytes_of(bucket: Bucket) -> int:
@@ -43,7 +51,8 @@ def export_hf(
 ) -> Path:
     """Collective: write the whole (sharded) model as an HF checkpoint on the main rank; the other ranks take
     part in gathering the weights."""
-    tensors = (item for bucket in hf_buckets(module, arch, DEFAULT_BUCKET_BYTES) for item in bucket)
+    buckets = hf_buckets(module, arch, DEFAULT_BUCKET_BYTES, include_frozen=True)  # a whole checkpoint
+    tensors = (item for bucket in buckets for item in bucket)
     if is_main:
         dtype = next(module.parameters()).dtype
         return write_hf_checkpoint(tensors, out_dir, arch, dtype=dtype, tokenizer=tokenizer)

@@ -244,3 +244,19 @@ def test_planner_counts_the_parameters_megatron_builds(hf_config, hf_model, mega
         == sum(p.numel() for p in hf_model.parameters())
     )
     assert shard.frozen_params == sum(p.numel() for p in model.parameters() if not p.requires_grad)
+
+
+def test_weight_sync_leaves_a_frozen_vision_tower_out(hf_model, megatron):
+    from sapo_megatron.megatron.weights import iter_hf_buckets
+
+    def synced(model, **kwargs):
+        return {
+            name for bucket in iter_hf_buckets(model, model.arch, 1 << 20, **kwargs) for name, _ in bucket
+        }
+
+    trained, frozen = megatron(hf_model), megatron(hf_model, freeze_vision=True)
+    everything = synced(trained)
+    vision = {n for n in everything if n.startswith("model.visual.")}
+    assert len(vision) == len(trained.arch.vision.tensor_shapes())
+    assert synced(frozen) == everything - vision
+    assert synced(frozen, include_frozen=True) == everything  # a whole checkpoint on disk keeps it
