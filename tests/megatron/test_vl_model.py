@@ -260,3 +260,39 @@ def test_weight_sync_leaves_a_frozen_vision_tower_out(hf_model, megatron):
     assert len(vision) == len(trained.arch.vision.tensor_shapes())
     assert synced(frozen) == everything - vision
     assert synced(frozen, include_frozen=True) == everything  # a whole checkpoint on disk keeps it
+
+
+def test_routing_replay_covers_image_tokens(hf_config, hf_model, megatron, batch, tmp_path):
+    """R3 on a VL model: recorded routes cover every LM token (image tokens included); replaying them gives the
+    live logits bitwise, and other experts replayed at the image tokens only change the logits from there on."""
+    from sapo_megatron.megatron.train_step import TrainEngine
+
+    megatron(hf_model)  # the module's parallel state
+    hf_model.save_pretrained(tmp_path / "hf")
+    raw = {"model": {"hf_config": hf_config, "init": "hf", "init_path": str(tmp_path / "hf")}}
+    engine = TrainEngine(config_from_dict(raw), routing_replay=True, total_steps=1)
+    images = {k: batch[k] for k in ("pixel_values", "image_grid_thw")}
+    micro = {"input_ids": batch["input_ids"], **images}
+
+    def logits(logits_bsv, mb):
+        return logits_bsv.float().clone()
+
+    (live,) = engine.forward_only([micro], logits, record_routes=True)
+    routes = micro.pop("recorded_routes")
+    is_image = batch["input_ids"] == hf_config["image_token_id"]
+    layers = hf_config["text_config"]["num_hidden_layers"]
+    assert routes.shape == (*batch["input_ids"].shape, layers, 2)
+    assert bool((routes[is_image] >= 0).all()) and bool((routes >= 0).all())
+    (replayed,) = engine.forward_only(
+        [{**micro, "engine_routes": routes}], logits, replay_key="engine_routes"
+    )
+    assert torch.equal(replayed, live)
+    other = routes.clone()
+    other[is_image] = (other[is_image] + 1) % hf_config["text_config"][
+        "num_experts"
+    ]  # still distinct experts
+    (moved,) = engine.forward_only([{**micro, "engine_routes": other}], logits, replay_key="engine_routes")
+    first = int(is_image[0].nonzero()[0])
+    assert torch.equal(moved[0, :first], live[0, :first])
+    assert (moved[0, first:] - live[0, first:]).abs().max() > 1e-4
+    assert torch.equal(moved[2], live[2])  # the text-only row
