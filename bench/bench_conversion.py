@@ -11,8 +11,13 @@ in the same run:
 
 Goals: conversion throughput ≥ 0.5 × copy throughput; peak RSS < 0.25 × model size.
 
+``--vl`` writes a synthetic Qwen3-VL-MoE instead: the LM under ``model.language_model.``, experts fused in the
+hub layout (``gate_up_proj [E, H, 2I]``, ``down_proj [E, I, H]``), a vision tower (depth 8, hidden 1024) with
+three DeepStack mergers.
+
     python bench/bench_conversion.py                 # ~4 GB model, a few minutes on 2 cores
     python bench/bench_conversion.py --layers 6      # smaller
+    python bench/bench_conversion.py --vl --layers 6 # ~2 GB Qwen3-VL-MoE
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from sapo_megatron.checkpoint.fused_experts import fuse_specs  # noqa: E402
 from sapo_megatron.checkpoint.mapping import hf_expected_shapes  # noqa: E402
 from sapo_megatron.checkpoint.safetensors_stream import (  # noqa: E402
     TensorSpec,
@@ -80,11 +86,39 @@ def synthetic_config(layers: int, hidden: int, moe_ffn: int, experts: int) -> di
     ).to_hf_dict()
 
 
+def synthetic_vl_config(layers: int, hidden: int, moe_ffn: int, experts: int) -> dict:
+    text = synthetic_config(layers, hidden, moe_ffn, experts)
+    text["rope_parameters"] = {
+        "rope_type": "default",
+        "rope_theta": 5_000_000.0,
+        "mrope_section": [12, 10, 10],  # head_dim 64 / 2
+        "mrope_interleaved": True,
+    }
+    vision = {
+        "depth": 8,
+        "hidden_size": 1024,
+        "intermediate_size": 4096,
+        "num_heads": 16,
+        "patch_size": 16,
+        "out_hidden_size": hidden,
+        "num_position_embeddings": 2304,
+        "deepstack_visual_indexes": [2, 4, 6],
+    }
+    raw = {"model_type": "qwen3_vl_moe", "text_config": text, "vision_config": vision}
+    return QwenArch.from_hf_dict(raw).to_hf_dict()
+
+
+def checkpoint_shapes(arch: QwenArch) -> list[tuple[str, tuple[int, ...]]]:
+    """The tensors a checkpoint of ``arch`` stores: per-expert for the text models, fused (hub) for VL."""
+    shapes = list(hf_expected_shapes(arch).items())
+    return fuse_specs(shapes) if arch.is_vl else shapes
+
+
 def write_synthetic_checkpoint(out: Path, config: dict, shard_bytes: int) -> int:
     """Random-valued bf16 tensors in HF order, streamed into shards; returns the tensor bytes."""
     out.mkdir(parents=True)
     arch = QwenArch.from_hf_dict(config)
-    specs = [TensorSpec(n, s, torch.bfloat16) for n, s in hf_expected_shapes(arch).items()]
+    specs = [TensorSpec(n, s, torch.bfloat16) for n, s in checkpoint_shapes(arch)]
     shards = plan_shards(specs, shard_bytes)
     pool = torch.randn(1 << 25, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
 
@@ -155,18 +189,20 @@ def main() -> int:
     parser.add_argument("--shard-gb", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=2, help="conversion runs (copies run around them)")
     parser.add_argument("--workdir", default=None, help="default: a temporary directory, removed at the end")
+    parser.add_argument("--vl", action="store_true", help="a Qwen3-VL-MoE (fused hub-layout experts, a ViT)")
     args = parser.parse_args()
 
     root = Path(args.workdir or tempfile.mkdtemp(prefix="bench_conversion_"))
     try:
-        config = synthetic_config(args.layers, args.hidden, args.moe_ffn, args.experts)
+        make_config = synthetic_vl_config if args.vl else synthetic_config
+        config = make_config(args.layers, args.hidden, args.moe_ffn, args.experts)
         hf_dir = root / "hf"
         start = time.perf_counter()
         model_bytes = write_synthetic_checkpoint(hf_dir, config, int(args.shard_gb * 1e9))
         files = sorted(hf_dir.glob("*.safetensors"))
         file_bytes = sum(p.stat().st_size for p in files)
         print(
-            f"synthetic Qwen3-MoE: {args.layers} layers × {args.experts} experts, hidden {args.hidden}, "
+            f"synthetic {'Qwen3-VL-MoE' if args.vl else 'Qwen3-MoE'}: {args.layers} layers × {args.experts} experts, hidden {args.hidden}, "
             f"expert FFN {args.moe_ffn}: {model_bytes / 1e9:.2f} GB bf16 in {len(files)} files "
             f"(written in {time.perf_counter() - start:.1f} s)"
         )
@@ -190,7 +226,7 @@ def main() -> int:
 
         megatron_to_hf(root / "mcore", root / "back", progress=False)
         back_s = time.perf_counter() - start
-        names = list(hf_expected_shapes(QwenArch.from_hf_dict(config)))
+        names = [n for n, _ in checkpoint_shapes(QwenArch.from_hf_dict(config))]
         spot_check(hf_dir, root / "back", [names[0], names[len(names) // 2], names[-1]])
 
         print(

@@ -64,6 +64,7 @@ class HFCheckpointReader:
         except FusedExpertsError as err:
             raise CheckpointError(f"{self.directory}: {err}") from None
         self._fused = {s.fused for s in self.experts.values()}
+        self._last_slab = threading.local()
 
     def names(self) -> list[str]:
         """Tensor names, fused experts as their per-expert names."""
@@ -71,10 +72,16 @@ class HFCheckpointReader:
 
     def _expert(self, name: str) -> torch.Tensor:
         piece = self.experts[name]
-        shape, dtype = self._stored_shape_and_dtype(piece.fused)
-        slab = torch.empty(shape[1:], dtype=_SAFETENSORS_DTYPES[dtype])
-        self.read_rows_into(piece.fused, piece.expert, slab)
-        return piece.take(slab)
+        key = (piece.fused, piece.expert)
+        cached = getattr(self._last_slab, "value", None)
+        if (
+            cached is None or cached[0] != key
+        ):  # gate and up of one expert share a slab: read it once per thread
+            info = self._raw_file(self.weight_map[piece.fused])[1][piece.fused]  # pread header: thread-safe
+            slab = torch.empty(info["shape"][1:], dtype=_SAFETENSORS_DTYPES[info["dtype"]])
+            self.read_rows_into(piece.fused, piece.expert, slab)
+            self._last_slab.value = cached = (key, slab)
+        return piece.take(cached[1])
 
     def _handle(self, filename: str):
         if filename not in self._handles:

@@ -102,7 +102,7 @@ def build_meta_model(arch: QwenArch) -> GPTModel:
     config.use_cpu_initialization = True  # an explicit CUDA device would bypass the meta device
     config.perform_initialization = False
     with torch.device("meta"):
-        return build_model_chunk(opts, config, pre_process=True, post_process=True)
+        return build_model_chunk(opts, config, pre_process=True, post_process=True, layout_only=True)
 
 
 @dataclass(frozen=True)

@@ -204,10 +204,16 @@ def build_gpt_model(opts: BuildOptions, *, vp_stage: int | None = None) -> GPTMo
 
 
 def build_model_chunk(
-    opts: BuildOptions, config: TransformerConfig, *, pre_process: bool, post_process: bool
+    opts: BuildOptions,
+    config: TransformerConfig,
+    *,
+    pre_process: bool,
+    post_process: bool,
+    layout_only: bool = False,
 ) -> GPTModel:
     """The ``GPTModel`` of ``opts`` (a :class:`~sapo_megatron.megatron.vl_model.VLGPTModel` for a
-    vision-language config) on the current device, before any dtype cast."""
+    vision-language config) on the current device, before any dtype cast. ``layout_only``: a model whose
+    parameter names and shapes are all that matters (the vision tower is then a plain holder of parameters)."""
     arch = opts.model.arch
     if opts.model.freeze_vision and not arch.is_vl:
         raise ConfigError(f"model.freeze_vision: the model ({arch.model_type}) has no vision tower")
@@ -226,5 +232,7 @@ def build_model_chunk(
         from sapo_megatron.megatron.vl_model import VLGPTModel, check_vl_layout
 
         check_vl_layout(arch, pp=opts.parallel.pp, cp=opts.parallel.cp, recompute=opts.model.recompute)
-        return VLGPTModel(arch=arch, freeze_vision=opts.model.freeze_vision, **common)
+        return VLGPTModel(
+            arch=arch, freeze_vision=opts.model.freeze_vision, layout_only=layout_only, **common
+        )
     return GPTModel(position_embedding_type="rope", **common)

@@ -139,6 +139,21 @@ def build_vision_tower(vision: VisionArch) -> nn.Module:
     return Qwen3VLMoeVisionModel(Qwen3VLMoeVisionConfig(**fields))
 
 
+def vision_layout(vision: VisionArch) -> nn.Module:
+    """Parameters of the tower's names and shapes and nothing else: what the checkpoint layout of the meta model
+    needs (offline conversion), without importing transformers' modelling code (seconds)."""
+    root = nn.Module()
+    for name, shape in vision.tensor_shapes().items():
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, nn.Parameter(torch.empty(shape)))
+    return root
+
+
 class VLGPTModel(GPTModel):
     """Megatron's ``GPTModel`` with Qwen3-VL's vision tower (first stage), interleaved MRoPE and DeepStack.
 
@@ -147,7 +162,9 @@ class VLGPTModel(GPTModel):
     (they restart at 0); the 3-D MRoPE positions are computed here from the ids and grids on every stage.
     """
 
-    def __init__(self, *, arch: QwenArch, freeze_vision: bool = False, **gpt_kwargs: Any) -> None:
+    def __init__(
+        self, *, arch: QwenArch, freeze_vision: bool = False, layout_only: bool = False, **gpt_kwargs: Any
+    ) -> None:
         # Built as "rope", then switched: Megatron's own MultimodalRotaryEmbedding (the chunked layout) is never
         # built; with "mrope" set, GPTModel calls rotary_pos_emb(position_ids [3, b, s], mrope_section).
         super().__init__(position_embedding_type="rope", **gpt_kwargs)
@@ -155,7 +172,8 @@ class VLGPTModel(GPTModel):
         self.position_embedding_type = "mrope"
         self.mrope_section = list(arch.mrope_section)
         self.rotary_pos_emb = InterleavedMRoPE(arch.head_dim, arch.rope_theta, arch.mrope_section)
-        self.visual = build_vision_tower(arch.vision) if self.pre_process else None
+        build = vision_layout if layout_only else build_vision_tower  # layout_only: names and shapes (meta)
+        self.visual = build(arch.vision) if self.pre_process else None
         self.freeze_vision = freeze_vision
         if self.visual is not None:
             for param in self.visual.parameters():

@@ -296,3 +296,10 @@ def test_routing_replay_covers_image_tokens(hf_config, hf_model, megatron, batch
     assert torch.equal(moved[0, :first], live[0, :first])
     assert (moved[0, first:] - live[0, first:]).abs().max() > 1e-4
     assert torch.equal(moved[2], live[2])  # the text-only row
+
+
+def test_conversion_layout_of_the_tower_is_the_real_towers(arch, hf_model):
+    from sapo_megatron.megatron.vl_model import vision_layout
+
+    real = {n: tuple(p.shape) for n, p in hf_model.model.visual.named_parameters()}
+    assert {n: tuple(p.shape) for n, p in vision_layout(arch.vision).named_parameters()} == real
