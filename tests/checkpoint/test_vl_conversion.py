@@ -128,3 +128,22 @@ def test_verify_passes_and_names_a_perturbed_vision_tensor(hf_dir, converted, tm
     report = verify(perturbed, converted[0], log=None)
     assert not report.ok and report.differing == (name,)
     assert name in report.summary()
+
+
+def test_convert_verify_command_on_a_vl_checkpoint(hf_dir, converted, tmp_path, capsys):
+    from sapo_megatron.cli import main
+
+    assert (
+        main(["convert", "verify", "--hf", str(hf_dir), "--megatron", str(converted[0]), "--batch", "3"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "every weight equals the HF checkpoint's: OK" in out
+    perturbed = tmp_path / "hf"
+    shutil.copytree(hf_dir, perturbed)
+    tensors = read_hf_tensors(perturbed)
+    name = "model.visual.deepstack_merger_list.0.linear_fc1.weight"
+    tensors[name].view(-1)[3] += 1e-3
+    save_file(tensors, perturbed / "model.safetensors", metadata={"format": "pt"})
+    assert main(["convert", "verify", "--hf", str(perturbed), "--megatron", str(converted[0])]) == 1
+    out = capsys.readouterr().out
+    assert f"1 tensors differ from the HF checkpoint: {name}" in out and "FAILED" in out
