@@ -48,6 +48,11 @@ def test_checks_run_on_cpu_and_report_a_table():
         assert rows[f"{kind}: SFT + SAPO steps, bf16"] == "PASS"
         expected_te = "PASS" if HAVE_TE else "SKIP"
         assert rows[f"{kind}: logit parity vs HF, TE spec"] == expected_te
+    assert rows["vl_moe: logit parity vs HF (images), local spec"] == "PASS"
+    assert rows["vl_moe: logit parity vs HF (images), TE spec"] == ("PASS" if HAVE_TE else "SKIP")
+    assert (
+        rows["vl_moe: SFT steps with images, fp32"] == rows["vl_moe: SFT steps with images, bf16"] == "PASS"
+    )
     assert "SKIP" in rows["chunked log-probs: memory and values vs naive"]
     details = table_details(proc.stdout)
     for recipe in FP8_RECIPES:  # every recipe has its row; without TE each says why it did not run

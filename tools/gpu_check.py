@@ -5,7 +5,8 @@ bf16, FP8 with TE), run each FP8 recipe (delayed, tensorwise, blockwise, mxfp8) 
 and tokens (loss and logit deltas, step time), report which fused kernels are active (TE, apex, flash-attn, or
 Megatron's torch fallbacks), compare the planner's activation estimate with the allocator, compare packed (THD
 with TE) with padded micro-batches, compare the chunked vocab-parallel log-probs with a naive log_softmax in
-memory and value, and print a table of what was verified.
+memory and value, check the Qwen3-VL-MoE model (text + images, DeepStack, interleaved MRoPE) against transformers
+and train it a few steps (fp32, bf16, FP8 with TE), and print a table of what was verified.
 A recipe the GPU cannot run (mxfp8 before Blackwell) or that needs a missing TE is a SKIP with the reason.
 
     python tools/gpu_check.py                 # on a CUDA machine; exit code 1 if any check FAILs
@@ -70,7 +71,7 @@ class Checks:
         self.workdir = workdir
         self.recipe_runs: dict[str | None, dict] = {}
         self.hf_dirs = {
-            kind: make_tiny_hf_checkpoint(workdir / kind, kind, seed=0) for kind in ("moe", "dense")
+            kind: make_tiny_hf_checkpoint(workdir / kind, kind, seed=0) for kind in ("moe", "dense", "vl_moe")
         }
 
     def config(self, kind: str, dtype: str = "fp32"):
@@ -108,6 +109,78 @@ class Checks:
         if diff > tolerance:
             raise AssertionError(f"max |Δlogit| {diff:.3g} > {tolerance}")
         return f"max |Δlogit| {diff:.2e} (tolerance {tolerance})"
+
+    def vl_batch(self) -> dict:
+        from sapo_megatron.model.arch import QwenArch
+        from sapo_megatron.model.tiny import vl_batch
+
+        arch = QwenArch.from_path(self.hf_dirs["vl_moe"])
+        rows = [[5, (32, 48), 7, (16, 16), 3], [4, (40, 24), 9], [12], [2, (16, 32), 8]]
+        return vl_batch(arch, rows, seed=2)
+
+    def vl_parity(self, use_te: bool) -> str:
+        """Qwen3-VL-MoE: logits on text + image rows (images of several sizes, a text-only row) vs transformers."""
+        import transformers
+
+        from sapo_megatron.megatron.model import BuildOptions, build_gpt_model
+        from sapo_megatron.megatron.train_step import init_weights
+
+        if use_te and not have("transformer_engine"):
+            raise SkipCheck("transformer_engine is not installed")
+        cfg = self.config("vl_moe")
+        model = build_gpt_model(BuildOptions(cfg.model, cfg.parallel, cfg.precision, use_te=use_te))
+        init_weights(model, cfg)
+        model = model.to(self.device).eval()
+        hf = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(
+            self.hf_dirs["vl_moe"], dtype=torch.float32
+        )
+        hf = hf.to(self.device).eval()
+        batch = _to(self.vl_batch(), self.device)
+        images = {k: batch[k] for k in ("pixel_values", "image_grid_thw")}
+        with torch.no_grad():
+            ref = hf(**batch).logits.float()
+            got = model(batch["input_ids"], None, None, **images).float()
+        real = batch["attention_mask"].bool()
+        diff = (ref - got)[real].abs().max().item()
+        tolerance = 1e-4 if not use_te else 5e-3
+        if diff > tolerance:
+            raise AssertionError(f"max |Δlogit| {diff:.3g} > {tolerance}")
+        return f"max |Δlogit| {diff:.2e} over {int(real.sum())} tokens, {len(batch['image_grid_thw'])} images (tolerance {tolerance})"
+
+    def vl_train_steps(self, dtype: str) -> str:
+        """Qwen3-VL-MoE: SFT steps on text + image rows (gradients reach the vision tower)."""
+        from sapo_megatron.megatron.sft import sft_loss
+        from sapo_megatron.megatron.train_step import TrainEngine
+
+        if dtype == "fp8" and not have("transformer_engine"):
+            raise SkipCheck("FP8 needs transformer_engine, which is not installed")
+        engine = TrainEngine(self.config("vl_moe", dtype))
+        batch = self.vl_batch()
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        micro = _to(
+            {
+                "input_ids": ids[:, :-1].contiguous(),
+                "labels": ids[:, 1:].contiguous(),
+                "loss_mask": mask[:, 1:].contiguous(),
+                "num_tokens_global": mask[:, 1:].sum().float(),
+                "pixel_values": batch["pixel_values"],
+                "image_grid_thw": batch["image_grid_thw"],
+            },
+            self.device,
+        )
+        patch = next(
+            p for n, p in engine.module.named_parameters() if n.endswith("visual.patch_embed.proj.weight")
+        )
+        before = patch.detach().float().clone()
+        first = engine.train_step([micro], sft_loss)
+        for _ in range(3):
+            last = engine.train_step([micro], sft_loss)
+        if not last.loss < first.loss:
+            raise AssertionError(f"SFT loss did not fall: {first.loss:.4f} -> {last.loss:.4f}")
+        moved = (patch.detach().float() - before).abs().max().item()
+        if not moved > 0:
+            raise AssertionError("the vision tower's patch embedding did not change")
+        return f"SFT loss {first.loss:.3f} -> {last.loss:.3f}; patch embedding moved by {moved:.2e}"
 
     def train_steps(self, kind: str, dtype: str) -> str:
         from sapo_megatron.megatron.loss_hook import LogprobOutput, PolicyLossHook, add_global_normalisers
@@ -447,6 +520,12 @@ def main(argv: list[str] | None = None) -> int:
                     lambda k=kind, d=dtype: checks.train_steps(k, d),
                 )
             run_check(results, f"{kind}: packed vs padded micro-batches", lambda k=kind: checks.packing(k))
+        run_check(results, "vl_moe: logit parity vs HF (images), local spec", lambda: checks.vl_parity(False))
+        run_check(results, "vl_moe: logit parity vs HF (images), TE spec", lambda: checks.vl_parity(True))
+        for dtype in ("fp32", "bf16", "fp8"):
+            run_check(
+                results, f"vl_moe: SFT steps with images, {dtype}", lambda d=dtype: checks.vl_train_steps(d)
+            )
         for recipe in FP8_RECIPES:
             run_check(
                 results,
