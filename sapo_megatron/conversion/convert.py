@@ -844,9 +844,7 @@ def _hf_logits(hf_dir: Path, inputs: dict[str, torch.Tensor], dtype: str, arch: 
     import transformers
 
     torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
-    model_cls = (
-        transformers.Qwen3VLMoeForConditionalGeneration if arch.is_vl else transformers.AutoModelForCausalLM
-    )
+    model_cls = transformers.AutoModelForImageTextToText if arch.is_vl else transformers.AutoModelForCausalLM
     model = model_cls.from_pretrained(str(hf_dir)).to(torch_dtype).eval()
     if not arch.is_vl:
         inputs = {"input_ids": inputs["input_ids"]}

@@ -129,13 +129,19 @@ def mrope_positions(
     return out.to(input_ids.device)
 
 
-def build_vision_tower(vision: VisionArch) -> nn.Module:
-    """transformers' ``Qwen3VLMoeVisionModel`` for ``vision`` (random init; weights are loaded after)."""
+def build_vision_tower(vision: VisionArch, model_type: str = "qwen3_vl_moe") -> nn.Module:
+    """transformers' ``Qwen3VLMoeVisionModel`` (``Qwen3VLVisionModel`` for the dense ``qwen3_vl``) for
+    ``vision`` (random init; weights are loaded after)."""
+    fields = vision.model_dump()
+    fields["deepstack_visual_indexes"] = list(fields["deepstack_visual_indexes"])
+    if model_type == "qwen3_vl":
+        from transformers import Qwen3VLVisionConfig
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+        return Qwen3VLVisionModel(Qwen3VLVisionConfig(**fields))
     from transformers import Qwen3VLMoeVisionConfig
     from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeVisionModel
 
-    fields = vision.model_dump()
-    fields["deepstack_visual_indexes"] = list(fields["deepstack_visual_indexes"])
     return Qwen3VLMoeVisionModel(Qwen3VLMoeVisionConfig(**fields))
 
 
@@ -172,8 +178,12 @@ class VLGPTModel(GPTModel):
         self.position_embedding_type = "mrope"
         self.mrope_section = list(arch.mrope_section)
         self.rotary_pos_emb = InterleavedMRoPE(arch.head_dim, arch.rope_theta, arch.mrope_section)
-        build = vision_layout if layout_only else build_vision_tower  # layout_only: names and shapes (meta)
-        self.visual = build(arch.vision) if self.pre_process else None
+        if not self.pre_process:
+            self.visual = None
+        elif layout_only:  # names and shapes only (the meta model of offline conversion)
+            self.visual = vision_layout(arch.vision)
+        else:
+            self.visual = build_vision_tower(arch.vision, arch.model_type)
         self.freeze_vision = freeze_vision
         if self.visual is not None:
             for param in self.visual.parameters():

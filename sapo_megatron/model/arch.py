@@ -15,8 +15,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sapo_megatron.errors import UserError
 
-SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl_moe")
-VL_MODEL_TYPES = ("qwen3_vl_moe",)
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe")
+VL_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
+_VL_CLASSES = {
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
+}
 
 
 class ArchError(UserError, ValueError):
@@ -124,7 +128,7 @@ class QwenArch(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    model_type: Literal["qwen3", "qwen3_moe", "qwen3_vl_moe"]
+    model_type: Literal["qwen3", "qwen3_moe", "qwen3_vl", "qwen3_vl_moe"]
     vocab_size: int = Field(gt=0)
     hidden_size: int = Field(gt=0)
     intermediate_size: int = Field(gt=0)
@@ -243,7 +247,7 @@ class QwenArch(BaseModel):
         for key in ("architectures", "tie_word_embeddings", "rope_theta", "rope_scaling"):
             text.pop(key)
         text.update(
-            model_type="qwen3_vl_moe_text",
+            model_type=f"{self.model_type}_text",
             rope_parameters={
                 "rope_type": "default",
                 "rope_theta": self.rope_theta,
@@ -251,10 +255,10 @@ class QwenArch(BaseModel):
                 "mrope_interleaved": True,
             },
         )
-        vision = {**self.vision.model_dump(), "model_type": "qwen3_vl_moe_vision"}
+        vision = {**self.vision.model_dump(), "model_type": f"{self.model_type}_vision"}
         vision["deepstack_visual_indexes"] = list(vision["deepstack_visual_indexes"])
         return {
-            "architectures": ["Qwen3VLMoeForConditionalGeneration"],
+            "architectures": [_VL_CLASSES[self.model_type]],
             "model_type": self.model_type,
             "text_config": text,
             "vision_config": vision,

@@ -11,7 +11,7 @@ import torch
 
 from sapo_megatron.model.arch import QwenArch
 
-Kind = Literal["moe", "dense", "vl_moe"]
+Kind = Literal["moe", "dense", "vl_moe", "vl_dense"]
 
 TINY_VL_TOKENS = {
     "vision_start_token_id": 248,
@@ -25,8 +25,8 @@ TINY_VL_TOKENS = {
 def tiny_hf_config(kind: Kind = "moe", **overrides: Any) -> dict[str, Any]:
     """An HF ``config.json`` dict for a tiny model: 2 layers, hidden 32, 4 query / 2 KV heads, 8 experts top-2
     (``vl_moe``: :func:`tiny_vl_hf_config`)."""
-    if kind == "vl_moe":
-        return tiny_vl_hf_config(**overrides)
+    if kind in ("vl_moe", "vl_dense"):
+        return tiny_vl_hf_config(moe=kind == "vl_moe", **overrides)
     base: dict[str, Any] = {
         "model_type": "qwen3_moe" if kind == "moe" else "qwen3",
         "vocab_size": 64,
@@ -48,11 +48,12 @@ def tiny_hf_config(kind: Kind = "moe", **overrides: Any) -> dict[str, Any]:
 
 
 def tiny_vl_hf_config(
-    *, text: dict[str, Any] | None = None, vision: dict[str, Any] | None = None
+    *, moe: bool = True, text: dict[str, Any] | None = None, vision: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """A tiny Qwen3-VL-MoE: ViT depth 3 (hidden 32, patch 8, merge 2, DeepStack after every block) and an LM of
     3 MoE layers (hidden 32, head_dim 16 so that the interleaved MRoPE sections [4, 2, 2] differ from the
-    chunked layout, 4 experts top-2, expert FFN 24 so that H=32, I=24 and 2I=48 all differ)."""
+    chunked layout, 4 experts top-2, expert FFN 24 so that H=32, I=24 and 2I=48 all differ); ``moe=False``: the
+    dense Qwen3-VL with the same tower and a dense LM (FFN 64)."""
     text_config: dict[str, Any] = {
         "vocab_size": 256,
         "hidden_size": 32,
@@ -63,10 +64,11 @@ def tiny_vl_hf_config(
         "head_dim": 16,
         "rms_norm_eps": 1e-6,
         "max_position_embeddings": 512,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 24,
-        "norm_topk_prob": True,
+        **(
+            {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 24, "norm_topk_prob": True}
+            if moe
+            else {}
+        ),
         "rope_parameters": {
             "rope_type": "default",
             "rope_theta": 10000.0,
@@ -89,7 +91,7 @@ def tiny_vl_hf_config(
         **(vision or {}),
     }
     raw = {
-        "model_type": "qwen3_vl_moe",
+        "model_type": "qwen3_vl_moe" if moe else "qwen3_vl",
         "text_config": text_config,
         "vision_config": vision_config,
         "tie_word_embeddings": False,
@@ -109,6 +111,7 @@ def build_hf_model(hf_config: dict[str, Any], *, seed: int = 0, dtype: torch.dty
         "qwen3_moe": transformers.Qwen3MoeForCausalLM,
         "qwen3": transformers.Qwen3ForCausalLM,
         "qwen3_vl_moe": transformers.Qwen3VLMoeForConditionalGeneration,
+        "qwen3_vl": transformers.Qwen3VLForConditionalGeneration,
     }[hf_config["model_type"]]
     return model_cls(config).to(dtype).eval()
 

@@ -147,3 +147,12 @@ def test_convert_verify_command_on_a_vl_checkpoint(hf_dir, converted, tmp_path, 
     assert main(["convert", "verify", "--hf", str(perturbed), "--megatron", str(converted[0])]) == 1
     out = capsys.readouterr().out
     assert f"1 tensors differ from the HF checkpoint: {name}" in out and "FAILED" in out
+
+
+def test_dense_qwen3_vl_round_trip_and_verify(tmp_path):
+    hf = make_tiny_hf_checkpoint(tmp_path / "hf", "vl_dense", seed=2)
+    mcore = hf_to_megatron(hf, tmp_path / "mcore", progress=False)
+    out = megatron_to_hf(mcore, tmp_path / "back", progress=False)
+    assert_bitwise_equal(read_hf_tensors(out), read_hf_tensors(hf))
+    report = verify(hf, mcore, log=None)
+    assert report.ok and report.max_abs <= 1e-5

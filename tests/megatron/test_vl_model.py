@@ -316,3 +316,18 @@ def test_megatron_checkpoint_round_trip_keeps_the_tower(hf_config, hf_model, meg
     load_model_weights(target, tmp_path / "ckpt")
     want = dict(source.named_parameters())
     assert all(torch.equal(p, want[n]) for n, p in target.named_parameters())
+
+
+@pytest.mark.usefixtures("megatron")  # the module's parallel state
+def test_dense_qwen3_vl_matches_transformers(batch):
+    """The dense Qwen3-VL (model_type qwen3_vl): the same tower, MRoPE and DeepStack over a dense LM."""
+    hf_config = tiny_vl_hf_config(moe=False)
+    hf = build_hf_model(hf_config, seed=4)
+    cfg = config_from_dict({"model": {"hf_config": hf_config}})
+    model = build_gpt_model(BuildOptions(cfg.model, cfg.parallel, cfg.precision))
+    load_hf_weights(model, hf.state_dict().__getitem__, cfg.model.arch)
+    with torch.no_grad():
+        ref = hf(**batch).logits
+        got = _megatron_logits(model.eval(), batch)
+    real = batch["attention_mask"].bool()
+    assert (got - ref)[real].abs().max().item() <= LOGIT_ATOL
