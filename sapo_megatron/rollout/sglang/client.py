@@ -44,6 +44,12 @@ from sapo_megatron.rollout.protocol import (
     parse_score_reply,
     score_payload,
 )
+from sapo_megatron.rollout.sglang.memory import (
+    MEMORY_TAGS,
+    MemoryState,
+    MemoryStateError,
+    normalize_tags,
+)
 from sapo_megatron.rollout.sglang.topology import auth_headers
 from sapo_megatron.rollout.types import GenerationRequest, Sample
 from sapo_megatron.runtime.interrupts import wait_for
@@ -67,6 +73,10 @@ class _Server:
     cooldown_until: float = 0.0
     weight_version: int = 0
     tp_size: int = 1
+    memory: MemoryState = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.memory = MemoryState(self.url)
 
 
 class SGLangClient(RolloutEngine):
@@ -140,6 +150,7 @@ class SGLangClient(RolloutEngine):
         self._sessions: set[str] = set()  # workers with an open SGLang weight-update session (begin/end)
         self._lock = threading.Lock()
         self._round_robin = itertools.count()
+        self._busy = 0  # generate / score calls of this client in flight (a release must wait for them)
         self._counters = dict.fromkeys(
             (
                 "rollout/requests",
@@ -182,6 +193,7 @@ class SGLangClient(RolloutEngine):
                 raise ValueError(
                     "return_routed_experts needs SGLangClient(num_layers=...) to shape the payload"
                 )
+        self._require_memory(MEMORY_TAGS, "generate")
         call_id = uuid.uuid4().hex[:12]
         slots: list[list[Sample | None]] = [[None] * req.n for req in requests]
 
@@ -250,6 +262,7 @@ class SGLangClient(RolloutEngine):
         self, token_ids_list: Sequence[Sequence[int]], response_start: int | Sequence[int]
     ) -> list[list[float]]:
         starts = normalize_response_starts(token_ids_list, response_start)
+        self._require_memory(MEMORY_TAGS, "score")
         call_id = uuid.uuid4().hex[:12]
         results: list[list[float] | None] = [None] * len(token_ids_list)
 
@@ -269,15 +282,21 @@ class SGLangClient(RolloutEngine):
     def _run_all(self, tasks: list[tuple[Callable[..., None], tuple]]) -> None:
         """Run tasks on the pool; on the first lasting failure cancel the rest and raise it."""
         cancel = threading.Event()
-        pending = {self._pool.submit(fn, *args, cancel) for fn, args in tasks}
-        errors: list[BaseException] = []
-        while pending:
-            done, pending = wait(pending, return_when=FIRST_EXCEPTION)
-            for future in done:
-                exc = future.exception()
-                if exc is not None and not isinstance(exc, _Cancelled):
-                    cancel.set()
-                    errors.append(exc)
+        with self._lock:
+            self._busy += 1
+        try:
+            pending = {self._pool.submit(fn, *args, cancel) for fn, args in tasks}
+            errors: list[BaseException] = []
+            while pending:
+                done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+                for future in done:
+                    exc = future.exception()
+                    if exc is not None and not isinstance(exc, _Cancelled):
+                        cancel.set()
+                        errors.append(exc)
+        finally:
+            with self._lock:
+                self._busy -= 1
         if errors:
             raise errors[0]
 
@@ -432,6 +451,7 @@ class SGLangClient(RolloutEngine):
         """``POST /update_weights_from_disk {model_path}`` on every worker, then finish the update (flush caches).
 
         ``path`` must be absolute and readable by every worker (a shared filesystem on a cluster)."""
+        self._require_memory(("weights",), "update_weights_from_disk")
         if not path.startswith("/"):
             raise ValueError(
                 f"update_weights_from_disk needs an absolute path the servers can read, got {path!r}"
@@ -456,6 +476,7 @@ class SGLangClient(RolloutEngine):
 
         The payload holds handles, not data: CUDA IPC handles (servers colocated on the trainer's GPUs) or, for CPU
         tensors, named shared-memory files (servers on this machine, e.g. real SGLang on CPU)."""
+        self._require_memory(("weights",), "update_weights_from_tensors")
         serializer = self._serializer or _engine_serializer()
         named = [(name, tensor) for name, tensor in named_tensors]  # alive until every worker has replied
         blob = serializer(named)
@@ -538,6 +559,7 @@ class SGLangClient(RolloutEngine):
         last bucket. A worker that fails here breaks the group: the error is raised, never skipped."""
         if not len(names) == len(dtypes) == len(shapes):
             raise ValueError("names, dtypes and shapes must have the same length")
+        self._require_memory(("weights",), "update_weights_from_distributed")
         payload = {
             "names": list(names),
             "dtypes": list(dtypes),
@@ -620,6 +642,77 @@ class SGLangClient(RolloutEngine):
                 logger.warning("flush_cache on %s failed: %s", server.url, outcome)
             elif isinstance(outcome, Exception):
                 raise outcome
+
+    # ------------------------------------------------------------------ memory (colocation, see sglang_memory)
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """``POST /release_memory_occupation {tags}`` on every worker (None or ``[]``: all of ``MEMORY_TAGS``).
+
+        Refused before anything is sent (:class:`MemoryStateError`) while this client's requests run, when a
+        worker reports requests of others (``/flush_cache`` answers 400 unless idle: the idle probe), or when a tag
+        is already released: SGLang's scheduler asserts idleness and dies otherwise."""
+        chosen = normalize_tags(tags)
+        with self._lock:
+            busy = self._busy
+        for server in self._servers:
+            server.memory.check_release(chosen, busy)
+        self._probe_idle(chosen)
+        self._memory_call("/release_memory_occupation", chosen, lambda s: s.memory.released.update(chosen))
+
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """``POST /resume_memory_occupation {tags}`` on every worker; refused for a tag that is not released
+        (SGLang's scheduler raises ``KeyError`` and dies)."""
+        chosen = normalize_tags(tags)
+        for server in self._servers:
+            server.memory.check_resume(chosen)
+        self._memory_call(
+            "/resume_memory_occupation", chosen, lambda s: s.memory.released.difference_update(chosen)
+        )
+
+    def released_memory(self) -> dict[str, list[str]]:
+        """Per worker, the tags it holds released (in ``MEMORY_TAGS`` order)."""
+        return {s.url: [t for t in MEMORY_TAGS if t in s.memory.released] for s in self._servers}
+
+    def _memory_call(self, path: str, tags: tuple[str, ...], on_success: Callable[[_Server], None]) -> None:
+        def call(server: _Server) -> None:
+            self._post(
+                server, path, {"tags": list(tags)}, request=path[1:], timeout=self.weight_sync_timeout_s
+            )
+            on_success(server)  # SGLang answers 200 with the body null
+
+        outcomes = self._for_each_server(self._servers, call)
+        for server, outcome in zip(self._servers, outcomes):
+            if isinstance(outcome, _Transient):
+                raise RolloutError(
+                    f"{path[1:]}: unreachable: {outcome}", server=server.url, field="transport"
+                )
+            if isinstance(outcome, Exception):
+                raise outcome
+
+    def _probe_idle(self, tags: tuple[str, ...]) -> None:
+        """``POST /flush_cache`` on every worker: SGLang answers 400 ("Flush cache failed") while any request
+        runs or waits, also another client's, which this client cannot count."""
+
+        def probe(server: _Server) -> None:
+            self._request("POST", server, "/flush_cache", None, request="flush_cache", expect_json=False)
+
+        for server, outcome in zip(self._servers, self._for_each_server(self._servers, probe)):
+            if isinstance(outcome, RolloutError) and outcome.field == "<status>":
+                raise MemoryStateError(
+                    f"release_memory_occupation({list(tags)}): the server is not idle (/flush_cache refused: "
+                    f"{outcome}); SGLang would go down",
+                    server=server.url,
+                    field="tags",
+                ) from outcome
+            if isinstance(outcome, Exception):
+                raise RolloutError(
+                    f"idle probe before releasing memory failed: {outcome}",
+                    server=server.url,
+                    field="transport",
+                ) from outcome
+
+    def _require_memory(self, tags: Sequence[str], what: str) -> None:
+        for server in self._servers:
+            server.memory.require(tags, what)
 
     def health(self) -> bool:
         """True when every server answers ``GET /health`` with 200."""
