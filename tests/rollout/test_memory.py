@@ -15,6 +15,7 @@ from sapo_megatron.rollout.cpu.server import CPUServer
 from sapo_megatron.rollout.sglang.client import SGLangClient
 from sapo_megatron.rollout.sglang.memory import MemoryStateError
 from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
+from sapo_megatron.rollout.weight_checksum import expected_checksums, mismatches
 from tests.rollout.conftest import engine_from, load, reference_logprobs
 
 SCORED = [1, 2, 3, 4, 5, 6, 7, 8]
@@ -178,3 +179,22 @@ def test_memory_saver_returns_garbage_weights_unless_resent_or_backed_up(moe_dir
         np.testing.assert_allclose(
             _served_scores(client), reference_logprobs(load(moe_dir_b), SCORED, 1), atol=1e-4
         )
+
+
+def test_stand_in_checksums_are_sglangs_served_layout_of_the_checkpoint(client, server, moe_dir, moe_dir_b):
+    """The stand-in's /weights_checker reports SGLang's served names (qkv_proj, w13_weight, padded vocab) with
+    the hashes of the checkpoint it serves; after a sync of other weights every changed tensor is named."""
+    checkpoint = sorted(load_file(str(moe_dir / "model.safetensors")).items())
+    served = client.weight_checksums()[server.url]
+    assert (
+        "model.layers.0.self_attn.qkv_proj.weight" in served
+        and "model.layers.1.mlp.experts.w13_weight" in served
+    )
+    assert not mismatches(expected_checksums(checkpoint), served)
+    other = sorted(load_file(str(moe_dir_b / "model.safetensors")).items())
+    client.update_weights_from_tensors(other[:3])  # three tensors only
+    client.finish_weight_update()
+    changed = mismatches(expected_checksums(checkpoint), client.weight_checksums()[server.url])
+    before = expected_checksums(checkpoint)
+    differ = sorted(n for n, v in expected_checksums(other[:3]).items() if v != before[n])
+    assert changed == differ and len(differ) == 2  # embeddings and lm_head (both models' norms are ones)

@@ -15,6 +15,7 @@ what SGLang does and where it is in its source).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable
 from http import HTTPStatus
@@ -24,10 +25,13 @@ import torch
 
 from sapo_megatron.rollout.cpu.engine import CPUEngine
 from sapo_megatron.rollout.cpu.weights import InvalidRequest
+from sapo_megatron.rollout.weight_checksum import expected_checksums
 
 logger = logging.getLogger(__name__)
 
 ALL_TAGS = ("kv_cache", "weights", "cuda_graph")  # SGLang's GPU_MEMORY_ALL_TYPES
+_PLACEMENT = {"role": "target", "tp_rank": 0, "tp_size": 1, "dp_rank": 0, "dp_size": 1, "pp_rank": 0}
+_PLACEMENT |= {"pp_size": 1, "rank": 0, "size": 1}
 _GARBAGE_SEED = 6367  # sglang #6367: random output after a resume without the weights re-sent
 
 
@@ -80,6 +84,29 @@ class MemoryEndpoints:
         gone = self.released & {"weights", "kv_cache"}
         if gone and self.memory_saver:
             self._die(f"generation with {sorted(gone)} released (memory unmapped by the memory saver)")
+
+    def check_weights(self, body: dict[str, Any], request: Any = None) -> tuple[HTTPStatus, dict[str, Any]]:
+        """SGLang's ``/weights_checker`` for ``action: checksum`` (the served names and hashes of a TP-1 SGLang
+        server); its other actions (snapshot / reset_tensors / compare) are not implemented here: 400."""
+        action = body.get("action", "checksum")
+        if action != "checksum":
+            return HTTPStatus.BAD_REQUEST, {
+                "success": False,
+                "message": f"Unsupported {action=} (CPU stand-in)",
+            }
+        with torch.no_grad():
+            named = [(n, p.detach()) for n, p in self.engine.model.named_parameters()]
+            checksums = expected_checksums(named)
+        overall = hashlib.sha256()  # SGLang's overall_checksum
+        for name in sorted(checksums):
+            overall.update(name.encode())
+            overall.update(checksums[name].encode())
+        rank = {
+            "checksums": checksums,
+            "per_gpu_checksum": overall.hexdigest(),
+            "parallelism_info": [_PLACEMENT],
+        }
+        return HTTPStatus.OK, {"success": True, "message": "Success.", "ranks": [rank]}
 
     def _refill_weights(self) -> None:
         params = dict(self.engine.model.named_parameters())

@@ -21,7 +21,9 @@ Endpoints (what each checks):
   ``ep_size``, ``enable_return_routed_experts``, ``weight_version``, ``max_running_requests``,
   ``context_length``, ``dtype``, ``quantization``, ...), never the API key. ``GET /get_weight_version``.
 - ``GET|POST /flush_cache``: nothing to flush (no prefix cache); 200 with SGLang's text, 400 while requests run.
-- Memory (:mod:`.memory`): ``/release_memory_occupation``, ``/resume_memory_occupation``.
+- Memory (:mod:`.memory`): ``/release_memory_occupation``, ``/resume_memory_occupation``;
+  ``/weights_checker`` with ``action: checksum`` (SGLang's served names and hashes, see
+  :mod:`sapo_megatron.rollout.weight_checksum`).
 - Weight sync (:mod:`cpu_server_weights`): ``POST /update_weights_from_disk``, ``/update_weights_from_tensor``,
   ``/init_weights_update_group``, ``/update_weights_from_distributed``, ``/destroy_weights_update_group``,
   ``/begin_weight_update``, ``/end_weight_update`` (SGLang 0.5.23's weight-update sessions).
@@ -329,6 +331,7 @@ class CPUServer:
             "/flush_cache": (("GET", "POST"), lambda *_: self.flush_cache()),
             "/release_memory_occupation": (("GET", "POST"), self.memory.release),
             "/resume_memory_occupation": (("GET", "POST"), self.memory.resume),
+            "/weights_checker": (("GET", "POST"), self.memory.check_weights),
             "/update_weights_from_disk": (("POST",), weights.update_from_disk),
             "/update_weights_from_tensor": (("POST",), weights.update_from_tensor),
             "/init_weights_update_group": (("POST",), weights.init_group),

@@ -710,6 +710,47 @@ class SGLangClient(RolloutEngine):
                     field="transport",
                 ) from outcome
 
+    # ------------------------------------------------------------------ weight checks (see weight_checksum)
+    def weight_checksums(self) -> dict[str, dict[str, str]]:
+        """``POST /weights_checker {"action": "checksum"}`` on every worker: per worker, ``{served name: hex}``.
+        Only TP-1 workers: a TP rank holds shards, which the trainer's export cannot be hashed into."""
+        wide = [s.url for s in self._servers if s.tp_size != 1]
+        if wide:
+            raise RolloutError(
+                "weight checks compare whole tensors and need TP-1 servers; turn rollout.colocate.check_weights "
+                f"off for {wide}",
+                server=wide[0],
+                field="tp_size",
+            )
+
+        def checksum(server: _Server) -> dict[str, str]:
+            reply = self._post(
+                server,
+                "/weights_checker",
+                {"action": "checksum"},
+                request="weights_checker",
+                timeout=self.weight_sync_timeout_s,
+            )
+            self._check_success(reply, server, "weights_checker")
+            ranks = reply.get("ranks")
+            if (
+                not isinstance(ranks, list)
+                or len(ranks) != 1
+                or not isinstance(ranks[0].get("checksums"), dict)
+            ):
+                raise RolloutError(
+                    "weights_checker: expected one rank with checksums", server=server.url, field="ranks"
+                )
+            return {str(k): str(v) for k, v in ranks[0]["checksums"].items()}
+
+        outcomes = self._for_each_server(self._servers, checksum)
+        for server, outcome in zip(self._servers, outcomes):
+            if isinstance(outcome, Exception):
+                raise RolloutError(
+                    f"weights_checker: {outcome}", server=server.url, field="transport"
+                ) from outcome
+        return {s.url: o for s, o in zip(self._servers, outcomes)}  # type: ignore[misc]
+
     def _require_memory(self, tags: Sequence[str], what: str) -> None:
         for server in self._servers:
             server.memory.require(tags, what)
