@@ -53,7 +53,9 @@ class TrainerOffload:
         first = next(p for chunk in self.model_chunks for p in chunk.parameters())
         self.device = device or first.device
         self.pin = torch.cuda.is_available() and self.device.type != "cpu"
-        self._parts = {part: self._collect(part) for part in PARTS}
+        self._parts: dict[str, dict[int, _Storage]] = {}
+        for part in PARTS:  # in order: a storage belongs to the first part that reaches it
+            self._parts[part] = self._collect(part)
         self.offloaded: set[str] = set()
 
     def offload(self, parts: Iterable[str] = PARTS) -> int:
@@ -117,7 +119,7 @@ class TrainerOffload:
     def _claimed(self, part: str) -> set[int]:
         """Storages an earlier part already owns (the FP32 optimizer's parameters are the model's)."""
         earlier = PARTS[: PARTS.index(part)]
-        return {key for p in earlier for key in getattr(self, "_parts", {}).get(p, {})}
+        return {key for p in earlier for key in self._parts.get(p, {})}
 
     def _param_tensors(self) -> list[torch.Tensor]:
         out = []
