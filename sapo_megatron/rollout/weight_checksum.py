@@ -98,3 +98,39 @@ def _pad_rows(tensor: torch.Tensor, multiple: int) -> torch.Tensor:
     padded = torch.zeros((rows, *tensor.shape[1:]), dtype=tensor.dtype)
     padded[: tensor.shape[0]] = tensor
     return padded
+
+
+class ChecksumStream:
+    """Expected checksums of a weight sync, computed from its buckets as they are sent, one layer held at a time.
+
+    Tensors must arrive in the export's order (``hf_expected_shapes``: a layer's tensors together, as
+    ``hf_buckets`` yields them); they are cast to the served ``dtype`` and copied, hashed once their layer is
+    complete, then dropped."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.checksums: dict[str, str] = {}
+        self._group: str | None = None
+        self._pending: dict[str, torch.Tensor] = {}
+
+    def add(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for name, tensor in named:
+            group = _layer_of(name)
+            if group != self._group:
+                self._flush()
+                self._group = group
+            self._pending[name] = tensor.detach().to("cpu", self.dtype, copy=True)
+
+    def finish(self) -> dict[str, str]:
+        self._flush()
+        return self.checksums
+
+    def _flush(self) -> None:
+        if self._pending:
+            self.checksums.update({n: tensor_checksum(t) for n, t in served_layout(self._pending).items()})
+        self._pending = {}
+
+
+def _layer_of(name: str) -> str:
+    match = re.match(r"^(.*\.layers\.\d+)\.", name)
+    return match.group(1) if match else name
