@@ -36,7 +36,7 @@ def client(server):
 def _long_generation(client: SGLangClient, errors: list | None = None) -> threading.Thread:
     """A generation that runs for a while on a thread (greedy, many tokens, many samples); its error, if any,
     lands in ``errors``."""
-    sampling = SamplingParams(max_new_tokens=200, temperature=0.0, stop_token_ids=())
+    sampling = SamplingParams(max_new_tokens=64, temperature=0.0, stop_token_ids=())
     requests = [GenerationRequest(group_id=0, prompt_ids=[1, 2, 3], sampling=sampling, n=8)]
 
     def run() -> None:
