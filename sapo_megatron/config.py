@@ -289,7 +289,7 @@ class SFTConfig(Section):
 
 
 class ColocateConfig(Section):
-    """The colocated step (sapo_megatron/colocation.py, docs/cluster.md "Colocated training"): the engine releases
+    """The colocated step (sapo_megatron/loop/colocation.py, docs/cluster.md "Colocated training"): the engine releases
     its memory while the trainer trains, then takes it back and receives the new weights."""
 
     offload_trainer: bool = Field(

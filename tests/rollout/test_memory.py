@@ -152,6 +152,7 @@ def _served_scores(client: SGLangClient) -> np.ndarray:
     return np.array(client.score([SCORED], 1)[0])
 
 
+@pytest.mark.slow  # two servers' worth of scoring and a sync; 9 s on a loaded 2-core machine
 @pytest.mark.parametrize("backup", [False, True])
 def test_memory_saver_returns_garbage_weights_unless_resent_or_backed_up(moe_dir, moe_dir_b, backup):
     """With --enable-memory-saver, released weights come back as garbage (sglang #6367) unless the server keeps a

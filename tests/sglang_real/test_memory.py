@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import safetensors.torch
 import torch
-from sapo_megatron.rollout.sglang_memory import MemoryStateError
+from sapo_megatron.rollout.sglang.memory import MemoryStateError
 
 from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
 from sapo_megatron.rollout.weight_checksum import expected_checksums, mismatches

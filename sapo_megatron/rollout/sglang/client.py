@@ -643,7 +643,7 @@ class SGLangClient(RolloutEngine):
             elif isinstance(outcome, Exception):
                 raise outcome
 
-    # ------------------------------------------------------------------ memory (colocation, see sglang_memory)
+    # ------------------------------------------------------------------ memory (colocation, see memory.py)
     def release_memory(self, tags: Sequence[str] | None = None) -> None:
         """``POST /release_memory_occupation {tags}`` on every worker (None or ``[]``: all of ``MEMORY_TAGS``).
 
