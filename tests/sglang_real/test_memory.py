@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import safetensors.torch
 import torch
-from sapo_megatron.rollout.sglang.memory import MemoryStateError
 
+from sapo_megatron.rollout.sglang.memory import MemoryStateError
 from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
 from sapo_megatron.rollout.weight_checksum import expected_checksums, mismatches
 from tests.servers import save_demo_model
