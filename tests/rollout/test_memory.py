@@ -199,3 +199,17 @@ def test_stand_in_checksums_are_sglangs_served_layout_of_the_checkpoint(client, 
     before = expected_checksums(checkpoint)
     differ = sorted(n for n, v in expected_checksums(other[:3]).items() if v != before[n])
     assert changed == differ and len(differ) == 2  # embeddings and lm_head (both models' norms are ones)
+
+
+def test_flattened_buckets_update_the_stand_in(server, moe_dir_b):
+    """rollout.colocate's sync: one flattened bucket per dtype (SGLang's load_format flattened_bucket)."""
+    named = sorted(load_file(str(moe_dir_b / "model.safetensors")).items())
+    with SGLangClient(server.url, timeout_s=60, max_retries=0, flatten_buckets=True) as flat:
+        half = len(named) // 2
+        flat.update_weights_from_tensors(named[:half])
+        flat.update_weights_from_tensors(named[half:])
+        flat.finish_weight_update()
+        np.testing.assert_allclose(
+            _served_scores(flat), reference_logprobs(load(moe_dir_b), SCORED, 1), atol=1e-4
+        )
+        assert not mismatches(expected_checksums(named), flat.weight_checksums()[server.url])

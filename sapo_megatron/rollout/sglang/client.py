@@ -51,6 +51,11 @@ from sapo_megatron.rollout.sglang.memory import (
     normalize_tags,
 )
 from sapo_megatron.rollout.sglang.topology import auth_headers
+from sapo_megatron.rollout.tensor_transport import (
+    FLATTENED_BUCKET,
+    flattened_buckets,
+    serialize_flattened_bucket,
+)
 from sapo_megatron.rollout.types import GenerationRequest, Sample
 from sapo_megatron.runtime.interrupts import wait_for
 
@@ -121,6 +126,7 @@ class SGLangClient(RolloutEngine):
         weight_sync_timeout_s: float = 1800.0,
         tp_size: int | Sequence[int] = 1,
         serializer: Callable[[list[tuple[str, torch.Tensor]]], str] | None = None,
+        flatten_buckets: bool = False,
     ) -> None:
         url_list = [urls] if isinstance(urls, str) else list(urls)
         if not url_list:
@@ -146,6 +152,7 @@ class SGLangClient(RolloutEngine):
         self.cooldown_s = cooldown_s
         self.weight_sync_timeout_s = weight_sync_timeout_s
         self._serializer = serializer
+        self.flatten_buckets = flatten_buckets
         self._weight_version = 0
         self._sessions: set[str] = set()  # workers with an open SGLang weight-update session (begin/end)
         self._lock = threading.Lock()
@@ -475,17 +482,26 @@ class SGLangClient(RolloutEngine):
         each worker (call :meth:`finish_weight_update` after the last bucket).
 
         The payload holds handles, not data: CUDA IPC handles (servers colocated on the trainer's GPUs) or, for CPU
-        tensors, named shared-memory files (servers on this machine, e.g. real SGLang on CPU)."""
+        tensors, named shared-memory files (servers on this machine, e.g. real SGLang on CPU). With
+        ``flatten_buckets`` the bucket goes as one flattened tensor per dtype (SGLang's ``flattened_bucket``)."""
         self._require_memory(("weights",), "update_weights_from_tensors")
-        serializer = self._serializer or _engine_serializer()
         named = [(name, tensor) for name, tensor in named_tensors]  # alive until every worker has replied
-        blob = serializer(named)
+        if self.flatten_buckets:
+            for bucket in flattened_buckets(
+                named
+            ):  # one POST per dtype, each a fresh buffer kept until replied
+                self._post_tensors(_flat_serializer(bucket), FLATTENED_BUCKET)
+                del bucket
+        else:
+            self._post_tensors((self._serializer or _engine_serializer())(named), None)
+        del named
 
+    def _post_tensors(self, blob: str, load_format: str | None) -> None:
         def load(server: _Server) -> None:
             self._begin_session(server)
             payload = {
                 "serialized_named_tensors": [blob] * server.tp_size,
-                "load_format": None,
+                "load_format": load_format,
                 "flush_cache": False,
             }
             reply = self._post(
@@ -498,7 +514,6 @@ class SGLangClient(RolloutEngine):
             self._check_success(reply, server, "update_weights_from_tensor")
 
         self._update_each_worker(load, "update_weights_from_tensors")
-        del named
 
     def weight_group_layout(self) -> tuple[int, list[int]]:
         """``(world_size, rank_offsets)`` of a weight-update group: the trainer is rank 0, worker ``i``'s TP ranks
@@ -909,6 +924,15 @@ def _error_message(response: httpx.Response) -> str:
         if "message" in body:
             return str(body["message"])
     return str(body)[:300]
+
+
+def _flat_serializer(bucket: dict[str, Any]) -> str:
+    """A flattened bucket for a separate process: shared-memory file names (CPU), SGLang's serializer (CUDA)."""
+    if bucket["flattened_tensor"].device.type == "cpu":
+        return serialize_flattened_bucket(bucket, sharing="file_system")
+    from sglang.srt.utils import MultiprocessingSerializer  # CUDA tensors: colocated GPUs, SGLang installed
+
+    return MultiprocessingSerializer.serialize(bucket, output_str=True)
 
 
 def _engine_serializer() -> Callable[[list[tuple[str, torch.Tensor]]], str]:
