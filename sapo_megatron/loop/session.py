@@ -267,7 +267,8 @@ def _sglang_client(cfg: RunConfig, topology: Topology, api_key: str | None):
         serializer=_cpu_serializer()
         if (cfg.rollout.engine, cfg.rollout.weight_sync) == ("cpu", "tensor")
         else None,
-        flatten_buckets=cfg.rollout.colocate is not None,  # one flattened bucket per dtype, as slime sends them
+        flatten_buckets=cfg.rollout.colocate
+        is not None,  # one flattened bucket per dtype, as slime sends them
     )
 
 

@@ -64,12 +64,17 @@ def test_release_resume_sync_generate_and_checksum(client, sglang_url, model_dir
     assert not mismatches(expected_checksums(_checkpoint(other)), served)
     assert mismatches(expected_checksums(_checkpoint(model_dir)), served)  # the check sees a change
 
-    client.release_memory(["weights"])  # back to the tier's weights, the same way
+    client.release_memory(["weights"])  # back to the tier's weights, as flattened buckets (colocate's sync)
     client.resume_memory(["weights"])
-    _push(client, _checkpoint(model_dir))
+    client.flatten_buckets = True
+    try:
+        _push(client, _checkpoint(model_dir))
+    finally:
+        client.flatten_buckets = False
     client.flush_cache()
     [values] = client.score([ids], start)
     np.testing.assert_allclose(values, reference_logp(reference, ids)[start - 1 :].numpy(), atol=FP32_TOL)
+    assert not mismatches(expected_checksums(_checkpoint(model_dir)), client.weight_checksums()[sglang_url])
 
 
 def test_raw_replies_are_200_null(sglang_url):
