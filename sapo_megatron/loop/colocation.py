@@ -81,6 +81,7 @@ class Colocation:
         yield
         if self.offload is not None:
             self._phase("offload", lambda: self.offload.offload(["grads", "optimizer"]))
+            _return_cached_memory()
 
     def push(self, inner: WeightSync, module: torch.nn.Module) -> dict[str, float]:
         """Resume the weights, sync through ``inner``, offload the parameters, resume the KV cache, flush."""
@@ -97,6 +98,7 @@ class Colocation:
             inner.on_bucket = None
         if self.offload is not None and self.released:
             self._phase("offload_params", lambda: self.offload.offload(["params"]))
+        _return_cached_memory()  # verl PR #6912: the KV cache's resume runs out of memory otherwise
         self._barrier()
         if self.released:
             self._phase("resume_kv", lambda: self.on_main(self.engine_resume_rest))
@@ -159,6 +161,14 @@ class Colocation:
     def _barrier() -> None:
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
+
+
+def _return_cached_memory() -> None:
+    """Hand the allocator's cached blocks back to the device (the engine allocates outside torch's cache) and
+    drop the CUDA IPC handles the engine has released (slime: ``ipc_collect`` and ``empty_cache`` after a sync)."""
+    if torch.cuda.is_available():
+        torch.cuda.ipc_collect()
+        torch.cuda.empty_cache()
 
 
 class ColocatedSync(WeightSync):
