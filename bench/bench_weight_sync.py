@@ -5,9 +5,9 @@ process (the stand-in for an SGLang worker), measured in the same run on a Qwen3
 
 ``disk`` writes an HF checkpoint (safetensors) into a new version directory and the server loads it;
 ``distributed`` broadcasts the same tensors bucket by bucket over a gloo group the server joined (NCCL on GPUs).
-``tensor`` hands the buckets (``--bucket-mb``) to the server as named shared-memory files, as a colocated sync
-does (``rollout.colocate``). All include the server's loading. Prints seconds per sync (median), bytes, MB/s and
-the ratios to disk (lower is better).
+``tensor`` hands the buckets (``--bucket-mb``) to the server as named shared-memory files, ``tensor-flat`` as one
+flattened tensor per dtype (what a colocated sync sends, ``rollout.colocate``). All include the server's
+loading. Prints seconds per sync (median), bytes, MB/s and the ratios to disk (lower is better).
 """
 
 from __future__ import annotations
@@ -99,6 +99,8 @@ def main() -> None:
             dist_sync.close()
             tensor = TensorSync(client, cfg.model.arch, bucket_bytes=args.bucket_mb * 1024**2)
             tensor_s, tensor_bytes = timed_pushes(tensor, module, args.repeats)
+            client.flatten_buckets = True  # rollout.colocate's form: one flattened bucket per dtype
+            flat_s, flat_bytes = timed_pushes(tensor, module, args.repeats)
     print(
         f"Qwen3-MoE {args.layers} layers, hidden {args.hidden}, {args.experts} experts: {model_mb:.0f} MB fp32"
     )
@@ -106,11 +108,13 @@ def main() -> None:
         ("disk", disk_s, disk_bytes),
         ("distributed", dist_s, dist_bytes),
         ("tensor", tensor_s, tensor_bytes),
+        ("tensor-flat", flat_s, flat_bytes),
     )
     for name, seconds, sent in arms:
         print(f"{name:12s} {seconds:6.2f} s/sync  {sent / 1e6:7.0f} MB  {sent / 1e6 / seconds:6.0f} MB/s")
     print(
-        f"ratio distributed / disk: {dist_s / disk_s:.2f}; tensor ({args.bucket_mb} MiB buckets) / disk: {tensor_s / disk_s:.2f}"
+        f"ratio distributed / disk: {dist_s / disk_s:.2f}; tensor ({args.bucket_mb} MiB buckets) / disk: "
+        f"{tensor_s / disk_s:.2f}; flattened / disk: {flat_s / disk_s:.2f}"
     )
 
 
