@@ -78,3 +78,16 @@ def test_colocated_steps_log_phases_and_memory(runs):
     for row in runs["resident"]:
         assert "colocate/onload_s" not in row and row["colocate/release_s"] >= 0.0
     assert not any(k.startswith("colocate/") for k in runs["disaggregated"][0])
+
+
+def test_two_rank_colocated_run_is_bitwise_the_disaggregated_one(tmp_path, data_files):
+    """TP2 (sequence parallel) on two processes: the engine calls stay on rank 0, onload / offload and the
+    collectives around them run on both ranks in the same order, and the trainer's numbers do not move."""
+    tp2 = {"parallel": {"tp": 2, "sequence_parallel": True}, "launch.procs_per_node": 2}
+    got = {}
+    for name, extra in (("plain", {}), ("colocated", {"rollout.colocate": {"check_weights": True}})):
+        (tmp_path / name).mkdir()
+        train(write_config(tmp_path / name / "run.yaml", data_files, **BASE, **tp2, **extra))
+        got[name] = metrics(tmp_path / name / "run", "rl")
+    assert len(got["plain"]) == 3 and _numbers(got["colocated"]) == _numbers(got["plain"])
+    assert all(row["colocate/trainer_resident_gib_rollout"] == 0.0 for row in got["colocated"])
