@@ -80,7 +80,7 @@ def test_colocated_steps_log_phases_and_memory(runs):
     assert not any(k.startswith("colocate/") for k in runs["disaggregated"][0])
 
 
-def test_two_rank_colocated_run_is_bitwise_the_disaggregated_one(tmp_path, data_files):
+def test_two_rank_colocated_run_is_bitwise_the_disaggregated_one(tmp_path, data_files):  # noqa: F811
     """TP2 (sequence parallel) on two processes: the engine calls stay on rank 0, onload / offload and the
     collectives around them run on both ranks in the same order, and the trainer's numbers do not move."""
     tp2 = {"parallel": {"tp": 2, "sequence_parallel": True}, "launch.procs_per_node": 2}
