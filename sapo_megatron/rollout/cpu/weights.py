@@ -31,7 +31,9 @@ Where this server differs from SGLang, on purpose:
 - Accepted fields that mean nothing on a CPU server and are ignored: ``flush_cache`` (no prefix cache),
   ``abort_all_requests`` (requests in flight finish on the old weights; the update waits for the running batch),
   ``torch_empty_cache``, ``disable_draft_model``, ``is_async``, ``keep_pause``, ``recapture_cuda_graph``,
-  ``token_step``. ``load_format`` ``flattened_bucket`` and custom loaders are refused with a clear message.
+  ``token_step``. ``load_format`` ``flattened_bucket`` (one flattened tensor per dtype, every entry checked before
+  its storage opens: :func:`~sapo_megatron.rollout.tensor_transport.deserialize_flattened_bucket`) is taken;
+  custom loaders are refused with a clear message.
 """
 
 from __future__ import annotations
