@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sapo_megatron.tiny import make_tiny_hf_checkpoint
+from sapo_megatron.model.tiny import make_tiny_hf_checkpoint
 
 from tests.distributed import run_distributed
 
