@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sapo_megatron.model.tiny import make_tiny_hf_checkpoint
 
+from sapo_megatron.model.tiny import make_tiny_hf_checkpoint
 from tests.distributed import run_distributed
 
 pytestmark = pytest.mark.slow  # ranks in spawned processes
