@@ -1,18 +1,20 @@
-"""Weight-sync time and bytes, ``disk`` against ``distributed``, from a Megatron trainer to a CPU server in another
+"""Weight-sync time and bytes, ``disk`` against ``distributed`` and bucketed ``tensor``, from a Megatron trainer to a CPU server in another
 process (the stand-in for an SGLang worker), measured in the same run on a Qwen3-MoE of a few hundred MB.
 
     python bench/bench_weight_sync.py [--hidden 768] [--layers 6] [--experts 16] [--repeats 3]
 
 ``disk`` writes an HF checkpoint (safetensors) into a new version directory and the server loads it;
 ``distributed`` broadcasts the same tensors bucket by bucket over a gloo group the server joined (NCCL on GPUs).
-Both include the server's loading. Prints seconds per sync (median), bytes, MB/s and the ratio distributed / disk
-(lower is better for distributed).
+``tensor`` hands the buckets (``--bucket-mb``) to the server as named shared-memory files, ``tensor-flat`` as one
+flattened tensor per dtype (what a colocated sync sends, ``rollout.colocate``). All include the server's
+loading. Prints seconds per sync (median), bytes, MB/s and the ratios to disk (lower is better).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
 import tempfile
 import time
@@ -28,7 +30,8 @@ def cpu_server(model_dir: Path):
     from sapo_megatron.rollout.cpu.process import ServerProcess
 
     server = ServerProcess(
-        "--model-path", str(model_dir), "--port", "0", "--threads", "1", "--dist-timeout", "600"
+        *("--model-path", str(model_dir), "--port", "0", "--threads", "1", "--dist-timeout", "600"),
+        *("--tensor-sender-pid", str(os.getpid())),  # the tensor arm's shared-memory files come from here
     )
     try:
         yield server.url
@@ -56,6 +59,9 @@ def main() -> None:
     parser.add_argument("--experts", type=int, default=16)
     parser.add_argument("--vocab", type=int, default=16384)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--bucket-mb", type=int, default=512, help="tensor arm: bucket size (rollout.colocate)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     from sapo_megatron.config import config_from_dict
@@ -63,7 +69,7 @@ def main() -> None:
     from sapo_megatron.megatron.train_step import TrainEngine
     from sapo_megatron.model.tiny import make_tiny_hf_checkpoint
     from sapo_megatron.rollout.sglang.client import SGLangClient
-    from sapo_megatron.weight_sync import DiskSync
+    from sapo_megatron.weight_sync import DiskSync, TensorSync
     from sapo_megatron.weight_sync.distributed import DistributedSync
 
     shape = {
@@ -91,12 +97,25 @@ def main() -> None:
             )
             dist_s, dist_bytes = timed_pushes(dist_sync, module, args.repeats)
             dist_sync.close()
+            tensor = TensorSync(client, cfg.model.arch, bucket_bytes=args.bucket_mb * 1024**2)
+            tensor_s, tensor_bytes = timed_pushes(tensor, module, args.repeats)
+            client.flatten_buckets = True  # rollout.colocate's form: one flattened bucket per dtype
+            flat_s, flat_bytes = timed_pushes(tensor, module, args.repeats)
     print(
         f"Qwen3-MoE {args.layers} layers, hidden {args.hidden}, {args.experts} experts: {model_mb:.0f} MB fp32"
     )
-    for name, seconds, sent in (("disk", disk_s, disk_bytes), ("distributed", dist_s, dist_bytes)):
+    arms = (
+        ("disk", disk_s, disk_bytes),
+        ("distributed", dist_s, dist_bytes),
+        ("tensor", tensor_s, tensor_bytes),
+        ("tensor-flat", flat_s, flat_bytes),
+    )
+    for name, seconds, sent in arms:
         print(f"{name:12s} {seconds:6.2f} s/sync  {sent / 1e6:7.0f} MB  {sent / 1e6 / seconds:6.0f} MB/s")
-    print(f"ratio distributed / disk: {dist_s / disk_s:.2f}")
+    print(
+        f"ratio distributed / disk: {dist_s / disk_s:.2f}; tensor ({args.bucket_mb} MiB buckets) / disk: "
+        f"{tensor_s / disk_s:.2f}; flattened / disk: {flat_s / disk_s:.2f}"
+    )
 
 
 if __name__ == "__main__":

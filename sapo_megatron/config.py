@@ -293,6 +293,28 @@ class SFTConfig(Section):
     )
 
 
+class ColocateConfig(Section):
+    """The colocated step (sapo_megatron/loop/colocation.py, docs/cluster.md "Colocated training"): the engine releases
+    its memory while the trainer trains, then takes it back and receives the new weights."""
+
+    offload_trainer: bool = Field(
+        default=True,
+        description="move the trainer's parameters, gradients and optimizer state off the device while the engine "
+        "generates (in place; the training is bitwise the same)",
+    )
+    bucket_mb: int = Field(
+        default=512,
+        ge=1,
+        le=65536,
+        description="tensor sync bucket size in MiB (the planner counts one bucket on top of the rollout phase)",
+    )
+    check_weights: bool = Field(
+        default=False,
+        description="after each sync compare SGLang's /weights_checker checksums with the trainer's export "
+        "(TP-1 servers, weight_sync: tensor, rollout.precision fp32 or bf16; checksums match on CPU servers)",
+    )
+
+
 class RolloutConfig(Section):
     """Where samples come from: the CPU engine (in-process, or behind its SGLang-compatible HTTP server) or
     SGLang servers (workers), optionally behind an ``sglang-router`` that balances ``/generate``.
@@ -335,6 +357,11 @@ class RolloutConfig(Section):
     )
     cpu_http: bool = Field(
         default=False, description="run the CPU engine behind its HTTP server and use the client"
+    )
+    colocate: ColocateConfig | None = Field(
+        default=None,
+        description="time-share the devices with the engine: release it while training, offload the trainer "
+        "while generating (engine: sglang with colocated: true, or the CPU engine with cpu_http: true)",
     )
     n_samples: int = Field(default=8, ge=1, le=4096, description="responses per prompt (the GRPO group size)")
     temperature: float = Field(default=1.0, ge=0.0)
@@ -388,6 +415,8 @@ class RolloutConfig(Section):
                 "run on the trainer's GPUs; use weight_sync: distributed (broadcast to remote servers) or disk "
                 "(shared filesystem), or set rollout.colocated: true if the servers are colocated"
             )
+        if self.colocate is not None:
+            self._check_colocate(self.colocate)
         if self.weight_sync == "distributed" and self.engine == "cpu":
             raise ValueError(
                 "rollout.weight_sync=distributed broadcasts to servers in other processes (engine: sglang, e.g. "
@@ -395,6 +424,27 @@ class RolloutConfig(Section):
                 "weight_sync: tensor or disk"
             )
         return self
+
+    def _check_colocate(self, colocate: ColocateConfig) -> None:
+        if self.engine == "sglang" and not self.colocated:
+            raise ValueError(
+                "rollout.colocate time-shares the trainer's GPUs with the servers; set rollout.colocated: true "
+                "(servers on the trainer's GPUs) or drop rollout.colocate"
+            )
+        if self.engine == "cpu" and not self.cpu_http:
+            raise ValueError(
+                "rollout.colocate releases and resumes the engine over SGLang's HTTP API; the in-process CPU "
+                "engine has none: set rollout.cpu_http: true"
+            )
+        if colocate.check_weights and self.weight_sync != "tensor":
+            raise ValueError(
+                "rollout.colocate.check_weights hashes the tensor sync's buckets; it needs weight_sync: tensor"
+            )
+        if colocate.check_weights and self.precision == "fp8":
+            raise ValueError(
+                "rollout.colocate.check_weights compares exact bytes; an fp8 server holds requantized weights: "
+                "turn it off for rollout.precision fp8"
+            )
 
 
 class DataConfig(DatasetKeys):
@@ -569,7 +619,7 @@ class RunConfig(Section):
             student_logp=self.algorithm.opd_student_logp,
             temperature=self.rollout.temperature,
         )
-        if self.trainer.async_rollout and self.rollout.colocated:
+        if self.trainer.async_rollout and (self.rollout.colocated or self.rollout.colocate is not None):
             raise ValueError(
                 "trainer.async_rollout overlaps generation with training, which needs servers on their own "
                 "GPUs; set rollout.colocated: false (servers on other GPUs) or trainer.async_rollout: false"

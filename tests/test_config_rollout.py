@@ -66,3 +66,27 @@ def test_async_rollouts_need_servers_on_their_own_gpus():
     assert config_from_dict(
         {"model": tiny, "rollout": remote, "trainer": {"async_rollout": True}}
     ).trainer.async_rollout
+
+
+def test_colocate_needs_an_engine_it_can_release_and_names_the_fix():
+    assert "set rollout.colocated: true" in error_of(engine="sglang", urls=["http://w:30000"], colocate={})
+    assert "set rollout.cpu_http: true" in error_of(colocate={})
+    colocated = {"engine": "sglang", "urls": ["http://w:30000"], "colocated": True, "weight_sync": "tensor"}
+    section = cfg(**colocated, colocate={}).rollout.colocate
+    assert (section.offload_trainer, section.bucket_mb, section.check_weights) == (True, 512, False)
+    assert "needs weight_sync: tensor" in error_of(
+        cpu_http=True, weight_sync="disk", colocate={"check_weights": True}
+    )
+    assert "fp8" in error_of(cpu_http=True, precision="fp8", colocate={"check_weights": True})
+    assert "bucket_mb" in error_of(cpu_http=True, colocate={"bucket_mb": 0})
+
+
+def test_colocate_refuses_async_rollout():
+    with pytest.raises(ConfigError, match=r"trainer\.async_rollout"):
+        config_from_dict(
+            {
+                "model": {"hf_config": tiny_hf_config("moe")},
+                "rollout": {"cpu_http": True, "colocate": {}},
+                "trainer": {"async_rollout": True},
+            }
+        )

@@ -45,6 +45,7 @@ def test_checks_run_on_cpu_and_report_a_table():
         assert rows[f"{kind}: logit parity vs HF, local spec"] == "PASS"
         assert rows[f"{kind}: SFT + SAPO steps, fp32"] == "PASS"
         assert rows[f"{kind}: packed vs padded micro-batches"] == "PASS"
+        assert rows[f"{kind}: trainer offload and onload"] == "PASS"
         assert rows[f"{kind}: SFT + SAPO steps, bf16"] == "PASS"
         expected_te = "PASS" if HAVE_TE else "SKIP"
         assert rows[f"{kind}: logit parity vs HF, TE spec"] == expected_te

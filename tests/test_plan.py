@@ -156,8 +156,14 @@ def test_json_shape(capsys):
         "activations",
         "headroom_gib",
         "fits",
+        "phases_gib",
     }
     assert set(stage["memory_gib"]) == {"weights", "grads", "optimizer", "reference", "activations", "total"}
+    assert stage["phases_gib"] == {
+        "train": stage["memory_gib"]["total"],
+        "rollout": None,
+        "peak": stage["memory_gib"]["total"],
+    }
     assert set(stage["activations"]) == {"in_flight", "per_micro_batch_gib", "transient_gib", "per_layer_gib"}
     assert stage["layers"] == [0, 48] and stage["fits"] == data["fits"]
     assert stage["memory_gib"]["total"] == pytest.approx(
@@ -197,3 +203,39 @@ def test_suggestions_even_when_the_config_layout_does_not_split(capsys):
     out = capsys.readouterr().out
     assert "the config's layout on 64 GPUs: invalid parallel layout" in out
     assert "layouts that fit on 64 GPUs, best first" in out
+
+
+def test_time_shared_colocation_fits_where_the_fixed_split_does_not(capsys):
+    """rollout.colocate time-shares the GPU: peak = max(train phase, rollout phase) against the whole budget, so
+    Qwen3-30B-A3B on 16 H100s finds layouts that the fixed 0.5 split rejects."""
+    split = {"rollout.colocated": True, "rollout.weight_sync": "tensor"}
+    fixed = load_config(QWEN30B, split)
+    shared = load_config(QWEN30B, {**split, "rollout.colocate": {"bucket_mb": 1024}})
+    settings = PlanSettings(world_size=32, gpu_memory_gib=80, rollout_mem_fraction=0.5)
+    plan_fixed, plan_shared = build_plan(fixed, settings), build_plan(shared, settings)
+    stage = plan_shared.stages[0]
+    assert plan_shared.budget == pytest.approx(
+        (80 - 2 - 0.05 * 80) * GIB
+    )  # the engine is released in training
+    assert stage.train_phase == plan_fixed.stages[0].total
+    assert stage.rollout_phase == pytest.approx(0.5 * 80 * GIB + stage.static.reference + 1024**3)
+    assert stage.total == max(stage.train_phase, stage.rollout_phase)
+    resident = load_config(QWEN30B, {**split, "rollout.colocate": {"offload_trainer": False}})
+    kept = build_plan(resident, settings).stages[0]
+    static = kept.static
+    assert kept.rollout_phase == pytest.approx(
+        0.5 * 80 * GIB + static.weights + static.grads + static.optimizer + static.reference + 512 * 1024**2
+    )
+    overrides = [
+        "--set",
+        "rollout.colocated=true",
+        "--set",
+        "rollout.weight_sync=tensor",
+        "--world-size",
+        "16",
+    ]
+    assert main(["plan", str(QWEN30B), *overrides, "--suggest", "3"]) == 1
+    assert "no layout of this model fits on 16 GPUs" in capsys.readouterr().out
+    main(["plan", str(QWEN30B), *overrides, "--set", "rollout.colocate={}", "--suggest", "3"])
+    out = capsys.readouterr().out
+    assert "layouts that fit on 16 GPUs" in out and "time-shared (rollout.colocate): peak = max(" in out

@@ -220,6 +220,45 @@ class Checks:
             raise AssertionError(f"SAPO step not finite: loss {rl.loss}, grad norm {rl.grad_norm}")
         return f"SFT loss {first.loss:.3f} -> {last.loss:.3f}; SAPO step loss {rl.loss:.4f}, {step_ms:.0f} ms"
 
+    def offload_round_trip(self, kind: str) -> str:
+        """Trainer offload (colocation): after a step, offload everything, check the device memory it frees
+        (allocator figures on a GPU), onload, and compare parameters and optimizer state bit for bit."""
+        from sapo_megatron.megatron.loss_hook import add_global_normalisers
+        from sapo_megatron.megatron.offload import TrainerOffload
+        from sapo_megatron.megatron.sft import sft_loss
+        from sapo_megatron.megatron.train_step import TrainEngine
+        from sapo_megatron.model.batching import TrainSequence, build_micro_batches
+
+        engine = TrainEngine(self.config(kind, "bf16"))
+        gen = torch.Generator().manual_seed(3)
+        seqs = [
+            TrainSequence(torch.randint(3, 64, (12,), generator=gen).tolist(), [5, 6, 7]) for _ in range(8)
+        ]
+        batches = build_micro_batches(seqs, dp_rank=0, dp_size=1, micro_batches=1, pad_id=0)
+        micro = add_global_normalisers([_to(b, self.device) for b in batches])
+        engine.train_step(micro, sft_loss)
+        offload = TrainerOffload(engine.model, engine.optimizer)
+        before = [t.detach().clone() for t in _trainer_state(engine)]
+        _sync(self.device)
+        allocated = torch.cuda.memory_allocated() if self.device.type == "cuda" else 0
+        moved = offload.offload()
+        _sync(self.device)
+        freed = allocated - torch.cuda.memory_allocated() if self.device.type == "cuda" else moved
+        if freed < 0.9 * moved:
+            raise AssertionError(
+                f"offload moved {moved / 2**20:.1f} MiB but the allocator freed {freed / 2**20:.1f}"
+            )
+        offload.onload()
+        after = _trainer_state(engine)
+        if not all(torch.equal(a, b) for a, b in zip(before, after)):
+            raise AssertionError("parameters or optimizer state changed across offload and onload")
+        step = engine.train_step(micro, sft_loss)
+        if not torch.isfinite(torch.tensor(step.loss)):
+            raise AssertionError(f"the step after onload is not finite: {step.loss}")
+        return (
+            f"{moved / 2**20:.1f} MiB moved, {freed / 2**20:.1f} MiB freed; state bitwise equal after onload"
+        )
+
     def packing(self, kind: str) -> str:
         """Packed micro-batches (THD through TE's attention when TE imports, else the block mask) against padded
         ones: per-sequence log-probs of one forward-only pass, and its time per layout."""
@@ -481,6 +520,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def _trainer_state(engine) -> list[torch.Tensor]:
+    """Parameters, then every optimizer state tensor and main parameter (ChainedOptimizer included)."""
+    state = [p for p in engine.module.parameters()]
+    for wrapped in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer]):
+        inner = wrapped.optimizer
+        state += [p for group in inner.param_groups for p in group["params"]]
+        state += [v for entry in inner.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
+    return state
+
+
 def _to(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device) for k, v in batch.items()}
 
@@ -520,6 +569,9 @@ def main(argv: list[str] | None = None) -> int:
                     lambda k=kind, d=dtype: checks.train_steps(k, d),
                 )
             run_check(results, f"{kind}: packed vs padded micro-batches", lambda k=kind: checks.packing(k))
+            run_check(
+                results, f"{kind}: trainer offload and onload", lambda k=kind: checks.offload_round_trip(k)
+            )
         run_check(results, "vl_moe: logit parity vs HF (images), local spec", lambda: checks.vl_parity(False))
         run_check(results, "vl_moe: logit parity vs HF (images), TE spec", lambda: checks.vl_parity(True))
         for dtype in ("fp32", "bf16", "fp8"):

@@ -55,13 +55,14 @@ class Checkpointer:
         extra["lr_bounds"] = list(self.session.engine.lr_bounds())  # the schedule's, for loading it back
         name = f"sft_{state.sft_step:06d}" if phase == "sft" else f"step_{state.step:06d}"
         files = {file: data for file, make in self.attachments.items() if (data := make()) is not None}
-        path = save_train_state(
-            self.session.engine,
-            self.session.run_dir / "checkpoints" / name,
-            extra,
-            keep=self.session.cfg.trainer.keep_checkpoints,
-            files=files,
-        )
+        with self.session.colocation.resident():  # colocated: an offloaded trainer comes back for the save
+            path = save_train_state(
+                self.session.engine,
+                self.session.run_dir / "checkpoints" / name,
+                extra,
+                keep=self.session.cfg.trainer.keep_checkpoints,
+                files=files,
+            )
         self._saved_at = moment
         return path
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -23,10 +23,12 @@ from sapo_megatron.distill.config import check_domains_served, prompt_domains
 from sapo_megatron.distill.step import DistillStep
 from sapo_megatron.errors import UserError
 from sapo_megatron.eval.runner import EvalSuite
+from sapo_megatron.loop.colocation import SERVED_DTYPES, ColocatedSync, Colocation, NoColocation
 from sapo_megatron.loop.evaluation import build_training_suite
 from sapo_megatron.loop.in_flight import holds_batch_in_flight
 from sapo_megatron.loop.inputs import check_input_files
 from sapo_megatron.loop.replay import needs_route_capture
+from sapo_megatron.megatron.offload import TrainerOffload
 from sapo_megatron.megatron.parallel import RankInfo, init_parallel
 from sapo_megatron.megatron.train_step import TrainEngine
 from sapo_megatron.rewards.registry import check_labels
@@ -68,6 +70,7 @@ class Session:
     teachers: Any = None  # distill.teachers.Teachers on the main rank of a run with teachers, else None
     renderer: PromptRenderer | None = None  # prompt rows -> the ids the engine receives (data/render.py)
     samples: SampleLog | None = None  # samples.jsonl (data/samples.py)
+    colocation: Any = field(default_factory=NoColocation)  # rollout.colocate (colocation.py)
 
     @property
     def run_dir(self) -> Path:
@@ -138,6 +141,7 @@ def build_session(
     )
     rollout, server, topology = build_rollout(cfg, info, engine, tokenizer, run_dir)
     sync = build_weight_sync(cfg, info, rollout, topology, tokenizer, run_dir)
+    colocation, sync = build_colocation(cfg, info, engine, rollout, sync)
     reward = build_reward_runner(
         cfg.algorithm.reward,
         workers=cfg.algorithm.reward_workers if info.is_main else 0,  # only the main rank scores
@@ -173,6 +177,7 @@ def build_session(
         teachers=teachers,
         renderer=data.renderer,
         samples=samples,
+        colocation=colocation,
     )
 
 
@@ -262,6 +267,8 @@ def _sglang_client(cfg: RunConfig, topology: Topology, api_key: str | None):
         serializer=_cpu_serializer()
         if (cfg.rollout.engine, cfg.rollout.weight_sync) == ("cpu", "tensor")
         else None,
+        flatten_buckets=cfg.rollout.colocate
+        is not None,  # one flattened bucket per dtype, as slime sends them
     )
 
 
@@ -295,3 +302,22 @@ def build_weight_sync(
         make_client=lambda: _sglang_client(cfg, topology, api_key),
         timeout_s=cfg.rollout.weight_sync_timeout_s,
     )
+
+
+def build_colocation(
+    cfg: RunConfig, info: RankInfo, engine: TrainEngine, rollout: RolloutEngine | None, sync: WeightSync
+):
+    """``(colocation, sync)``: with ``rollout.colocate``, the colocated step and the sync wrapped in its order;
+    otherwise a no-op and the sync as it is."""
+    colocate = cfg.rollout.colocate
+    if colocate is None:
+        return NoColocation(), sync
+    if isinstance(sync, TensorSync):
+        sync.bucket_bytes = colocate.bucket_mb * 1024**2
+    colocation = Colocation(
+        rollout,
+        TrainerOffload(engine.model, engine.optimizer) if colocate.offload_trainer else None,
+        on_main=lambda work: on_main_rank(info, work),
+        check_dtype=SERVED_DTYPES.get(cfg.rollout.precision) if colocate.check_weights else None,
+    )
+    return colocation, ColocatedSync(sync, colocation)

@@ -180,7 +180,27 @@ def rl_step(
     updates = _split(sequences, cfg.trainer.mini_batches)
     layout = route_layout(cfg)
     micro = [add_global_normalisers(_micro_batches(session, update, layout)) for update in updates]
-    routing = RoutingStep(engine, cfg)  # MoE routing: live, R2 or R3 replay, and its metrics
+    with session.colocation.training(metrics):  # colocated: engine released, trainer onloaded
+        _train_updates(session, hook, micro, step, reference, metrics)
+    train_s = time.perf_counter() - start
+    metrics.update(rollouts.push_weights(engine.module))  # waits for a batch in flight first
+    metrics["time/train_s"] = train_s
+    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in sequences)
+    metrics["throughput/train_tokens_per_s"] = tokens / max(train_s, 1e-9)
+    metrics["train/padding_frac"] = padding_fraction(sequences, micro, session.info.dp_size)
+    return metrics
+
+
+def _train_updates(
+    session: Session,
+    hook: PolicyLossHook,
+    micro: list[list[dict]],
+    step: int,
+    reference: ReferenceModel | None,
+    metrics: dict[str, float],
+) -> None:
+    """The old-log-prob pass, the reference and teacher terms, and the ``mini_batches`` policy updates."""
+    routing = RoutingStep(session.engine, session.cfg)  # MoE routing: live, R2 or R3 replay, and its metrics
     routing.old_logp(micro)
     if reference is not None:
         _attach_logp(reference, micro, "ref_logp", session.cfg.rollout.temperature)
@@ -196,13 +216,6 @@ def rl_step(
     metrics.update(pooled.finish(hook.take_ratios()))
     session.distill.observe(metrics)  # SAF's warm-up reads this update's student–teacher KL next step
     metrics.update(routing.metrics())
-    train_s = time.perf_counter() - start
-    metrics.update(rollouts.push_weights(engine.module))  # waits for a batch in flight first
-    metrics["time/train_s"] = train_s
-    tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in sequences)
-    metrics["throughput/train_tokens_per_s"] = tokens / max(train_s, 1e-9)
-    metrics["train/padding_frac"] = padding_fraction(sequences, micro, session.info.dp_size)
-    return metrics
 
 
 def _attach_logp(model, updates: list[list[dict]], key: str, temperature: float) -> None:
@@ -302,9 +315,6 @@ def _micro_batches(session: Session, sequences: list[TrainSequence], routes: Rou
 
 def _finish(session: Session, state: LoopState) -> dict[str, Any]:
     cfg = session.cfg
-    session.checkpointer.save(
-        state, phase="rl" if state.step else "sft"
-    )  # the final state, unless just saved
     summary = {
         **summary_fields(state),  # accuracy_before / _after, the first and last evaluations
         "steps": state.step,
@@ -313,15 +323,19 @@ def _finish(session: Session, state: LoopState) -> dict[str, Any]:
         "reward_errors": session.reward.errors,
         "hf_checkpoint": str(session.run_dir / "hf") if cfg.trainer.export_hf else None,
     }
-    if cfg.trainer.export_hf:  # collective: every rank takes part in gathering the weights
-        out = session.run_dir / "hf"
-        export_hf(
-            session.engine.module,
-            cfg.model.arch,
-            out,
-            tokenizer=session.tokenizer,
-            is_main=session.info.is_main,
-        )
+    with session.colocation.resident():  # colocated: the trainer back on its devices for the save and export
+        session.checkpointer.save(
+            state, phase="rl" if state.step else "sft"
+        )  # the final state, unless just saved
+        if cfg.trainer.export_hf:  # collective: every rank takes part in gathering the weights
+            out = session.run_dir / "hf"
+            export_hf(
+                session.engine.module,
+                cfg.model.arch,
+                out,
+                tokenizer=session.tokenizer,
+                is_main=session.info.is_main,
+            )
     if not session.info.is_main:
         return summary
     write_json_atomic(session.run_dir / "summary.json", summary)

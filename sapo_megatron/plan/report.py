@@ -4,8 +4,18 @@ against the GPU, with a fits / does-not-fit verdict; as text (``plan``, ``train 
 
 Budget of one GPU: ``memory - reserved - rollout``, where ``reserved`` = 2 GiB (CUDA context, NCCL communicators,
 cuBLAS/TE workspaces) + 5% of the memory (allocator fragmentation), and ``rollout`` = the fraction SGLang keeps
-(``--mem-fraction-static``) when ``rollout.colocated`` (this project does not release SGLang's memory between
-generation and training). A stage fits when weights + gradients + optimizer + reference + activations ≤ budget.
+(``--mem-fraction-static``) when ``rollout.colocated`` without ``rollout.colocate`` (a fixed split: the engine
+keeps its memory while the trainer trains). A stage fits when weights + gradients + optimizer + reference +
+activations ≤ budget.
+
+With ``rollout.colocate`` the GPU is time-shared (sapo_megatron/loop/colocation.py): the engine releases all of
+its memory while the trainer trains, and the offloaded trainer leaves only what stays resident while the engine
+generates. The budget is then ``memory - reserved`` for both phases, and a stage fits when
+``max(train phase, rollout phase) ≤ budget``: train phase = the stage's total; rollout phase = the engine's
+fraction + what stays resident (the reference model, one tensor-sync bucket, and weights + gradients + optimizer
+when ``offload_trainer`` is off). The sync itself holds the trainer's weights and a bucket beside the engine's
+weights with its KV cache still released, which the rollout phase bounds while the trainer's weights per GPU
+are below the engine's KV cache.
 """
 
 from __future__ import annotations
@@ -54,10 +64,16 @@ class StagePlan:
     static: StaticMemory
     activations: StageActivations
     budget: float
+    rollout_phase: float | None = None  # time-shared (rollout.colocate): engine share + what stays resident
+
+    @property
+    def train_phase(self) -> float:
+        return self.static.total + self.activations.total
 
     @property
     def total(self) -> float:
-        return self.static.total + self.activations.total
+        """The stage's peak: the train phase, or the larger phase when the GPU is time-shared."""
+        return max(self.train_phase, self.rollout_phase or 0.0)
 
     @property
     def headroom(self) -> float:
@@ -108,26 +124,31 @@ def build_plan(cfg: RunConfig, settings: PlanSettings) -> Plan:
     """The plan of ``cfg``'s layout on ``settings.world_size`` GPUs (the layout must be valid for it)."""
     memory = gpu_memory_gib(cfg, settings.gpu_memory_gib) * GIB
     reserved = RESERVED_GIB * GIB + FRAGMENTATION * memory
-    rollout = rollout_fraction(cfg, settings.rollout_mem_fraction) * memory
+    engine = rollout_fraction(cfg, settings.rollout_mem_fraction) * memory
+    time_shared = cfg.rollout.colocate is not None
+    rollout = 0.0 if time_shared else engine  # time-shared: the engine is released while the trainer trains
     shape = micro_batch_shape(cfg, settings.world_size, settings.prompt_tokens)
     budget = memory - reserved - rollout
-    stages = [
-        StagePlan(
-            shard,
-            memory_estimate(cfg, shard, settings.world_size),
-            stage_activations(
-                cfg,
-                shape,
-                shard.pp_rank,
-                shard.layers,
-                spec=settings.spec,
-                image_patches=settings.image_patches,
-            ),
-            budget,
+    stages = []
+    for shard in stage_shards(cfg):
+        static = memory_estimate(cfg, shard, settings.world_size)
+        activations = stage_activations(
+            cfg, shape, shard.pp_rank, shard.layers, spec=settings.spec, image_patches=settings.image_patches
         )
-        for shard in stage_shards(cfg)
-    ]
+        phase = engine + resident_while_generating(cfg, static) if time_shared else None
+        stages.append(StagePlan(shard, static, activations, budget, phase))
     return Plan(cfg, settings, shape, memory, reserved, rollout, stages)
+
+
+def resident_while_generating(cfg: RunConfig, static: StaticMemory) -> float:
+    """What a time-shared trainer keeps on the GPU while the engine generates: the reference model, one sync
+    bucket, and everything else when it is not offloaded."""
+    colocate = cfg.rollout.colocate
+    assert colocate is not None
+    kept = static.reference + colocate.bucket_mb * 1024**2
+    if not colocate.offload_trainer:
+        kept += static.weights + static.grads + static.optimizer
+    return kept
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -186,6 +207,19 @@ def _header_lines(cfg: RunConfig, plan: Plan) -> list[str]:
         f"micro-batch: {batch}; activations counted for the {plan.settings.spec} layer spec",
         f"GPU {plan.gpu_memory / GIB:.1f} GiB - reserved {_gib(plan.reserved)} (CUDA context, NCCL, "
         f"fragmentation) - colocated rollout {_gib(plan.rollout)} = {_gib(plan.budget)} GiB per rank",
+        *_time_sharing_line(cfg, plan),
+    ]
+
+
+def _time_sharing_line(cfg: RunConfig, plan: Plan) -> list[str]:
+    if cfg.rollout.colocate is None:
+        return []
+    fraction = rollout_fraction(cfg, plan.settings.rollout_mem_fraction)
+    stage = max(plan.stages, key=lambda s: s.total)
+    return [
+        f"time-shared (rollout.colocate): peak = max(train phase {_gib(stage.train_phase)}, rollout phase "
+        f"{_gib(stage.rollout_phase or 0.0)} = engine {fraction:.2f} of the GPU + resident trainer "
+        f"{_gib((stage.rollout_phase or 0.0) - fraction * plan.gpu_memory)}) GiB on stage {stage.shard.pp_rank}",
     ]
 
 
@@ -309,7 +343,12 @@ def _stage_json(stage: StagePlan) -> dict[str, Any]:
             "optimizer": _r(mem.optimizer),
             "reference": _r(mem.reference),
             "activations": _r(act.total),
-            "total": _r(stage.total),
+            "total": _r(stage.train_phase),
+        },
+        "phases_gib": {  # rollout: null unless rollout.colocate time-shares the GPU; peak = the larger
+            "train": _r(stage.train_phase),
+            "rollout": None if stage.rollout_phase is None else _r(stage.rollout_phase),
+            "peak": _r(stage.total),
         },
         "activations": {
             "in_flight": act.in_flight,

@@ -55,7 +55,8 @@ import pickle
 import re
 import stat
 import threading
-from collections.abc import Callable, Collection
+import types
+from collections.abc import Callable, Collection, Sequence
 from multiprocessing import resource_sharer
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
@@ -96,16 +97,133 @@ def serialize_named_tensors(named: list[tuple[str, torch.Tensor]], *, sharing: s
             raise TypeError(
                 f"serialize_named_tensors expects (name, tensor) pairs, got {type(item).__name__}"
             )
+    return _dump(list(named), sharing)
+
+
+def _dump(payload: object, sharing: str | None) -> str:
     buffer = io.BytesIO()
     with _STRATEGY_LOCK:
         previous = torch.multiprocessing.get_sharing_strategy()
         if sharing is not None:
             torch.multiprocessing.set_sharing_strategy(sharing)
         try:
-            ForkingPickler(buffer).dump(list(named))
+            ForkingPickler(buffer).dump(payload)
         finally:
             torch.multiprocessing.set_sharing_strategy(previous)
     return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Flattened buckets (load_format "flattened_bucket")
+# ---------------------------------------------------------------------------------------------------------------
+# SGLang 0.5.23 (srt/model_executor/model_runner_components/weight_updater.py, _update_weights_from_flattened_bucket;
+# srt/weight_sync/tensor_bucket.py): the payload is {"flattened_tensor": uint8 [N], "metadata": [m, ...]} and each
+# m is read by attribute (name, shape, dtype, start_idx, end_idx, numel; byte offsets into the flat tensor). slime
+# sends SGLang's own FlattenedTensorMetadata; the metadata here are types.SimpleNamespace, which any receiver can
+# unpickle without this package. One bucket per dtype, in a fresh buffer (slime PR #929: SGLang replies before its
+# copies finish, so a buffer must never be reused for the next bucket).
+FLATTENED_BUCKET = "flattened_bucket"
+
+
+def flattened_buckets(named: Sequence[tuple[str, torch.Tensor]]) -> list[dict[str, Any]]:
+    """One flattened bucket per dtype (in the order of first appearance), each in a new buffer."""
+    by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor in named:
+        by_dtype.setdefault(tensor.dtype, []).append((name, tensor))
+    buckets = []
+    for dtype, items in by_dtype.items():
+        flats = [tensor.detach().contiguous().reshape(-1).view(torch.uint8) for _, tensor in items]
+        metadata, offset = [], 0
+        for (name, tensor), flat in zip(items, flats):
+            metadata.append(
+                types.SimpleNamespace(
+                    name=name,
+                    shape=torch.Size(tensor.shape),
+                    dtype=dtype,
+                    start_idx=offset,
+                    end_idx=offset + flat.numel(),
+                    numel=flat.numel(),
+                )
+            )
+            offset += flat.numel()
+        buckets.append({"flattened_tensor": torch.cat(flats), "metadata": metadata})
+    return buckets
+
+
+def serialize_flattened_bucket(bucket: dict[str, Any], *, sharing: str | None = "file_system") -> str:
+    """One ``serialized_named_tensors`` entry of a flattened bucket (CPU tensors; handles, no data)."""
+    return _dump(bucket, sharing)
+
+
+def deserialize_flattened_bucket(
+    data: str | bytes, *, check: PairCheck | None = None, allowed_pids: Collection[int] = ()
+) -> list[tuple[str, torch.Tensor]]:
+    """The (name, tensor) views of one flattened-bucket entry. Every metadata entry is checked (bounds,
+    alignment, sizes, ``check``) before the flat tensor's storage is opened."""
+    raw = _decode(data) if isinstance(data, str) else data
+    unpickler = _RestrictedUnpickler(
+        io.BytesIO(raw), allowed_pids={os.getpid(), *allowed_pids}, namespaces=True
+    )
+    try:
+        loaded = unpickler.load()
+    except TensorTransportError:
+        raise
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as exc:
+        raise TensorTransportError(f"not a flattened bucket: {type(exc).__name__}: {exc}") from exc
+    flat, entries = _check_flattened(loaded)
+    if check is not None:
+        for name, shape, dtype, _ in entries:
+            try:
+                check(name, shape, dtype)
+            except ValueError as exc:
+                raise TensorTransportError(f"{exc}; nothing was opened or changed") from exc
+    try:
+        opened = flat.open()
+    except (OSError, RuntimeError) as exc:
+        raise TensorTransportError(_unreachable_message(exc)) from exc
+    return [
+        (name, opened[start : start + math.prod(shape) * dtype.itemsize].view(dtype).reshape(shape))
+        for name, shape, dtype, start in entries
+    ]
+
+
+def _check_flattened(
+    loaded: object,
+) -> tuple[_PendingTensor, list[tuple[str, tuple[int, ...], torch.dtype, int]]]:
+    if not (isinstance(loaded, dict) and set(loaded) == {"flattened_tensor", "metadata"}):
+        raise TensorTransportError(
+            "a flattened bucket is {'flattened_tensor': uint8 tensor, 'metadata': [...]}"
+        )
+    flat, metadata = loaded["flattened_tensor"], loaded["metadata"]
+    if not (isinstance(flat, _PendingTensor) and flat.typed.dtype == torch.uint8 and len(flat.shape) == 1):
+        raise TensorTransportError("flattened_tensor must be a 1-D uint8 CPU tensor")
+    if flat.stride != (1,) or not isinstance(metadata, list) or not metadata:
+        raise TensorTransportError("flattened_tensor must be contiguous and metadata a non-empty list")
+    entries, end = [], 0
+    for meta in metadata:
+        if not isinstance(meta, types.SimpleNamespace):
+            raise TensorTransportError("flattened bucket metadata must be attribute records")
+        fields = vars(meta)
+        name, dtype = fields.get("name"), fields.get("dtype")
+        if not isinstance(name, str) or not isinstance(dtype, torch.dtype):
+            raise TensorTransportError(
+                f"flattened bucket entry {name!r}: name must be a str and dtype a torch dtype"
+            )
+        shape = _ints(tuple(fields.get("shape", ())), "size")
+        (start, stop, numel) = _ints(
+            (fields.get("start_idx"), fields.get("end_idx"), fields.get("numel")), "offsets"
+        )
+        size = math.prod(shape) * dtype.itemsize
+        if start != end or stop - start != numel or numel != size or start % dtype.itemsize:
+            raise TensorTransportError(
+                f"flattened bucket entry {name}: bytes [{start}, {stop}) do not hold a {list(shape)} {dtype} tensor "
+                "right after the previous entry"
+            )
+        end = stop
+        entries.append((name, shape, dtype, start))
+    if end != flat.shape[0]:
+        raise TensorTransportError(f"flattened bucket metadata covers {end} of its {flat.shape[0]} bytes")
+    return flat, entries
 
 
 def deserialize_named_tensors(
@@ -373,9 +491,10 @@ def _pending_empty(cls: object) -> _PendingStorage:
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, *, allowed_pids: Collection[int]) -> None:
+    def __init__(self, file: io.BytesIO, *, allowed_pids: Collection[int], namespaces: bool = False) -> None:
         super().__init__(file)
         self._globals: dict[tuple[str, str], Any] = {
+            **({("types", "SimpleNamespace"): types.SimpleNamespace} if namespaces else {}),
             ("torch", "Tensor"): torch.Tensor,
             ("torch", "Size"): torch.Size,
             ("torch.storage", "UntypedStorage"): torch.UntypedStorage,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -21,6 +22,9 @@ class WeightSync(abc.ABC):
     def __init__(self, engine: RolloutEngine | None, arch: QwenArch) -> None:
         self.engine, self.arch = engine, arch
         self.version = 0
+        self.on_bucket: Callable[[list[tuple[str, torch.Tensor]]], None] | None = (
+            None  # sees each bucket sent
+        )
 
     @property
     def is_main(self) -> bool:
@@ -60,6 +64,8 @@ class TensorSync(WeightSync):
         sent = 0
         for bucket in hf_buckets(module, self.arch, self.bucket_bytes):
             if self.engine is not None and bucket:
+                if self.on_bucket is not None:
+                    self.on_bucket(bucket)
                 self.engine.update_weights_from_tensors(bucket)
                 sent += bucket_bytes_of(bucket)
         if self.engine is not None:

@@ -104,3 +104,48 @@ def process_group_timeouts(payload: dict[str, Any]) -> list[float]:
     init_parallel(cfg.parallel, seed=0, cfg=cfg, timeout_minutes=payload["timeout_minutes"])
     groups = (dist.distributed_c10d._get_default_group(), data_parallel_group())
     return [g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups]
+
+
+def offload_steps(payload: dict[str, Any]) -> dict[str, Any]:
+    """Three SFT steps; with ``payload["offload"]`` the trainer is offloaded after each step as a colocated step
+    does it (everything; then the parameters alone come back for the weight export and leave again), and onloaded
+    before the next. Returns per-step loss and grad norm, the final weights, and the bytes left on the device
+    while offloaded."""
+    from sapo_megatron.megatron.offload import TrainerOffload
+
+    cfg = layout_config(payload)
+    init_parallel(cfg.parallel, seed=0, cfg=cfg)
+    engine = TrainEngine(cfg, total_steps=3)
+    offload = TrainerOffload(engine.model, engine.optimizer) if payload["offload"] else None
+    steps, resident, exported = [], [], []
+    for step in range(3):
+        batches = sft_micro_batches(payload["ids"][step], payload["mask"][step], cfg.parallel.micro_batches)
+        result = engine.train_step(batches, sft_loss)
+        steps.append((result.loss, result.grad_norm, result.metrics["sft/nll"]))
+        if offload is not None:
+            offload.offload()
+            resident.append(sum(p.untyped_storage().nbytes() for p in engine.module.parameters()))
+            offload.onload(["params"])  # the weight source of the sync
+            exported.append(_owned_weights(engine, cfg))
+            offload.offload(["params"])
+            offload.onload()
+        else:
+            exported.append(_owned_weights(engine, cfg))
+    optimizer_state = [
+        v.float().clone()
+        for opt in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer])
+        for state in opt.optimizer.state.values()
+        for v in state.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    ]
+    return {
+        "steps": steps,
+        "exported": exported,
+        "resident": resident,
+        "optimizer_state": optimizer_state,
+        "moved": offload.nbytes() if offload is not None else 0,
+    }
+
+
+def _owned_weights(engine: TrainEngine, cfg: RunConfig) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in iter_hf_weights(engine.module, cfg.model.arch, owned_only=True)}

@@ -16,7 +16,10 @@ import torch.multiprocessing
 
 from sapo_megatron.rollout.tensor_transport import (
     TensorTransportError,
+    deserialize_flattened_bucket,
     deserialize_named_tensors,
+    flattened_buckets,
+    serialize_flattened_bucket,
     serialize_named_tensors,
 )
 from tests.rollout.server_process import child_env
@@ -122,3 +125,50 @@ def test_another_process_opens_file_system_handles_and_explains_file_descriptor_
     assert len(lines) == 2, receiver.stderr[-2000:]
     assert lines[0].startswith("refused") and "set_sharing_strategy('file_system')" in lines[0]
     assert lines[1] == "ok w 8.0"
+
+
+def test_flattened_buckets_one_per_dtype_in_fresh_buffers_round_trip():
+    named = [
+        ("a", torch.arange(6, dtype=torch.float32).reshape(2, 3)),
+        ("b", torch.ones(4, dtype=torch.bfloat16)),
+        ("c", torch.full((5,), 2.5)),
+    ]
+    buckets = flattened_buckets(named)
+    assert [[m.name for m in b["metadata"]] for b in buckets] == [["a", "c"], ["b"]]
+    assert all(
+        b["flattened_tensor"].untyped_storage().data_ptr() != named[0][1].untyped_storage().data_ptr()
+        for b in buckets
+    )
+    received = dict(
+        pair for b in buckets for pair in deserialize_flattened_bucket(serialize_flattened_bucket(b))
+    )
+    for name, tensor in named:
+        assert received[name].dtype == tensor.dtype and torch.equal(received[name], tensor)
+
+
+def _forged(bucket: dict) -> str:
+    return serialize_flattened_bucket(bucket)
+
+
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [
+        (lambda b: b["metadata"][0].__dict__.update(end_idx=b["metadata"][0].end_idx + 4), "do not hold"),
+        (lambda b: b["metadata"][1].__dict__.update(start_idx=0, end_idx=20), "do not hold"),
+        (lambda b: b["metadata"].pop(), "covers 24 of its 44 bytes"),
+        (lambda b: b.update(extra=1), "a flattened bucket is"),
+        (lambda b: b["metadata"][0].__dict__.update(dtype="float32"), "dtype a torch dtype"),
+    ],
+    ids=["overrun", "overlap", "uncovered", "extra-key", "dtype-string"],
+)
+def test_forged_flattened_metadata_is_refused_before_opening(edit, words):
+    bucket = flattened_buckets([("a", torch.zeros(2, 3)), ("b", torch.zeros(5))])[0]
+    edit(bucket)
+    with pytest.raises(TensorTransportError, match=words):
+        deserialize_flattened_bucket(_forged(bucket))
+
+
+def test_flattened_bucket_refuses_other_classes():
+    payload = base64.b64encode(pickle.dumps({"flattened_tensor": 1, "metadata": [os.system]})).decode()
+    with pytest.raises(TensorTransportError, match="not allowed"):
+        deserialize_flattened_bucket(payload)

@@ -115,7 +115,9 @@ def test_refused_tensor_updates_change_nothing(http, moe_dir):
     cases = [
         ([("model.nope.weight", torch.zeros(2))], None, "unknown weight name"),
         ([("model.embed_tokens.weight", torch.zeros(3, 3))], None, "shape"),
-        ([("model.norm.weight", torch.zeros(32))], "flattened_bucket", "load_format 'flattened_bucket'"),
+        # a plain (name, tensor) list labelled as a flattened bucket (SGLang's load_format for one)
+        ([("model.norm.weight", torch.zeros(32))], "flattened_bucket", "a flattened bucket is"),
+        ([("model.norm.weight", torch.zeros(32))], "safetensors", "load_format 'safetensors'"),
     ]
     for named, load_format, words in cases:
         body = {"serialized_named_tensors": [serialize_named_tensors(named)], "load_format": load_format}

@@ -87,6 +87,18 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         help="seed for requests without sampling_seed (default: %(default)s)",
     )
     parser.add_argument(
+        "--enable-memory-saver",
+        action="store_true",
+        help="as SGLang's: release_memory_occupation really frees memory; here released weights come back as "
+        "garbage on resume unless --enable-weights-cpu-backup, as on a GPU (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--enable-weights-cpu-backup",
+        action="store_true",
+        help="with --enable-memory-saver: keep a CPU copy of released weights and restore it on resume "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
         "--dist-timeout",
         type=float,
         default=DIST_TIMEOUT_S,

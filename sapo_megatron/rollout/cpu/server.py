@@ -20,7 +20,10 @@ Endpoints (what each checks):
 - ``GET /get_server_info``: the ``server_args`` fields a client reads (``tp_size`` 1, ``dp_size``, ``pp_size``,
   ``ep_size``, ``enable_return_routed_experts``, ``weight_version``, ``max_running_requests``,
   ``context_length``, ``dtype``, ``quantization``, ...), never the API key. ``GET /get_weight_version``.
-- ``GET|POST /flush_cache``: nothing to flush (no prefix cache); 200 with SGLang's text.
+- ``GET|POST /flush_cache``: nothing to flush (no prefix cache); 200 with SGLang's text, 400 while requests run.
+- Memory (:mod:`.memory`): ``/release_memory_occupation``, ``/resume_memory_occupation``;
+  ``/weights_checker`` with ``action: checksum`` (SGLang's served names and hashes, see
+  :mod:`sapo_megatron.rollout.weight_checksum`).
 - Weight sync (:mod:`cpu_server_weights`): ``POST /update_weights_from_disk``, ``/update_weights_from_tensor``,
   ``/init_weights_update_group``, ``/update_weights_from_distributed``, ``/destroy_weights_update_group``,
   ``/begin_weight_update``, ``/end_weight_update`` (SGLang 0.5.23's weight-update sessions).
@@ -71,6 +74,7 @@ from sapo_megatron.rollout.cpu.http import (
     json_response,
     text_response,
 )
+from sapo_megatron.rollout.cpu.memory import MemoryEndpoints
 from sapo_megatron.rollout.cpu.weights import (
     InvalidRequest,
     WeightEndpoints,
@@ -111,14 +115,23 @@ class _Batcher:
         self.window_s = window_s
         self.max_rows = max_rows
         self.dropped = 0  # requests dropped because their client hung up
+        self.pending = 0  # requests queued or running (SGLang's "fully idle" is pending == 0)
+        self._pending_lock = threading.Lock()
         self._queue: queue.Queue[_Item | None] = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="cpu-server-batcher", daemon=True)
         self._thread.start()
 
     def submit(self, rows: list[RowSpec], client_gone: Callable[[], bool] = lambda: False) -> Future:
         future: Future = Future()
+        with self._pending_lock:
+            self.pending += 1
+        future.add_done_callback(self._done)
         self._queue.put(_Item(rows, future, client_gone))
         return future
+
+    def _done(self, _future: Future) -> None:
+        with self._pending_lock:
+            self.pending -= 1
 
     def stop(self) -> None:
         self._queue.put(None)
@@ -202,6 +215,7 @@ FLUSH_CACHE_TEXT = (
     "Cache flushed.\nPlease check backend logs for more details. "
     "(When there are running or waiting requests, the operation will not be performed.)\n"
 )
+FLUSH_CACHE_FAILED_TEXT = "Flush cache failed.\n"  # SGLang: ret.message or this, with HTTP 400
 
 
 class CPUServer:
@@ -224,6 +238,8 @@ class CPUServer:
         limits: Limits | None = None,
         max_rows_per_request: int = DEFAULT_MAX_ROWS_PER_REQUEST,
         guard: WeightGuard | None = None,
+        memory_saver: bool = False,
+        weights_cpu_backup: bool = False,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -234,6 +250,13 @@ class CPUServer:
         self.max_rows_per_request = max_rows_per_request
         self.batcher = _Batcher(engine, batch_window_s, engine.max_batch_size)
         self.weights = WeightEndpoints(engine, dist_timeout_s=dist_timeout_s, guard=guard)
+        self.memory = MemoryEndpoints(
+            engine,
+            busy=lambda: self.batcher.pending > 0,
+            crash=self._crash,
+            memory_saver=memory_saver,
+            weights_cpu_backup=weights_cpu_backup,
+        )
         self.stopped = False
         self._routes = self._build_routes()
         self._httpd = HTTPServer((host, port), self, limits)
@@ -281,6 +304,11 @@ class CPUServer:
         if self._thread is not None:
             self._thread.join(timeout=30)
 
+    def _crash(self) -> None:
+        """Go down as SGLang does when its scheduler raises: answer nothing from now on, then stop."""
+        self.stopped = True
+        threading.Thread(target=self.stop, name="cpu-server-crash", daemon=True).start()
+
     def __enter__(self) -> CPUServer:
         return self if self._thread is not None else self.start()
 
@@ -300,7 +328,10 @@ class CPUServer:
                 ("GET",),
                 lambda *_: (HTTPStatus.OK, {"weight_version": weights.weight_version}),
             ),
-            "/flush_cache": (("GET", "POST"), lambda *_: (HTTPStatus.OK, FLUSH_CACHE_TEXT)),
+            "/flush_cache": (("GET", "POST"), lambda *_: self.flush_cache()),
+            "/release_memory_occupation": (("GET", "POST"), self.memory.release),
+            "/resume_memory_occupation": (("GET", "POST"), self.memory.resume),
+            "/weights_checker": (("GET", "POST"), self.memory.check_weights),
             "/update_weights_from_disk": (("POST",), weights.update_from_disk),
             "/update_weights_from_tensor": (("POST",), weights.update_from_tensor),
             "/init_weights_update_group": (("POST",), weights.init_group),
@@ -340,7 +371,15 @@ class CPUServer:
         return json_response(status, payload)
 
     # ------------------------------------------------------------------ endpoints
+    def flush_cache(self) -> tuple[HTTPStatus, str]:
+        """Nothing to flush (no prefix cache); refused (400) while requests run or wait, as SGLang's scheduler
+        refuses (``flush_cache``: "Cache not flushed because there are pending requests")."""
+        if self.batcher.pending:
+            return HTTPStatus.BAD_REQUEST, FLUSH_CACHE_FAILED_TEXT
+        return HTTPStatus.OK, FLUSH_CACHE_TEXT
+
     def generate(self, body: dict[str, Any], request: Request | None = None) -> Any:
+        self.memory.check_serving()
         rows, echo, batched = _parse_generate(self._with_input_ids(body), self.max_rows_per_request)
         for row in rows:
             try:
@@ -613,6 +652,8 @@ def serve(
     limits: Limits | None = None,
     max_rows_per_request: int = DEFAULT_MAX_ROWS_PER_REQUEST,
     guard: WeightGuard | None = None,
+    memory_saver: bool = False,
+    weights_cpu_backup: bool = False,
 ) -> CPUServer:
     """Load ``model_dir`` and serve it in ``precision`` (fp32, bf16, fp8). ``block=False`` returns the started
     server (stop it with ``.stop()``)."""
@@ -631,6 +672,8 @@ def serve(
             limits=limits,
             max_rows_per_request=max_rows_per_request,
             guard=guard,
+            memory_saver=memory_saver,
+            weights_cpu_backup=weights_cpu_backup,
         )
     except OSError as exc:
         raise ServeError(f"cannot listen on {host}:{port}: {exc}") from exc
@@ -701,6 +744,8 @@ def serve_from_args(args: argparse.Namespace) -> int:
                 tensor_sender_pids=args.tensor_sender_pid,
                 connect_timeout_s=args.weight_group_connect_timeout,
             ),
+            memory_saver=args.enable_memory_saver,
+            weights_cpu_backup=args.enable_weights_cpu_backup,
         )
         print(f"serving {args.model_path} at {server.url}", flush=True)
         try:

@@ -31,7 +31,9 @@ Where this server differs from SGLang, on purpose:
 - Accepted fields that mean nothing on a CPU server and are ignored: ``flush_cache`` (no prefix cache),
   ``abort_all_requests`` (requests in flight finish on the old weights; the update waits for the running batch),
   ``torch_empty_cache``, ``disable_draft_model``, ``is_async``, ``keep_pause``, ``recapture_cuda_graph``,
-  ``token_step``. ``load_format`` ``flattened_bucket`` and custom loaders are refused with a clear message.
+  ``token_step``. ``load_format`` ``flattened_bucket`` (one flattened tensor per dtype, every entry checked before
+  its storage opens: :func:`~sapo_megatron.rollout.tensor_transport.deserialize_flattened_bucket`) is taken;
+  custom loaders are refused with a clear message.
 """
 
 from __future__ import annotations
@@ -52,7 +54,12 @@ import torch
 from sapo_megatron.rollout.cpu.engine import CPUEngine
 from sapo_megatron.rollout.cpu.flags import DEFAULT_CONNECT_TIMEOUT_S
 from sapo_megatron.rollout.cpu.http import Request
-from sapo_megatron.rollout.tensor_transport import TensorTransportError, deserialize_named_tensors
+from sapo_megatron.rollout.tensor_transport import (
+    FLATTENED_BUCKET,
+    TensorTransportError,
+    deserialize_flattened_bucket,
+    deserialize_named_tensors,
+)
 from sapo_megatron.rollout.weight_group import (
     DEFAULT_TIMEOUT_S,
     WeightGroupError,
@@ -228,13 +235,15 @@ class WeightEndpoints:
             raise InvalidRequest(
                 "serialized_named_tensors must be a non-empty list of base64 strings, one per TP rank"
             )
-        if fields["load_format"] not in (None, "direct"):
+        load_format = fields["load_format"]
+        if load_format not in (None, "direct", FLATTENED_BUCKET):
             return _failure(
-                f"load_format {fields['load_format']!r} is not supported by the CPU server; send null"
+                f"load_format {load_format!r} is not supported by the CPU server; send null or {FLATTENED_BUCKET}"
             )
+        read = deserialize_flattened_bucket if load_format == FLATTENED_BUCKET else deserialize_named_tensors
         with self._update_lock:
             try:
-                named = deserialize_named_tensors(  # this server is TP rank 0 of 1
+                named = read(  # this server is TP rank 0 of 1
                     entries[0], check=self._check_tensor, allowed_pids=self.guard.tensor_sender_pids
                 )
                 self.engine.update_weights_from_tensors(named)

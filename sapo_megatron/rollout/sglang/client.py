@@ -44,7 +44,18 @@ from sapo_megatron.rollout.protocol import (
     parse_score_reply,
     score_payload,
 )
+from sapo_megatron.rollout.sglang.memory import (
+    MEMORY_TAGS,
+    MemoryState,
+    MemoryStateError,
+    normalize_tags,
+)
 from sapo_megatron.rollout.sglang.topology import auth_headers
+from sapo_megatron.rollout.tensor_transport import (
+    FLATTENED_BUCKET,
+    flattened_buckets,
+    serialize_flattened_bucket,
+)
 from sapo_megatron.rollout.types import GenerationRequest, Sample
 from sapo_megatron.runtime.interrupts import wait_for
 
@@ -67,6 +78,10 @@ class _Server:
     cooldown_until: float = 0.0
     weight_version: int = 0
     tp_size: int = 1
+    memory: MemoryState = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.memory = MemoryState(self.url)
 
 
 class SGLangClient(RolloutEngine):
@@ -111,6 +126,7 @@ class SGLangClient(RolloutEngine):
         weight_sync_timeout_s: float = 1800.0,
         tp_size: int | Sequence[int] = 1,
         serializer: Callable[[list[tuple[str, torch.Tensor]]], str] | None = None,
+        flatten_buckets: bool = False,
     ) -> None:
         url_list = [urls] if isinstance(urls, str) else list(urls)
         if not url_list:
@@ -136,10 +152,12 @@ class SGLangClient(RolloutEngine):
         self.cooldown_s = cooldown_s
         self.weight_sync_timeout_s = weight_sync_timeout_s
         self._serializer = serializer
+        self.flatten_buckets = flatten_buckets
         self._weight_version = 0
         self._sessions: set[str] = set()  # workers with an open SGLang weight-update session (begin/end)
         self._lock = threading.Lock()
         self._round_robin = itertools.count()
+        self._busy = 0  # generate / score calls of this client in flight (a release must wait for them)
         self._counters = dict.fromkeys(
             (
                 "rollout/requests",
@@ -182,6 +200,7 @@ class SGLangClient(RolloutEngine):
                 raise ValueError(
                     "return_routed_experts needs SGLangClient(num_layers=...) to shape the payload"
                 )
+        self._require_memory(MEMORY_TAGS, "generate")
         call_id = uuid.uuid4().hex[:12]
         slots: list[list[Sample | None]] = [[None] * req.n for req in requests]
 
@@ -250,6 +269,7 @@ class SGLangClient(RolloutEngine):
         self, token_ids_list: Sequence[Sequence[int]], response_start: int | Sequence[int]
     ) -> list[list[float]]:
         starts = normalize_response_starts(token_ids_list, response_start)
+        self._require_memory(MEMORY_TAGS, "score")
         call_id = uuid.uuid4().hex[:12]
         results: list[list[float] | None] = [None] * len(token_ids_list)
 
@@ -269,15 +289,21 @@ class SGLangClient(RolloutEngine):
     def _run_all(self, tasks: list[tuple[Callable[..., None], tuple]]) -> None:
         """Run tasks on the pool; on the first lasting failure cancel the rest and raise it."""
         cancel = threading.Event()
-        pending = {self._pool.submit(fn, *args, cancel) for fn, args in tasks}
-        errors: list[BaseException] = []
-        while pending:
-            done, pending = wait(pending, return_when=FIRST_EXCEPTION)
-            for future in done:
-                exc = future.exception()
-                if exc is not None and not isinstance(exc, _Cancelled):
-                    cancel.set()
-                    errors.append(exc)
+        with self._lock:
+            self._busy += 1
+        try:
+            pending = {self._pool.submit(fn, *args, cancel) for fn, args in tasks}
+            errors: list[BaseException] = []
+            while pending:
+                done, pending = wait(pending, return_when=FIRST_EXCEPTION)
+                for future in done:
+                    exc = future.exception()
+                    if exc is not None and not isinstance(exc, _Cancelled):
+                        cancel.set()
+                        errors.append(exc)
+        finally:
+            with self._lock:
+                self._busy -= 1
         if errors:
             raise errors[0]
 
@@ -432,6 +458,7 @@ class SGLangClient(RolloutEngine):
         """``POST /update_weights_from_disk {model_path}`` on every worker, then finish the update (flush caches).
 
         ``path`` must be absolute and readable by every worker (a shared filesystem on a cluster)."""
+        self._require_memory(("weights",), "update_weights_from_disk")
         if not path.startswith("/"):
             raise ValueError(
                 f"update_weights_from_disk needs an absolute path the servers can read, got {path!r}"
@@ -455,16 +482,26 @@ class SGLangClient(RolloutEngine):
         each worker (call :meth:`finish_weight_update` after the last bucket).
 
         The payload holds handles, not data: CUDA IPC handles (servers colocated on the trainer's GPUs) or, for CPU
-        tensors, named shared-memory files (servers on this machine, e.g. real SGLang on CPU)."""
-        serializer = self._serializer or _engine_serializer()
+        tensors, named shared-memory files (servers on this machine, e.g. real SGLang on CPU). With
+        ``flatten_buckets`` the bucket goes as one flattened tensor per dtype (SGLang's ``flattened_bucket``)."""
+        self._require_memory(("weights",), "update_weights_from_tensors")
         named = [(name, tensor) for name, tensor in named_tensors]  # alive until every worker has replied
-        blob = serializer(named)
+        if self.flatten_buckets:
+            for bucket in flattened_buckets(
+                named
+            ):  # one POST per dtype, each a fresh buffer kept until replied
+                self._post_tensors(_flat_serializer(bucket), FLATTENED_BUCKET)
+                del bucket
+        else:
+            self._post_tensors((self._serializer or _engine_serializer())(named), None)
+        del named
 
+    def _post_tensors(self, blob: str, load_format: str | None) -> None:
         def load(server: _Server) -> None:
             self._begin_session(server)
             payload = {
                 "serialized_named_tensors": [blob] * server.tp_size,
-                "load_format": None,
+                "load_format": load_format,
                 "flush_cache": False,
             }
             reply = self._post(
@@ -477,7 +514,6 @@ class SGLangClient(RolloutEngine):
             self._check_success(reply, server, "update_weights_from_tensor")
 
         self._update_each_worker(load, "update_weights_from_tensors")
-        del named
 
     def weight_group_layout(self) -> tuple[int, list[int]]:
         """``(world_size, rank_offsets)`` of a weight-update group: the trainer is rank 0, worker ``i``'s TP ranks
@@ -538,6 +574,7 @@ class SGLangClient(RolloutEngine):
         last bucket. A worker that fails here breaks the group: the error is raised, never skipped."""
         if not len(names) == len(dtypes) == len(shapes):
             raise ValueError("names, dtypes and shapes must have the same length")
+        self._require_memory(("weights",), "update_weights_from_distributed")
         payload = {
             "names": list(names),
             "dtypes": list(dtypes),
@@ -620,6 +657,118 @@ class SGLangClient(RolloutEngine):
                 logger.warning("flush_cache on %s failed: %s", server.url, outcome)
             elif isinstance(outcome, Exception):
                 raise outcome
+
+    # ------------------------------------------------------------------ memory (colocation, see memory.py)
+    def release_memory(self, tags: Sequence[str] | None = None) -> None:
+        """``POST /release_memory_occupation {tags}`` on every worker (None or ``[]``: all of ``MEMORY_TAGS``).
+
+        Refused before anything is sent (:class:`MemoryStateError`) while this client's requests run, when a
+        worker reports requests of others (``/flush_cache`` answers 400 unless idle: the idle probe), or when a tag
+        is already released: SGLang's scheduler asserts idleness and dies otherwise."""
+        chosen = normalize_tags(tags)
+        with self._lock:
+            busy = self._busy
+        for server in self._servers:
+            server.memory.check_release(chosen, busy)
+        self._probe_idle(chosen)
+        self._memory_call("/release_memory_occupation", chosen, lambda s: s.memory.released.update(chosen))
+
+    def resume_memory(self, tags: Sequence[str] | None = None) -> None:
+        """``POST /resume_memory_occupation {tags}`` on every worker; refused for a tag that is not released
+        (SGLang's scheduler raises ``KeyError`` and dies)."""
+        chosen = normalize_tags(tags)
+        for server in self._servers:
+            server.memory.check_resume(chosen)
+        self._memory_call(
+            "/resume_memory_occupation", chosen, lambda s: s.memory.released.difference_update(chosen)
+        )
+
+    def released_memory(self) -> dict[str, list[str]]:
+        """Per worker, the tags it holds released (in ``MEMORY_TAGS`` order)."""
+        return {s.url: [t for t in MEMORY_TAGS if t in s.memory.released] for s in self._servers}
+
+    def _memory_call(self, path: str, tags: tuple[str, ...], on_success: Callable[[_Server], None]) -> None:
+        def call(server: _Server) -> None:
+            self._post(
+                server, path, {"tags": list(tags)}, request=path[1:], timeout=self.weight_sync_timeout_s
+            )
+            on_success(server)  # SGLang answers 200 with the body null
+
+        outcomes = self._for_each_server(self._servers, call)
+        for server, outcome in zip(self._servers, outcomes):
+            if isinstance(outcome, _Transient):
+                raise RolloutError(
+                    f"{path[1:]}: unreachable: {outcome}", server=server.url, field="transport"
+                )
+            if isinstance(outcome, Exception):
+                raise outcome
+
+    def _probe_idle(self, tags: tuple[str, ...]) -> None:
+        """``POST /flush_cache`` on every worker: SGLang answers 400 ("Flush cache failed") while any request
+        runs or waits, also another client's, which this client cannot count."""
+
+        def probe(server: _Server) -> None:
+            self._request("POST", server, "/flush_cache", None, request="flush_cache", expect_json=False)
+
+        for server, outcome in zip(self._servers, self._for_each_server(self._servers, probe)):
+            if isinstance(outcome, RolloutError) and outcome.field == "<status>":
+                raise MemoryStateError(
+                    f"release_memory_occupation({list(tags)}): the server is not idle (/flush_cache refused: "
+                    f"{outcome}); SGLang would go down",
+                    server=server.url,
+                    field="tags",
+                ) from outcome
+            if isinstance(outcome, Exception):
+                raise RolloutError(
+                    f"idle probe before releasing memory failed: {outcome}",
+                    server=server.url,
+                    field="transport",
+                ) from outcome
+
+    # ------------------------------------------------------------------ weight checks (see weight_checksum)
+    def weight_checksums(self) -> dict[str, dict[str, str]]:
+        """``POST /weights_checker {"action": "checksum"}`` on every worker: per worker, ``{served name: hex}``.
+        Only TP-1 workers: a TP rank holds shards, which the trainer's export cannot be hashed into."""
+        wide = [s.url for s in self._servers if s.tp_size != 1]
+        if wide:
+            raise RolloutError(
+                "weight checks compare whole tensors and need TP-1 servers; turn rollout.colocate.check_weights "
+                f"off for {wide}",
+                server=wide[0],
+                field="tp_size",
+            )
+
+        def checksum(server: _Server) -> dict[str, str]:
+            reply = self._post(
+                server,
+                "/weights_checker",
+                {"action": "checksum"},
+                request="weights_checker",
+                timeout=self.weight_sync_timeout_s,
+            )
+            self._check_success(reply, server, "weights_checker")
+            ranks = reply.get("ranks")
+            if (
+                not isinstance(ranks, list)
+                or len(ranks) != 1
+                or not isinstance(ranks[0].get("checksums"), dict)
+            ):
+                raise RolloutError(
+                    "weights_checker: expected one rank with checksums", server=server.url, field="ranks"
+                )
+            return {str(k): str(v) for k, v in ranks[0]["checksums"].items()}
+
+        outcomes = self._for_each_server(self._servers, checksum)
+        for server, outcome in zip(self._servers, outcomes):
+            if isinstance(outcome, Exception):
+                raise RolloutError(
+                    f"weights_checker: {outcome}", server=server.url, field="transport"
+                ) from outcome
+        return {s.url: o for s, o in zip(self._servers, outcomes)}  # type: ignore[misc]
+
+    def _require_memory(self, tags: Sequence[str], what: str) -> None:
+        for server in self._servers:
+            server.memory.require(tags, what)
 
     def health(self) -> bool:
         """True when every server answers ``GET /health`` with 200."""
@@ -775,6 +924,15 @@ def _error_message(response: httpx.Response) -> str:
         if "message" in body:
             return str(body["message"])
     return str(body)[:300]
+
+
+def _flat_serializer(bucket: dict[str, Any]) -> str:
+    """A flattened bucket for a separate process: shared-memory file names (CPU), SGLang's serializer (CUDA)."""
+    if bucket["flattened_tensor"].device.type == "cpu":
+        return serialize_flattened_bucket(bucket, sharing="file_system")
+    from sglang.srt.utils import MultiprocessingSerializer  # CUDA tensors: colocated GPUs, SGLang installed
+
+    return MultiprocessingSerializer.serialize(bucket, output_str=True)
 
 
 def _engine_serializer() -> Callable[[list[tuple[str, torch.Tensor]]], str]:
