@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -14,6 +16,7 @@ from sapo_megatron.model.batching import (
     build_micro_batches,
     padded_length,
     split_for_rank,
+    to_packed_tensors,
     to_tensors,
 )
 from sapo_megatron.model.tiny import tiny_hf_config
@@ -28,6 +31,27 @@ def test_response_tokens_are_labels_at_prompt_end():
     # the engine's log-prob of response token j sits where that token is the label
     assert batch["rollout_logp"][0, 2:5].tolist() == pytest.approx([-0.1, -0.2, -0.3])
     assert batch["advantages"].tolist() == [0.5]
+
+
+def test_an_episode_gets_a_loss_mask_with_a_span_per_turn_in_both_layouts():
+    """prompt [1, 5] | turn [7, 8] | observation [3, 4] | turn [9, 2]: the observation's labels are masked and
+    carry rollout log-prob 0; packed and padded agree."""
+    seq = TrainSequence(
+        [1, 5],
+        [7, 8, 3, 4, 9, 2],
+        advantage=1.0,
+        rollout_logp=[-0.1, -0.2, 0.0, 0.0, -0.3, -0.4],
+        response_mask=[1, 1, 0, 0, 1, 1],
+    )
+    padded = to_tensors([seq, TrainSequence([1], [2])], length=8, pad_id=0)
+    assert padded["labels"][0].tolist() == [5, 7, 8, 3, 4, 9, 2, 0]
+    assert padded["loss_mask"][0].tolist() == [0, 1, 1, 0, 0, 1, 1, 0]
+    assert padded["loss_mask"][1].tolist() == [1, 0, 0, 0, 0, 0, 0, 0]
+    assert padded["rollout_logp"][0].tolist() == pytest.approx([0, -0.1, -0.2, 0, 0, -0.3, -0.4, 0])
+    packed = to_packed_tensors([TrainSequence([1], [2]), seq], length=10, pad_id=0)
+    assert packed["loss_mask"][0].tolist() == [1, 0, 1, 1, 0, 0, 1, 1, 0, 0]
+    with pytest.raises(ValueError, match="group 0 sample 1: response_mask needs one 0/1 per response token"):
+        to_tensors([replace(seq, response_mask=[1, 0], sample_id="group 0 sample 1")], length=8, pad_id=0)
 
 
 def test_padded_length_rounds_up_for_sequence_parallel():

@@ -284,6 +284,7 @@ def _train_sequences(batch: RolloutBatch) -> list[TrainSequence]:
             s.rollout_logp,
             routed_experts=s.routed_experts,
             sample_id=f"group {s.group_id} sample {s.sample_index}",
+            response_mask=s.loss_mask,  # episodes: tool observations are not trained on
         )
         for g, group in enumerate(batch.groups)
         for i, s in enumerate(group)

@@ -60,7 +60,8 @@ class TrainSequence:
     ``sample_id`` names the sample in errors (e.g. ``"group 3 sample 1"``). Distillation: ``teacher_logp``, the
     teacher's log-prob of each response token (None: not scored), and ``domain_id``, the prompt's domain as an
     index the distillation step knows (-1: none). ``token_values``: more values per response token, each becoming
-    the per-token micro-batch key of its name, aligned like ``rollout_logp``."""
+    the per-token micro-batch key of its name, aligned like ``rollout_logp``. ``response_mask``: one 0/1 per
+    response token (multi-turn episodes: 0 on tool observations, so the loss mask has several spans); None: all 1."""
 
     prompt_ids: Sequence[int]
     response_ids: Sequence[int]
@@ -71,6 +72,7 @@ class TrainSequence:
     teacher_logp: Sequence[float] | None = None
     domain_id: int = -1
     token_values: Mapping[str, Sequence[float]] = field(default_factory=dict, compare=False, repr=False)
+    response_mask: Sequence[int] | None = None
 
 
 TEACHER_LOGP = "teacher_logp"
@@ -167,14 +169,14 @@ def padded_length(sequences: Sequence[TrainSequence], multiple: int = 1) -> int:
 
 def position_values(seq: TrainSequence, name: str = "sequence") -> dict[str, torch.Tensor]:
     """One sequence's values per model position ``[P + R - 1]``: ``input_ids`` / ``labels`` (int64),
-    ``loss_mask`` (1 where the label is a response token), ``rollout_logp``, ``teacher_logp`` (when scored) and
+    ``loss_mask`` (1 where the label is a response token the policy sampled: ``response_mask``), ``rollout_logp``, ``teacher_logp`` (when scored) and
     each ``token_values`` key (float32, the value of response token ``j`` at position ``P - 1 + j``, 0
     elsewhere)."""
     tokens = torch.tensor([*seq.prompt_ids, *seq.response_ids], dtype=torch.long)
     positions = len(tokens) - 1
     start, count = len(seq.prompt_ids) - 1, len(seq.response_ids)
     loss_mask = torch.zeros(positions, dtype=torch.float32)
-    loss_mask[start : start + count] = 1.0
+    loss_mask[start : start + count] = _response_mask(seq, count, name)
     values = {"input_ids": tokens[:-1], "labels": tokens[1:], "loss_mask": loss_mask}
     per_token_values = {"rollout_logp": seq.rollout_logp, **seq.token_values}
     if seq.teacher_logp is not None:
@@ -191,6 +193,15 @@ def position_values(seq: TrainSequence, name: str = "sequence") -> dict[str, tor
             out[start : start + count] = torch.tensor(list(per_token), dtype=torch.float32)
         values[key] = out
     return values
+
+
+def _response_mask(seq: TrainSequence, count: int, name: str) -> torch.Tensor | float:
+    if seq.response_mask is None:
+        return 1.0
+    mask = torch.tensor(list(seq.response_mask), dtype=torch.float32)
+    if len(mask) != count or not ((mask == 0) | (mask == 1)).all():
+        raise ValueError(f"{name}: response_mask needs one 0/1 per response token ({count}), got {len(mask)}")
+    return mask
 
 
 def per_sequence_values(sequences: Sequence[TrainSequence]) -> MicroBatch:

@@ -88,7 +88,7 @@ def score_groups(
     """Rewards ``[groups, n]``, plus the DAPO soft overlong penalty when configured."""
     rewards = torch.tensor(score(groups, prompts), dtype=torch.float32).reshape(len(groups), -1)
     if settings.overlong_cache_len:
-        lengths = torch.tensor([[len(s.response_ids) for s in group] for group in groups])
+        lengths = torch.tensor([[s.generated_tokens for s in group] for group in groups])
         rewards = rewards + overlong_penalty(
             lengths, max_len=settings.sampling.max_new_tokens, cache_len=settings.overlong_cache_len
         )
@@ -200,7 +200,9 @@ def _incomplete_batch(groups: int, wanted: int, rounds: int, aborted_groups: int
 
 def _rollout_metrics(batch: RolloutBatch, *, kept_groups: int, rounds: int, wanted: int) -> dict[str, float]:
     samples = batch.samples
-    lengths = torch.tensor([len(s.response_ids) for s in samples], dtype=torch.float32)
+    lengths = torch.tensor(
+        [s.generated_tokens for s in samples], dtype=torch.float32
+    )  # episodes: no tool tokens
     truncated = sum(s.finish_reason == "length" for s in samples)
     return {
         "reward/mean": float(batch.rewards.mean()),

@@ -14,6 +14,8 @@ import numpy as np
 
 FinishReason = Literal["stop", "length", "abort"]
 FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort")
+EpisodeStatus = Literal["completed", "truncated", "aborted", "failed"]
+EPISODE_STATUSES: tuple[str, ...] = ("completed", "truncated", "aborted", "failed")
 
 # SGLang treats a temperature below this as greedy decoding (top_k = 1, logprobs of the raw logits).
 SAMPLING_EPS = 1e-6
@@ -75,6 +77,22 @@ class GenerationRequest:
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EpisodeInfo:
+    """How a multi-turn episode went (slime's sample status): ``status``, engine turns, tool calls made, tool calls
+    that failed or timed out (their error became the observation), and why a truncated episode stopped."""
+
+    status: EpisodeStatus
+    turns: int
+    tool_calls: int = 0
+    tool_errors: int = 0
+    truncated_by: str | None = None  # max_turns, max_tool_calls, max_context, length
+
+    def __post_init__(self) -> None:
+        if self.status not in EPISODE_STATUSES:
+            raise ValueError(f"EpisodeInfo.status {self.status!r} is not one of {EPISODE_STATUSES}")
+
+
 @dataclasses.dataclass(kw_only=True)
 class Sample:
     """One sampled response.
@@ -83,6 +101,10 @@ class Sample:
     temperature convention). ``routed_experts`` (MoE only, when requested) is int32
     ``[len(prompt_ids) + len(response_ids) - 1, num_layers, top_k]``: row ``p`` holds, per layer, the experts chosen
     for the token at position ``p`` of ``prompt_ids + response_ids`` (the last token is never fed to the model).
+
+    Multi-turn episodes: ``response_ids`` is everything after the prompt (engine turns and tool observations),
+    ``loss_mask[t]`` is 1 where the policy sampled ``response_ids[t]`` and 0 on observation tokens (whose
+    ``rollout_logp`` is 0), and ``episode`` says how the episode went. ``loss_mask=None``: every token was sampled.
     """
 
     group_id: int
@@ -93,6 +115,8 @@ class Sample:
     finish_reason: FinishReason
     routed_experts: np.ndarray | None = None
     reward_fields: dict[str, Any] = dataclasses.field(default_factory=dict)  # the reward's extra fields
+    loss_mask: list[int] | None = None
+    episode: EpisodeInfo | None = None
 
     def __post_init__(self) -> None:
         where = f"Sample(group_id={self.group_id}, sample_index={self.sample_index})"
@@ -101,6 +125,12 @@ class Sample:
         if len(self.rollout_logp) != len(self.response_ids):
             raise ValueError(
                 f"{where}: {len(self.rollout_logp)} rollout_logp for {len(self.response_ids)} response tokens"
+            )
+        mask = self.loss_mask
+        if mask is not None and (len(mask) != len(self.response_ids) or any(m not in (0, 1) for m in mask)):
+            raise ValueError(
+                f"{where}: loss_mask must hold one 0 or 1 per response token ({len(self.response_ids)}), "
+                f"got {len(mask)} values"
             )
         if self.routed_experts is not None:
             expected_rows = len(self.prompt_ids) + len(self.response_ids) - 1
@@ -114,3 +144,8 @@ class Sample:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.response_ids
+
+    @property
+    def generated_tokens(self) -> int:
+        """Tokens the policy sampled (a single response: all of them; an episode: its mask-1 tokens)."""
+        return len(self.response_ids) if self.loss_mask is None else sum(self.loss_mask)

@@ -33,9 +33,10 @@ def naive_logp(logits, labels, temperature=1.0):
     return lsm.gather(-1, labels[..., None])[..., 0], -(lsm.exp() * lsm).sum(-1)
 
 
-def make_batch(seed=0, batch=6, seq=12):
+def make_batch(seed=0, batch=6, seq=12, spans=False):
     """A realistic batch: prompts masked, varied response lengths, padding holding NaN, advantages of both
-    signs, old/rollout log-probs away from the current ones, one row without any response token."""
+    signs, old/rollout log-probs away from the current ones, one row without any response token. ``spans``:
+    multi-turn episodes, whose responses have holes (tool observations: mask 0, rollout log-prob 0)."""
     gen = torch.Generator().manual_seed(seed)
     logits = torch.randn(batch, seq, VOCAB, generator=gen) * 2.0
     labels = torch.randint(0, VOCAB, (batch, seq), generator=gen)
@@ -43,12 +44,15 @@ def make_batch(seed=0, batch=6, seq=12):
     prompt = torch.tensor([2, 3, 1, 4, 2, 12])[:batch, None]
     end = torch.tensor([12, 9, 7, 12, 5, 12])[:batch, None]
     mask = (positions >= prompt) & (positions < end)
+    tool = mask & (positions % 5 == 4) if spans else torch.zeros_like(mask)  # 1–2 holes per row
+    mask &= ~tool
     logp, _ = naive_logp(logits, labels)
     old = logp + 0.3 * torch.randn(batch, seq, generator=gen)
     rollout = old + 0.1 * torch.randn(batch, seq, generator=gen)
     ref = logp + 0.2 * torch.randn(batch, seq, generator=gen)
     for t in (old, rollout, ref):
         t[~mask] = float("nan")
+        t[tool] = 0.0
     adv = torch.tensor([1.2, -0.7, 0.4, -1.5, 0.9, 0.3])[:batch]
     data = {
         "labels": labels,
@@ -86,9 +90,14 @@ def run_hook(hook, logits, data, sizes):
     return total, reduced, leaf.grad
 
 
+@pytest.mark.parametrize("spans", [False, True], ids=["one-span", "multi-span"])
 @pytest.mark.parametrize("name", list(LOSSES))
-def test_hook_equals_algo_loss_and_is_split_invariant(name):
-    logits, data = make_batch()
+def test_hook_equals_algo_loss_and_is_split_invariant(name, spans):
+    logits, data = make_batch(spans=spans)
+    if spans:
+        assert ((data["loss_mask"][:, 1:] - data["loss_mask"][:, :-1]) == 1).sum() > batch_rows_with_tokens(
+            data
+        )
     loss_cfg = build_policy_loss(LOSSES[name])
     hook = PolicyLossHook(loss_cfg, {"name": "tis", "cap": 2.0}, tp_group=None, chunk_tokens=7)
 
@@ -200,11 +209,16 @@ def pack_rows(logits, data, groups, tail=3):
     return packed
 
 
+def batch_rows_with_tokens(data):
+    return int(data["loss_mask"].bool().any(-1).sum())
+
+
+@pytest.mark.parametrize("spans", [False, True], ids=["one-span", "multi-span"])
 @pytest.mark.parametrize("name", list(LOSSES))
-def test_packed_micro_batches_give_the_padded_loss_metrics_and_gradient(name):
+def test_packed_micro_batches_give_the_padded_loss_metrics_and_gradient(name, spans):
     """Rows packed three to a micro-batch (and one micro-batch of nothing but padding): the same loss, metrics,
     normalisers (sequences, not rows, are counted) and logits gradient as the padded micro-batches."""
-    logits, data = make_batch()
+    logits, data = make_batch(spans=spans)
     hook = PolicyLossHook(
         build_policy_loss(LOSSES[name]), {"name": "tis", "cap": 2.0}, tp_group=None, chunk_tokens=7
     )
