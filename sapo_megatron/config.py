@@ -315,6 +315,51 @@ class ColocateConfig(Section):
     )
 
 
+class MultiTurnConfig(Section):
+    """``rollout.multi_turn``: each sample is an episode of engine turns and tool observations on one token
+    sequence (docs/multi_turn.md). Needs a chat template (``data.apply_chat_template: true``)."""
+
+    python_tool: bool = Field(
+        default=True, description="offer the built-in sandboxed Python tool (name: python, argument: code)"
+    )
+    python_timeout_s: float = Field(
+        default=10.0, gt=0.0, le=3600.0, description="the Python tool's wall time"
+    )
+    python_memory_mb: int = Field(default=1024, ge=64, description="the Python tool's address-space limit")
+    tools_file: str | None = Field(
+        default=None, description="YAML of user tools: import path + OpenAI function schema (+ config)"
+    )
+    episode_function: str | None = Field(
+        default=None,
+        description="import path of an async episode function (ctx, ledger) -> EpisodeInfo, replacing the "
+        "built-in tool loop",
+    )
+    max_turns: int = Field(default=8, ge=1, description="engine turns per episode")
+    max_tool_calls: int = Field(default=16, ge=0, description="tool calls per episode")
+    max_context_tokens: int = Field(
+        default=4096,
+        ge=2,
+        description="prompt + every turn and observation; turns are clamped to what is left",
+    )
+    max_tool_output_chars: int = Field(default=2048, ge=16, description="longer observations are cut")
+    tool_timeout_s: float = Field(
+        default=30.0, gt=0.0, description="per tool call; a timeout is the observation"
+    )
+    max_concurrent_tools: int = Field(
+        default=32, ge=1, description="tool calls running at once, all episodes"
+    )
+    end_of_turn: str | None = Field(
+        default=None,
+        description="the token a turn ends with (default: the tokenizer's eos, Qwen: <|im_end|>)",
+    )
+    parallel_engine_calls: int | None = Field(
+        default=None,
+        ge=1,
+        description="engine calls in flight (default: 1 for the in-process CPU engine, which batches the ready "
+        "turns into one forward; rollout.concurrency for servers)",
+    )
+
+
 class RolloutConfig(Section):
     """Where samples come from: the CPU engine (in-process, or behind its SGLang-compatible HTTP server) or
     SGLang servers (workers), optionally behind an ``sglang-router`` that balances ``/generate``.
@@ -389,6 +434,9 @@ class RolloutConfig(Section):
     max_retries: int = Field(default=3, ge=0)
     concurrency: int = Field(default=64, ge=1, le=100_000)
     threads: int | None = Field(default=None, ge=1, description="torch threads of the CPU engine")
+    multi_turn: MultiTurnConfig | None = Field(
+        default=None, description="multi-turn episodes with tools (None: one response per sample)"
+    )
 
     @model_validator(mode="after")
     def _check_engine(self) -> RolloutConfig:
@@ -623,6 +671,11 @@ class RunConfig(Section):
             raise ValueError(
                 "trainer.async_rollout overlaps generation with training, which needs servers on their own "
                 "GPUs; set rollout.colocated: false (servers on other GPUs) or trainer.async_rollout: false"
+            )
+        if self.rollout.multi_turn is not None and not self.data.apply_chat_template:
+            raise ValueError(
+                "rollout.multi_turn renders tool observations with the model's chat template: set "
+                "data.apply_chat_template: true (with an HF tokenizer that has one)"
             )
         batch = self.rollout.n_samples * self.trainer.prompts_per_step
         if batch > MAX_SEQUENCES_PER_STEP:

@@ -1,0 +1,102 @@
+"""Multi-turn episodes with tools (docs/multi_turn.md): a sample is a sequence of engine turns and tool
+observations on one token sequence, trained with a loss mask of several spans.
+
+- :mod:`.episode`: the ledger (exact ids across turns, masks, log-probs, spliced routes) and the built-in loop;
+- :mod:`.template`: observations as chat-template deltas; :mod:`.tool_calls`: Qwen3's tool-call format;
+- :mod:`.tools`: the sandboxed Python tool, user tools by import path, timeouts and the concurrency cap;
+- :mod:`.runner`: :class:`EpisodeEngine`, the engine interface over episodes (concurrent, turns batched).
+"""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from sapo_megatron.config import MultiTurnConfig
+from sapo_megatron.rewards.loading import RewardSpecError, load_function
+from sapo_megatron.rewards.sandbox import SandboxLimits
+from sapo_megatron.rollout.base import RolloutEngine
+from sapo_megatron.rollout.episodes.episode import (
+    EpisodeContext,
+    EpisodeDriftError,
+    EpisodeLedger,
+    EpisodeLimits,
+    tool_episode,
+)
+from sapo_megatron.rollout.episodes.runner import EpisodeEngine, episode_metrics
+from sapo_megatron.rollout.episodes.template import ObservationDeltas
+from sapo_megatron.rollout.episodes.tool_calls import ToolCall, parse_tool_calls
+from sapo_megatron.rollout.episodes.tools import Tool, ToolSet, ToolSpecError, load_tools_file, python_tool
+
+__all__ = [
+    "EpisodeContext",
+    "EpisodeDriftError",
+    "EpisodeEngine",
+    "EpisodeLedger",
+    "EpisodeLimits",
+    "ObservationDeltas",
+    "Tool",
+    "ToolCall",
+    "ToolSet",
+    "build_tools",
+    "episode_metrics",
+    "parse_tool_calls",
+    "tool_episode",
+    "with_episodes",
+]
+
+
+def build_tools(mt: MultiTurnConfig) -> ToolSet:
+    """The run's tools: the sandboxed Python tool (unless switched off) and the tools file's."""
+    tools: list[Tool] = []
+    if mt.python_tool:
+        limits = SandboxLimits(
+            wall_s=mt.python_timeout_s, cpu_s=max(1, int(mt.python_timeout_s)), memory_mb=mt.python_memory_mb
+        )
+        workers = min(mt.max_concurrent_tools, os.cpu_count() or 1)
+        tools.append(python_tool(limits, ThreadPoolExecutor(workers, thread_name_prefix="python-tool")))
+    if mt.tools_file:
+        tools += load_tools_file(mt.tools_file)
+    return ToolSet(
+        tools,
+        timeout_s=mt.tool_timeout_s,
+        max_concurrent=mt.max_concurrent_tools,
+        max_output_chars=mt.max_tool_output_chars,
+    )
+
+
+def with_episodes(
+    engine: RolloutEngine,
+    mt: MultiTurnConfig,
+    hf_tokenizer: Any,
+    *,
+    max_new_tokens: int,
+    template_kwargs: dict[str, Any],
+    parallel_calls: int,
+    tools: ToolSet | None = None,
+) -> EpisodeEngine:
+    """``engine`` generating episodes under ``mt`` (the session wraps its rollout engine with this)."""
+    episode_fn, user = tool_episode, False
+    if mt.episode_function:
+        try:
+            episode_fn, user = load_function(mt.episode_function), True
+        except RewardSpecError as error:
+            raise ToolSpecError(f"rollout.multi_turn.episode_function: {error}") from None
+    end_of_turn = mt.end_of_turn or hf_tokenizer.eos_token
+    limits = EpisodeLimits(
+        max_turns=mt.max_turns,
+        max_tool_calls=mt.max_tool_calls,
+        max_context_tokens=mt.max_context_tokens,
+        max_new_tokens=max_new_tokens,
+    )
+    return EpisodeEngine(
+        engine,
+        episode_fn,
+        tools=tools if tools is not None else build_tools(mt),
+        deltas=ObservationDeltas(hf_tokenizer, end_of_turn, template_kwargs),
+        limits=limits,
+        decode=lambda ids: hf_tokenizer.decode(ids, skip_special_tokens=False),
+        parallel_calls=mt.parallel_engine_calls or parallel_calls,
+        user_function=user,
+    )

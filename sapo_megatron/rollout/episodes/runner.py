@@ -1,0 +1,217 @@
+"""Episodes through the engine interface: :class:`EpisodeEngine` is a :class:`RolloutEngine` whose ``generate``
+runs one episode per requested sample, so collection, dynamic sampling, evaluation and the loop use it unchanged;
+scoring, weight sync and health go to the engine it wraps.
+
+Concurrency: every episode of a ``generate`` call is a coroutine of one event loop. A turn waits on the
+:class:`TurnBatcher`, which sends the turns that are ready together as one engine call (the CPU engine batches
+them into one forward; an SGLang client sends them at once and the servers batch them), while tool calls run in
+threads – so tools run while other episodes generate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from sapo_megatron.rollout.base import RolloutEngine, RolloutError
+from sapo_megatron.rollout.episodes.episode import (
+    EpisodeContext,
+    EpisodeDriftError,
+    EpisodeFn,
+    EpisodeLedger,
+    EpisodeLimits,
+)
+from sapo_megatron.rollout.episodes.template import ObservationDeltas
+from sapo_megatron.rollout.episodes.tools import ToolSet
+from sapo_megatron.rollout.types import EpisodeInfo, GenerationRequest, Sample
+
+logger = logging.getLogger(__name__)
+_TURN_SEED_STRIDE = 7919  # turn k of a sample samples with seed + k · stride: reproducible, distinct per turn
+
+
+class TurnBatcher:
+    """Turns waiting for the engine go out together: at most ``parallel_calls`` engine calls at a time, each
+    with every turn ready when it starts (the CPU engine computes one call at a time, a client many)."""
+
+    def __init__(self, engine: RolloutEngine, parallel_calls: int, executor: ThreadPoolExecutor) -> None:
+        self.engine = engine
+        self.parallel_calls = parallel_calls
+        self.executor = executor
+        self._pending: list[tuple[GenerationRequest, asyncio.Future]] = []
+        self._running = 0
+        self.calls = 0
+
+    async def generate(self, request: GenerationRequest) -> Sample:
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((request, future))
+        if len(self._pending) == 1:
+            asyncio.get_running_loop().call_soon(self._dispatch)  # after the other ready turns joined
+        return await future
+
+    def _dispatch(self) -> None:
+        if not self._pending or self._running >= self.parallel_calls:
+            return
+        batch, self._pending = self._pending, []
+        self._running += 1
+        self.calls += 1
+        asyncio.get_running_loop().create_task(self._run(batch))
+
+    async def _run(self, batch: list[tuple[GenerationRequest, asyncio.Future]]) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            groups = await loop.run_in_executor(self.executor, self.engine.generate, [r for r, _ in batch])
+        except Exception as error:  # every turn of the call sees it
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(error)
+        else:
+            for (_, future), group in zip(batch, groups):
+                if not future.done():
+                    future.set_result(group[0])
+        finally:
+            self._running -= 1
+            self._dispatch()
+
+
+class EpisodeEngine(RolloutEngine):
+    """``generate``: an episode (``episode_fn``, default the built-in tool loop) per sample of each request;
+    everything else is ``engine``'s."""
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        episode_fn: EpisodeFn,
+        *,
+        tools: ToolSet,
+        deltas: ObservationDeltas,
+        limits: EpisodeLimits,
+        decode,
+        parallel_calls: int,
+        user_function: bool = False,
+    ) -> None:
+        self.engine = engine
+        self.episode_fn = episode_fn
+        self.tools = tools
+        self.deltas = deltas
+        self.limits = limits
+        self.decode = decode
+        self.parallel_calls = parallel_calls
+        self.user_function = user_function
+        self._engine_calls = ThreadPoolExecutor(
+            max_workers=parallel_calls, thread_name_prefix="episode-turns"
+        )
+        self._counters = {"episode/failed": 0.0, "episode/engine_calls": 0.0}
+
+    def generate(self, requests: Sequence[GenerationRequest]) -> list[list[Sample]]:
+        return asyncio.run(self._generate(requests))
+
+    async def _generate(self, requests: Sequence[GenerationRequest]) -> list[list[Sample]]:
+        self.tools.reset()
+        batcher = TurnBatcher(self.engine, self.parallel_calls, self._engine_calls)
+        episodes = [self._episode(batcher, req, i) for req in requests for i in range(req.n)]
+        try:
+            samples = iter(await asyncio.gather(*episodes))
+        finally:
+            self._counters["episode/engine_calls"] += batcher.calls
+        return [[next(samples) for _ in range(req.n)] for req in requests]
+
+    async def _episode(self, batcher: TurnBatcher, req: GenerationRequest, index: int) -> Sample:
+        ledger = EpisodeLedger(req.prompt_ids, f"group {req.group_id} sample {index}")
+        seed = req.sampling.seed_for(index)
+
+        async def turn(ids: list[int], max_new_tokens: int) -> Sample:
+            ledger.check_input(ids)
+            turn_seed = None if seed is None else seed + _TURN_SEED_STRIDE * ledger.turns
+            sampling = dataclasses.replace(req.sampling, max_new_tokens=max_new_tokens, seed=turn_seed)
+            request = GenerationRequest(
+                prompt_ids=ids,
+                n=1,
+                sampling=sampling,
+                return_routed_experts=req.return_routed_experts,
+                group_id=req.group_id,
+            )
+            return await batcher.generate(request)
+
+        ctx = EpisodeContext(turn, self.tools, self.deltas, self.limits, self.decode)
+        try:
+            info = await self.episode_fn(ctx, ledger)
+        except (EpisodeDriftError, RolloutError):
+            raise
+        except Exception as error:
+            if not self.user_function:
+                raise
+            # slime's FAILED: the sample is not trained (its group is replaced), the run goes on
+            logger.warning("episode function failed on %s: %s: %s", ledger.name, type(error).__name__, error)
+            self._counters["episode/failed"] += 1
+            info = EpisodeInfo(status="failed", turns=ledger.turns)
+        if not isinstance(info, EpisodeInfo):
+            raise TypeError(
+                f"the episode function returned {type(info).__name__}, not EpisodeInfo ({ledger.name})"
+            )
+        return ledger.sample(req.group_id, index, info)
+
+    # everything but generate is the wrapped engine's
+    def score(self, token_ids_list, response_start) -> list[list[float]]:
+        return self.engine.score(token_ids_list, response_start)
+
+    def update_weights_from_disk(self, path: str) -> None:
+        self.engine.update_weights_from_disk(path)
+
+    def update_weights_from_tensors(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.engine.update_weights_from_tensors(named_tensors)
+
+    def finish_weight_update(self, *, flush_cache: bool = True) -> None:
+        self.engine.finish_weight_update(flush_cache=flush_cache)
+
+    def init_weights_update_group(self, *args, **kwargs) -> Future:
+        return self.engine.init_weights_update_group(*args, **kwargs)
+
+    def update_weights_from_distributed(self, *args, **kwargs) -> Future:
+        return self.engine.update_weights_from_distributed(*args, **kwargs)
+
+    def flush_cache(self) -> None:
+        self.engine.flush_cache()
+
+    def health(self) -> bool:
+        return self.engine.health()
+
+    def metrics(self) -> dict[str, float]:
+        return {**self.engine.metrics(), **self._counters}
+
+    def close(self) -> None:
+        self._engine_calls.shutdown(wait=False, cancel_futures=True)
+        self.engine.close()
+
+    def __getattr__(
+        self, name: str
+    ):  # engine-specific attributes (urls, num_layers, ...) of the wrapped engine
+        if name == "engine":
+            raise AttributeError(name)
+        return getattr(self.engine, name)
+
+
+def episode_metrics(samples: Sequence[Sample]) -> dict[str, float]:
+    """Per-sample means of a batch's episodes: turns, tool calls, tool errors, and the fraction truncated (all,
+    and by the limit that ended them); empty for single-turn samples."""
+    infos = [s.episode for s in samples if s.episode is not None]
+    if not infos:
+        return {}
+    n = len(infos)
+    metrics = {
+        "episode/turns_mean": sum(i.turns for i in infos) / n,
+        "episode/tool_calls_mean": sum(i.tool_calls for i in infos) / n,
+        "episode/tool_errors_mean": sum(i.tool_errors for i in infos) / n,
+        "episode/truncated_frac": sum(i.status == "truncated" for i in infos) / n,
+        "episode/completed_frac": sum(i.status == "completed" for i in infos) / n,
+    }
+    for reason in ("length", "max_turns", "max_tool_calls", "max_context"):
+        metrics[f"episode/truncated_by_{reason}_frac"] = sum(i.truncated_by == reason for i in infos) / n
+    metrics["episode/observation_tokens_mean"] = sum(
+        len(s.response_ids) - s.generated_tokens for s in samples
+    ) / len(samples)
+    return metrics

@@ -1,0 +1,197 @@
+"""Tools an episode can call: the built-in sandboxed Python interpreter and user tools by import path.
+
+A tool is an async callable ``tool(**arguments) -> str`` with an OpenAI-style function schema (what the chat
+template shows the model, as verl's tools YAML and Qwen's ``tools=`` hold it). :class:`ToolSet` runs the calls:
+each under a per-call timeout, at most ``max_concurrent`` at once over all episodes (verl's and slime's retool
+semaphore), and a tool that raises, times out, or is not known answers with the error as its observation, counted
+in ``tool_errors`` (the model learns from it; the run goes on).
+
+User tools come from a YAML file (``rollout.multi_turn.tools_file``)::
+
+    tools:
+      - import: my_pkg.search:search        # or path/to/file.py:search; an async function or a class
+        config: {top_k: 3}                  # keyword arguments of the class (a class only)
+        schema:                             # OpenAI function schema; its name is the name the model calls
+          type: function
+          function: {name: search, description: Search the web, parameters: {type: object, properties: {...}}}
+
+A class is instantiated once with ``config``; the instance is then called. A function is called as it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sapo_megatron.errors import UserError
+from sapo_megatron.rewards.loading import RewardSpecError, load_function
+from sapo_megatron.rewards.sandbox import SandboxLimits, run_python
+from sapo_megatron.rollout.episodes.tool_calls import ToolCall
+
+ToolFn = Callable[..., Awaitable[str]]
+
+
+class ToolSpecError(UserError):
+    """A tools file or tool entry that cannot be used; the message names the entry and the field."""
+
+
+@dataclass(frozen=True)
+class Tool:
+    """One tool: its OpenAI-style ``schema`` and the async function that runs it."""
+
+    schema: dict[str, Any]
+    run: ToolFn
+
+    @property
+    def name(self) -> str:
+        return self.schema["function"]["name"]
+
+
+@dataclass(frozen=True)
+class ToolOutcome:
+    """What one call gave: the observation text, and whether it is an error (raised, timed out, unknown)."""
+
+    text: str
+    error: bool = False
+
+
+PYTHON_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "python",
+        "description": "Run Python code in a sandbox and return what it prints (stdout, then stderr).",
+        "parameters": {
+            "type": "object",
+            "properties": {"code": {"type": "string", "description": "the Python program to run"}},
+            "required": ["code"],
+        },
+    },
+}
+
+
+def python_tool(limits: SandboxLimits, executor: ThreadPoolExecutor) -> Tool:
+    """The built-in ``python`` tool: the code runs in :func:`~sapo_megatron.rewards.sandbox.run_python` (the
+    ``code_exec`` reward's sandbox, with its limits: wall and CPU time, memory, processes, no network) in a thread
+    of ``executor``; the observation is its stdout, then its stderr (the traceback of an error)."""
+
+    async def run(code: str) -> str:
+        loop = asyncio.get_running_loop()
+        result = await loop.run_in_executor(
+            executor, lambda: run_python({"main.py": code}, "main.py", "", limits)
+        )
+        if result.timed_out:
+            raise TimeoutError(f"the code ran longer than {limits.wall_s:g} s")
+        out = result.stdout + (result.stderr if result.returncode else "")
+        return out if out else "(no output)"
+
+    return Tool(PYTHON_SCHEMA, run)
+
+
+class ToolSet:
+    """The tools of a run and the rules every call follows (timeout, concurrency cap, output length)."""
+
+    def __init__(
+        self, tools: Sequence[Tool], *, timeout_s: float, max_concurrent: int, max_output_chars: int
+    ) -> None:
+        self.tools = {tool.name: tool for tool in tools}
+        if len(self.tools) != len(tools):
+            raise ToolSpecError(f"two tools share a name: {sorted(t.name for t in tools)}")
+        self.timeout_s = timeout_s
+        self.max_concurrent = max_concurrent
+        self.max_output_chars = max_output_chars
+        self._slots: asyncio.Semaphore | None = None  # made in the event loop that runs the calls
+
+    @property
+    def schemas(self) -> list[dict[str, Any]]:
+        return [tool.schema for tool in self.tools.values()]
+
+    async def call(self, call: ToolCall) -> ToolOutcome:
+        if call.error is not None:
+            return ToolOutcome(f"Error: {call.error}", error=True)
+        tool = self.tools.get(call.name)
+        if tool is None:
+            return ToolOutcome(
+                f"Error: there is no tool {call.name!r} (tools: {sorted(self.tools)})", error=True
+            )
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.max_concurrent)
+        async with self._slots:
+            try:
+                text = await asyncio.wait_for(tool.run(**call.arguments), self.timeout_s)
+            except TimeoutError:
+                return ToolOutcome(
+                    f"Error: the tool {call.name} timed out after {self.timeout_s:g} s", error=True
+                )
+            except Exception as exc:  # the error is the observation (verl's BaseTool does the same)
+                return ToolOutcome(f"Error: {type(exc).__name__}: {exc}", error=True)
+        return ToolOutcome(self._clip(str(text)))
+
+    def reset(self) -> None:
+        """Forget the semaphore of a finished event loop (each rollout batch runs its own loop)."""
+        self._slots = None
+
+    def _clip(self, text: str) -> str:
+        if len(text) <= self.max_output_chars:
+            return text
+        return text[: self.max_output_chars] + f"... (truncated to {self.max_output_chars} characters)"
+
+
+def load_tools_file(path: str | Path) -> list[Tool]:
+    """The user tools a YAML file lists (see the module docstring)."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise ToolSpecError(f"rollout.multi_turn.tools_file {path} does not exist")
+    data = yaml.safe_load(path.read_text()) or {}
+    entries = data.get("tools") if isinstance(data, dict) else None
+    if not isinstance(entries, list) or not entries:
+        raise ToolSpecError(f"{path}: expected a list under 'tools:'")
+    return [user_tool(entry, f"{path}: tools[{i}]") for i, entry in enumerate(entries)]
+
+
+def user_tool(entry: Mapping[str, Any], where: str) -> Tool:
+    """One user tool from its entry ``{import, schema, config}``."""
+    if not isinstance(entry, Mapping) or not isinstance(entry.get("import"), str):
+        raise ToolSpecError(f"{where}: needs 'import: package.module:name' (or path/to/file.py:name)")
+    _check_schema(entry.get("schema"), where)
+    try:
+        target = load_function(entry["import"])
+    except RewardSpecError as error:
+        raise ToolSpecError(f"{where}: {error}") from None
+    config = entry.get("config") or {}
+    if inspect.isclass(target):
+        try:
+            target = target(**config)
+        except TypeError as error:
+            raise ToolSpecError(f"{where}: {entry['import']}(**config) failed: {error}") from None
+    elif config:
+        raise ToolSpecError(f"{where}: 'config' is for a class; {entry['import']} is a function")
+    run = target if inspect.iscoroutinefunction(target) else getattr(target, "__call__", None)  # noqa: B004
+    if not inspect.iscoroutinefunction(run):
+        raise ToolSpecError(
+            f"{where}: {entry['import']} must be an async function (or a class with async __call__)"
+        )
+    return Tool(json.loads(json.dumps(entry["schema"])), run)
+
+
+def _check_schema(schema: Any, where: str) -> None:
+    function = schema.get("function") if isinstance(schema, Mapping) else None
+    if (
+        not isinstance(function, Mapping)
+        or schema.get("type") != "function"
+        or not isinstance(function.get("name"), str)
+        or not function["name"]
+    ):
+        raise ToolSpecError(
+            f"{where}: schema must be an OpenAI function schema {{type: function, function: {{name, description, "
+            "parameters}}}}"
+        )
+    if not isinstance(function.get("parameters", {}), Mapping):
+        raise ToolSpecError(f"{where}: schema.function.parameters must be a JSON schema object")
