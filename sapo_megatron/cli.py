@@ -489,10 +489,10 @@ def _dry_run(cfg: RunConfig, args: argparse.Namespace) -> int:
     print("inputs OK: every input file exists")
     from sapo_megatron.data.loading import build_run_data
     from sapo_megatron.rewards.registry import check_labels
+    from sapo_megatron.rollout.episodes import tool_schemas
 
-    data = build_run_data(
-        cfg, verbose=True
-    )  # every row's schema, the prompt lengths; prints counts and times
+    # every row's schema, the prompt lengths (with the tools the prompts show); prints counts and times
+    data = build_run_data(cfg, verbose=True, tools=tool_schemas(cfg.rollout.multi_turn))
     check_labels(cfg.algorithm.reward, data.train_rows, cfg.data.train)
     from sapo_megatron.loop.evaluation import describe_training_suite
 

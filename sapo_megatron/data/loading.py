@@ -31,13 +31,15 @@ class RunData:
     length_counts: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
-def build_run_data(cfg: Any, *, verbose: bool = False, log: Any = None) -> RunData:
+def build_run_data(
+    cfg: Any, *, verbose: bool = False, log: Any = None, tools: list[dict[str, Any]] | None = None
+) -> RunData:
     """Tokenizer, renderer and rows of ``cfg`` (a :class:`~sapo_megatron.config.RunConfig`). Prints the report
     on rank 0 (``log``, default ``print``): rows kept, filtered and truncated, each file's format; ``verbose`` (the
-    dry run) adds rows per source and the time taken."""
+    dry run) adds rows per source and the time taken. ``tools``: the schemas the prompts show (multi-turn)."""
     data = cfg.data
     tokenizer = build_tokenizer(cfg)
-    renderer = PromptRenderer(tokenizer, data)
+    renderer = PromptRenderer(tokenizer, data, tools=tools)
     out = RunData(tokenizer, renderer, [])
     limit, reason = _context_limit(cfg)
     for split, source, size in (("train", data.train, data.train_size),):

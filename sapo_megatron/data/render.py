@@ -35,11 +35,13 @@ class ChatTemplateError(DatasetError):
 
 class PromptRenderer:
     """``encode(row)``: the prompt ids the engine receives; ``text(row)``: the rendered prompt text;
-    ``sft_ids(row)``: ``(prompt ids, target ids)`` of a supervised example (loss on the target only)."""
+    ``sft_ids(row)``: ``(prompt ids, target ids)`` of a supervised example (loss on the target only).
+    ``tools``: OpenAI function schemas the chat template shows the model (multi-turn episodes with tools)."""
 
-    def __init__(self, tokenizer: Any, keys: DatasetKeys) -> None:
+    def __init__(self, tokenizer: Any, keys: DatasetKeys, tools: list[dict[str, Any]] | None = None) -> None:
         self.tokenizer = tokenizer
         self.keys = keys
+        self.tools = tools or None
         self.chat = keys.apply_chat_template
         self._hf = _chat_tokenizer(tokenizer) if self.chat else None
 
@@ -106,6 +108,7 @@ class PromptRenderer:
             messages,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,
+            **({"tools": self.tools} if self.tools else {}),
             **self.keys.chat_template_kwargs,
         )
 

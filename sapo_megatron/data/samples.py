@@ -87,8 +87,17 @@ class SampleLog:
             "reward": float(batch.rewards[group_index, 0]),
             "source": prompt.domain,
             "finish_reason": sample.finish_reason,
-            "response_tokens": len(sample.response_ids),
+            "response_tokens": sample.generated_tokens,  # episodes: the policy's tokens, not the observations
         }
+        episode = getattr(sample, "episode", None)
+        if episode is not None:
+            row.update(
+                status=episode.status,
+                turns=episode.turns,
+                tool_calls=episode.tool_calls,
+                tool_errors=episode.tool_errors,
+                observation_tokens=len(sample.response_ids) - sample.generated_tokens,
+            )
         fields = getattr(sample, "reward_fields", None) or {}  # the reward's extra fields (e.g. answer)
         row.update({name: value for name, value in fields.items() if name not in row})
         return row

@@ -49,10 +49,12 @@ class EvalPrompts:
     """The prompts of one eval dataset as the engine receives them (the training renderer, with the dataset's
     keys)."""
 
-    def __init__(self, tokenizer: Any, dataset: EvalDataset) -> None:
+    def __init__(
+        self, tokenizer: Any, dataset: EvalDataset, tools: list[dict[str, Any]] | None = None
+    ) -> None:
         self.dataset = dataset
         self.tokenizer = tokenizer
-        self.renderer = PromptRenderer(tokenizer, dataset.keys)
+        self.renderer = PromptRenderer(tokenizer, dataset.keys, tools=tools)
 
     def check(self, rows: list[PromptRow], *, context: int | None) -> list[PromptRow]:
         """Refuse a row the tokenizer cannot encode (naming file and line), then apply the length policy

@@ -38,6 +38,8 @@ class ScoredSample:
     answer: str | None = None
     response_tokens: int = 0
     truncated: bool = False
+    turns: int | None = None  # multi-turn episodes: engine turns and tool calls
+    tool_calls: int | None = None
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -78,6 +80,9 @@ def prompt_metrics(samples: Sequence[ScoredSample]) -> dict[str, float]:
         out[f"maj@{n}"] = 0.0 if winner is None else float(scores[winner])
     out["response_length_mean"] = float(np.mean([s.response_tokens for s in samples]))
     out["truncated_frac"] = float(np.mean([s.truncated for s in samples]))
+    if all(s.turns is not None for s in samples):  # evaluated with tools
+        out["turns_mean"] = float(np.mean([s.turns for s in samples]))
+        out["tool_calls_mean"] = float(np.mean([s.tool_calls for s in samples]))
     return out
 
 

@@ -27,6 +27,7 @@ from sapo_megatron.data.prompts import PromptRow
 from sapo_megatron.eval.config import EvalDataset, resolve_datasets
 from sapo_megatron.eval.inputs import EvalPrompts, EvalReward, load_eval_rows
 from sapo_megatron.eval.metrics import ScoredSample, dataset_metrics, flat_metrics, headline
+from sapo_megatron.rollout.episodes import tool_schemas
 from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
 
 ROWS_PER_CHUNK = 256
@@ -88,7 +89,7 @@ def build_suite(cfg: Any, tokenizer: Any, *, seed: int | None = None) -> EvalSui
     rows, prompts, rewards, runners = {}, {}, {}, {}
     seed = cfg.seed if seed is None else seed
     for index, dataset in enumerate(resolve_datasets(cfg)):
-        prompts[dataset.name] = EvalPrompts(tokenizer, dataset)
+        prompts[dataset.name] = EvalPrompts(tokenizer, dataset, tools=tool_schemas(cfg.rollout.multi_turn))
         loaded = load_eval_rows(dataset, digits=cfg.data.digits, seed=seed)
         rows[dataset.name] = prompts[dataset.name].check(
             loaded, context=cfg.model.arch.max_position_embeddings
@@ -198,15 +199,30 @@ def _sample_row(
         "score": scored.score,
         "answer": scored.answer,
         "finish_reason": sample.finish_reason,
-        "response_tokens": len(sample.response_ids),
+        "response_tokens": sample.generated_tokens,  # episodes: the policy's tokens, not the observations
+        **_episode_fields(sample),
     }
+
+
+def _episode_fields(sample) -> dict[str, Any]:
+    episode = sample.episode
+    if episode is None:
+        return {}
+    return {"status": episode.status, "turns": episode.turns, "tool_calls": episode.tool_calls}
 
 
 def _aggregate(dataset: EvalDataset, rows: Sequence[PromptRow], samples: Sequence[dict]) -> dict[str, Any]:
     per_prompt: list[list[ScoredSample]] = [[] for _ in rows]
     for s in samples:
         per_prompt[s["index"]].append(
-            ScoredSample(s["score"], s["answer"], s["response_tokens"], s["finish_reason"] == "length")
+            ScoredSample(
+                s["score"],
+                s["answer"],
+                s["response_tokens"],
+                s["finish_reason"] == "length",
+                turns=s.get("turns"),
+                tool_calls=s.get("tool_calls"),
+            )
         )
     return dataset_metrics(per_prompt, [row.domain for row in rows])
 

@@ -34,6 +34,7 @@ from sapo_megatron.megatron.train_step import TrainEngine
 from sapo_megatron.rewards.registry import check_labels
 from sapo_megatron.rewards.runner import RewardRunner, build_reward_runner, check_reward_available
 from sapo_megatron.rollout.base import RolloutEngine
+from sapo_megatron.rollout.episodes import tool_schemas, with_episodes
 from sapo_megatron.rollout.sglang.topology import Topology, resolve_topology
 from sapo_megatron.runtime.interrupts import InterruptGuard, print_line
 from sapo_megatron.runtime.ranks import broadcast_object, on_main_rank
@@ -98,7 +99,7 @@ def open_session(cfg: RunConfig, *, mode: str) -> Iterator[Session]:
     check_reward_available(cfg.algorithm.reward, kwargs=cfg.algorithm.reward_kwargs)
     data, data_error = None, None
     try:  # every row checked, the length policy applied: before any process group forms
-        data = build_run_data(cfg)
+        data = build_run_data(cfg, tools=tool_schemas(cfg.rollout.multi_turn))
         check_labels(cfg.algorithm.reward, data.train_rows, cfg.data.train)
     except UserError as exc:  # raised once the run's train.log is open (below), so the log records it
         data_error = exc
@@ -142,6 +143,7 @@ def build_session(
     rollout, server, topology = build_rollout(cfg, info, engine, tokenizer, run_dir)
     sync = build_weight_sync(cfg, info, rollout, topology, tokenizer, run_dir)
     colocation, sync = build_colocation(cfg, info, engine, rollout, sync)
+    rollout = with_multi_turn(cfg, rollout, tokenizer)  # episodes with tools when rollout.multi_turn is set
     reward = build_reward_runner(
         cfg.algorithm.reward,
         workers=cfg.algorithm.reward_workers if info.is_main else 0,  # only the main rank scores
@@ -234,6 +236,22 @@ def _resolve_servers(cfg: RunConfig, tokenizer) -> Topology:
         probe_prompt=[tokenizer.bos_id if tokenizer.bos_id is not None else 0],
         timeout_s=r.startup_timeout_s,
         log=lambda line: print(line, flush=True),
+    )
+
+
+def with_multi_turn(cfg: RunConfig, rollout: RolloutEngine | None, tokenizer) -> RolloutEngine | None:
+    """``rollout`` generating multi-turn episodes (``rollout.multi_turn``); weight sync keeps the engine itself."""
+    if cfg.rollout.multi_turn is None or rollout is None:
+        return rollout
+    r = cfg.rollout
+    in_process = r.engine == "cpu" and not r.cpu_http  # one forward at a time: the ready turns go in one call
+    return with_episodes(
+        rollout,
+        r.multi_turn,
+        tokenizer.hf,
+        max_new_tokens=r.max_new_tokens,
+        template_kwargs=cfg.data.chat_template_kwargs,
+        parallel_calls=1 if in_process else r.concurrency,
     )
 
 

@@ -17,6 +17,7 @@ import torch
 from sapo_megatron.algo import AdvantageConfig, nonconstant_groups, overlong_penalty
 from sapo_megatron.data.prompts import PromptRow
 from sapo_megatron.rollout.base import RolloutEngine, RolloutError
+from sapo_megatron.rollout.episodes.runner import episode_metrics
 from sapo_megatron.rollout.types import GenerationRequest, Sample, SamplingParams
 
 
@@ -143,6 +144,7 @@ def collect(
     )
     kept_groups = min(len(pool.informative), wanted)
     batch.metrics = _rollout_metrics(batch, kept_groups=kept_groups, rounds=rounds, wanted=wanted)
+    batch.metrics.update(episode_metrics(batch.samples))  # turns, tool calls, truncations (multi-turn)
     batch.metrics["rollout/aborted_groups"] = float(pool.aborted_groups)
     batch.metrics["response/aborted_frac"] = pool.aborted_samples / max(pool.samples, 1)  # all that came back
     batch.metrics["time/rollout_s"] = time.perf_counter() - start

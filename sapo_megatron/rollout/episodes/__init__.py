@@ -27,7 +27,14 @@ from sapo_megatron.rollout.episodes.episode import (
 from sapo_megatron.rollout.episodes.runner import EpisodeEngine, episode_metrics
 from sapo_megatron.rollout.episodes.template import ObservationDeltas
 from sapo_megatron.rollout.episodes.tool_calls import ToolCall, parse_tool_calls
-from sapo_megatron.rollout.episodes.tools import Tool, ToolSet, ToolSpecError, load_tools_file, python_tool
+from sapo_megatron.rollout.episodes.tools import (
+    PYTHON_SCHEMA,
+    Tool,
+    ToolSet,
+    ToolSpecError,
+    load_tools_file,
+    python_tool,
+)
 
 __all__ = [
     "EpisodeContext",
@@ -43,8 +50,19 @@ __all__ = [
     "episode_metrics",
     "parse_tool_calls",
     "tool_episode",
+    "tool_schemas",
     "with_episodes",
 ]
+
+
+def tool_schemas(mt: MultiTurnConfig | None) -> list[dict[str, Any]] | None:
+    """The schemas of the run's tools, for the prompts' chat template (None without multi-turn episodes)."""
+    if mt is None:
+        return None
+    schemas = [PYTHON_SCHEMA] if mt.python_tool else []
+    if mt.tools_file:
+        schemas += [tool.schema for tool in load_tools_file(mt.tools_file)]
+    return schemas or None
 
 
 def build_tools(mt: MultiTurnConfig) -> ToolSet:
