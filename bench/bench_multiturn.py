@@ -1,0 +1,200 @@
+"""Generated tokens/s of concurrent multi-turn episodes against single-turn generations on the same engine.
+
+    python bench/bench_multiturn.py [--episodes 64] [--turns 3] [--tokens-per-turn 16] [--tool-latency-s 0.2]
+                                    [--observation-tokens 8] [--engine http|cpu|both] [--hidden 128] [--rounds 2]
+
+Multi-turn arm: ``--episodes`` episodes at once through :class:`~sapo_megatron.rollout.episodes.EpisodeEngine`,
+each ``--turns`` engine turns of ``--tokens-per-turn`` tokens with a tool call between turns (an async tool that
+sleeps ``--tool-latency-s``, through the ToolSet's timeout and concurrency cap) whose observation appends
+``--observation-tokens`` ids. Single-turn arm: the same number of samples, each one response of
+``turns × tokens-per-turn`` tokens, in one ``generate`` call. Both count the tokens the engine sampled (observations
+excluded) over the wall time of the call; the ratio multi / single is the headline (goal ≥ 0.8).
+
+Engines: ``http`` is the CPU server (SGLang's API; static batches over a short window, as a stand-in for an
+SGLang worker) behind :class:`~sapo_megatron.rollout.sglang_client.SGLangClient`, the path SGLang servers take;
+``cpu`` is the in-process CPU engine, where the ready turns of all episodes go in one forward. The model is a
+random tiny Qwen3-MoE widened to ``--hidden`` whose end-of-sequence token is out of its reach, so every response
+runs to its limit. The arms alternate for ``--rounds`` rounds; medians are printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def save_model(path: Path, hidden: int) -> Path:
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=128,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        moe_intermediate_size=hidden,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        num_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=1024,
+        eos_token_id=None,  # no stop token: every response runs to max_new_tokens
+    )
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def episode_fn(turns: int, tokens_per_turn: int, observation: list[int]):
+    from sapo_megatron.rollout.episodes import ToolCall
+    from sapo_megatron.rollout.types import EpisodeInfo
+
+    async def run(ctx, ledger) -> EpisodeInfo:
+        calls = 0
+        for turn in range(turns):
+            ledger.add_turn(await ctx.generate(list(ledger.tokens), tokens_per_turn))
+            if turn + 1 < turns:
+                await ctx.tools.call(ToolCall("wait"))
+                calls += 1
+                ledger.add_observation(observation)
+        return EpisodeInfo(status="completed", turns=ledger.turns, tool_calls=calls)
+
+    return run
+
+
+def build_episodes(engine, args, parallel_calls: int):
+    from sapo_megatron.rollout.episodes import EpisodeEngine, EpisodeLimits, Tool, ToolSet
+
+    async def wait(**_: object) -> str:
+        await asyncio.sleep(args.tool_latency_s)
+        return "ok"
+
+    tools = ToolSet(
+        [Tool({"type": "function", "function": {"name": "wait"}}, wait)],
+        timeout_s=60,
+        max_concurrent=args.episodes,
+        max_output_chars=100,
+    )
+    limits = EpisodeLimits(
+        max_turns=args.turns,
+        max_tool_calls=args.turns,
+        max_context_tokens=1024,
+        max_new_tokens=args.tokens_per_turn,
+    )
+    observation = list(range(40, 40 + args.observation_tokens))
+    return EpisodeEngine(
+        engine,
+        episode_fn(args.turns, args.tokens_per_turn, observation),
+        tools=tools,
+        deltas=None,
+        limits=limits,
+        decode=str,
+        parallel_calls=parallel_calls,
+        user_function=True,
+    )
+
+
+def requests(args, max_new_tokens: int, seed: int):
+    from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
+
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=max_new_tokens, seed=seed)
+    groups = args.episodes // 4
+    return [
+        GenerationRequest(
+            prompt_ids=[3 + g % 50, 5, 7, 11, 13, 17][: 3 + g % 4], n=4, sampling=sampling, group_id=g
+        )
+        for g in range(groups)
+    ]
+
+
+def timed(engine, reqs) -> tuple[float, int]:
+    started = time.perf_counter()
+    groups = engine.generate(reqs)
+    elapsed = time.perf_counter() - started
+    return elapsed, sum(s.generated_tokens for g in groups for s in g)
+
+
+def bench_engine(name: str, engine, args, parallel_calls: int) -> dict:
+    episodes = build_episodes(engine, args, parallel_calls)
+    total = args.turns * args.tokens_per_turn
+    timed(engine, requests(args, 4, seed=0))  # warm-up
+    single, multi = [], []
+    for round_ in range(args.rounds):
+        seconds, tokens = timed(engine, requests(args, total, seed=round_))
+        single.append(tokens / seconds)
+        seconds, tokens = timed(episodes, requests(args, args.tokens_per_turn, seed=round_))
+        multi.append(tokens / seconds)
+        assert tokens == args.episodes * total, tokens
+    result = {
+        "engine": name,
+        "single_turn_tokens_per_s": round(statistics.median(single), 1),
+        "multi_turn_tokens_per_s": round(statistics.median(multi), 1),
+        "engine_calls_per_round": episodes.metrics()["episode/engine_calls"] / args.rounds,
+    }
+    result["ratio"] = round(result["multi_turn_tokens_per_s"] / result["single_turn_tokens_per_s"], 3)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--episodes", type=int, default=64)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--tokens-per-turn", type=int, default=16)
+    parser.add_argument("--tool-latency-s", type=float, default=0.2)
+    parser.add_argument("--observation-tokens", type=int, default=8)
+    parser.add_argument("--engine", choices=("http", "cpu", "both"), default="both")
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the engine")
+    parser.add_argument(
+        "--batch-window-s",
+        type=float,
+        default=0.05,
+        help="the CPU server's batching window: requests arriving within it share a batch (its batches are "
+        "static: a request that misses one waits for the whole batch to finish)",
+    )
+    args = parser.parse_args(argv)
+    if args.episodes % 4:
+        parser.error("--episodes must be a multiple of 4 (groups of 4 samples)")
+
+    from sapo_megatron.rollout.cpu_engine import CPUEngine
+    from sapo_megatron.rollout.cpu_server import CPUServer
+    from sapo_megatron.rollout.sglang_client import SGLangClient
+
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model = save_model(Path(tmp) / "model", args.hidden)
+        engine = CPUEngine.from_pretrained(model, seed=0, num_threads=args.threads)
+        if args.engine in ("cpu", "both"):
+            results.append(bench_engine("cpu (in-process)", engine, args, parallel_calls=1))
+        if args.engine in ("http", "both"):
+            with CPUServer(engine, batch_window_s=args.batch_window_s).start() as server:
+                client = SGLangClient([server.url], max_concurrency=args.episodes)
+                results.append(bench_engine("http (CPU server, SGLang API)", client, args, args.episodes))
+                client.close()
+    names = (
+        "episodes",
+        "turns",
+        "tokens_per_turn",
+        "tool_latency_s",
+        "observation_tokens",
+        "hidden",
+        "batch_window_s",
+    )
+    settings = {k: getattr(args, k) for k in names}
+    print(json.dumps({"settings": settings, "results": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
