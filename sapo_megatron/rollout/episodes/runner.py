@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -113,14 +114,17 @@ class EpisodeEngine(RolloutEngine):
     async def _generate(self, requests: Sequence[GenerationRequest]) -> list[list[Sample]]:
         self.tools.reset()
         batcher = TurnBatcher(self.engine, self.parallel_calls, self._engine_calls)
-        episodes = [self._episode(batcher, req, i) for req in requests for i in range(req.n)]
+        turn_ids = itertools.count()  # a request id per turn: servers refuse a repeated one (SGLang's rid)
+        episodes = [self._episode(batcher, req, i, turn_ids) for req in requests for i in range(req.n)]
         try:
             samples = iter(await asyncio.gather(*episodes))
         finally:
             self._counters["episode/engine_calls"] += batcher.calls
         return [[next(samples) for _ in range(req.n)] for req in requests]
 
-    async def _episode(self, batcher: TurnBatcher, req: GenerationRequest, index: int) -> Sample:
+    async def _episode(
+        self, batcher: TurnBatcher, req: GenerationRequest, index: int, turn_ids: Iterator[int]
+    ) -> Sample:
         ledger = EpisodeLedger(req.prompt_ids, f"group {req.group_id} sample {index}")
         seed = req.sampling.seed_for(index)
 
@@ -133,7 +137,7 @@ class EpisodeEngine(RolloutEngine):
                 n=1,
                 sampling=sampling,
                 return_routed_experts=req.return_routed_experts,
-                group_id=req.group_id,
+                group_id=next(turn_ids),
             )
             return await batcher.generate(request)
 
