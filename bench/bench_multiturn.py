@@ -11,7 +11,7 @@ sleeps ``--tool-latency-s``, through the ToolSet's timeout and concurrency cap) 
 excluded) over the wall time of the call; the ratio multi / single is the headline (goal ≥ 0.8).
 
 Engines: ``http`` is the CPU server (SGLang's API; static batches over a short window, as a stand-in for an
-SGLang worker) behind :class:`~sapo_megatron.rollout.sglang_client.SGLangClient`, the path SGLang servers take;
+SGLang worker) behind :class:`~sapo_megatron.rollout.sglang.client.SGLangClient`, the path SGLang servers take;
 ``cpu`` is the in-process CPU engine, where the ready turns of all episodes go in one forward. The model is a
 random tiny Qwen3-MoE widened to ``--hidden`` whose end-of-sequence token is out of its reach, so every response
 runs to its limit. The arms alternate for ``--rounds`` rounds; medians are printed.
@@ -167,9 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.episodes % 4:
         parser.error("--episodes must be a multiple of 4 (groups of 4 samples)")
 
-    from sapo_megatron.rollout.cpu_engine import CPUEngine
-    from sapo_megatron.rollout.cpu_server import CPUServer
-    from sapo_megatron.rollout.sglang_client import SGLangClient
+    from sapo_megatron.rollout.cpu.engine import CPUEngine
+    from sapo_megatron.rollout.cpu.server import CPUServer
+    from sapo_megatron.rollout.sglang.client import SGLangClient
 
     results = []
     with tempfile.TemporaryDirectory() as tmp:

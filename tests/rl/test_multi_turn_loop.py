@@ -10,7 +10,7 @@ import yaml
 
 from sapo_megatron.data.prompts import PromptRow, save_jsonl
 from sapo_megatron.defaults import embedded_default_dict
-from sapo_megatron.tiny import make_tiny_hf_checkpoint
+from sapo_megatron.model.tiny import make_tiny_hf_checkpoint
 from tests.data.chat_fixtures import make_chat_tokenizer
 from tests.rl.test_trainer import train
 

@@ -72,7 +72,9 @@ class ScriptedEngine(RolloutEngine):
     def generate(self, requests: Sequence[GenerationRequest]) -> list[list[Sample]]:
         self.calls.append(len(requests))
         # SGLang refuses a repeated request id, which its client builds from the group id (and sample index)
-        assert len({r.group_id for r in requests}) == len(requests), "two requests of one call share a group id"
+        assert len({r.group_id for r in requests}) == len(requests), (
+            "two requests of one call share a group id"
+        )
         time.sleep(self.delay_s)
         return [[self._turn(req, i) for i in range(req.n)] for req in requests]
 
