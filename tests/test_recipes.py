@@ -36,3 +36,16 @@ def test_the_sapo_recipe_and_its_siblings_differ_only_in_the_algorithm():
     assert replay == {"sapo": "none", "gspo": "none", "grpo_r2": "r2"}
     assert sapo["trainer"]["mini_batches"] == 4
     assert load_config(RECIPES / "sapo_qwen3_30b_a3b.yaml").model.arch.num_experts == 128
+
+
+def test_the_retool_recipe_carries_slimes_tool_settings():
+    cfg = load_config(RECIPES / "retool_qwen3_4b.yaml")
+    mt = cfg.rollout.multi_turn
+    assert (mt.max_turns, mt.max_tool_calls, mt.max_concurrent_tools) == (16, 16, 32)
+    assert (mt.python_tool, mt.python_timeout_s, mt.python_memory_mb) == (True, 120.0, 4096)
+    assert mt.tool_timeout_s > mt.python_timeout_s  # the sandbox's wall limit answers first
+    assert cfg.data.apply_chat_template
+    assert (cfg.rollout.n_samples, cfg.trainer.prompts_per_step, cfg.rollout.temperature) == (8, 32, 0.8)
+    loss = cfg.algorithm.loss
+    assert (loss.name, loss.eps_low, loss.eps_high) == ("grpo", 0.2, 0.28)
+    assert cfg.parallel.max_tokens_per_micro_batch >= mt.max_context_tokens
