@@ -90,6 +90,7 @@ def run_report_command(args: argparse.Namespace) -> int:
 def run_eval_command(args: argparse.Namespace) -> int:
     from sapo_megatron.data.tokenizer import load_tokenizer
     from sapo_megatron.eval.runner import build_suite, run_suite, write_outputs
+    from sapo_megatron.rollout.episodes import with_run_episodes
 
     out_dir = Path(args.output_dir)
     hf_dir, run_config = resolve_model(args.model, out_dir) if args.model else (None, None)
@@ -100,6 +101,10 @@ def run_eval_command(args: argparse.Namespace) -> int:
         raise EvalError("nothing to evaluate: give --data NAME=PATH, or a CONFIG with eval.datasets")
     suite = build_suite(cfg, tokenizer, seed=seed)  # before loading the model
     engine = build_engine(args, cfg, hf_dir, tokenizer, seed)
+    served = bool(args.urls or args.endpoints_file)
+    engine = with_run_episodes(
+        engine, cfg, tokenizer, in_process=not served
+    )  # rollout.multi_turn: with tools
     try:
         result = _run_with_bar(
             lambda progress: run_suite(engine, tokenizer, suite, seed=seed, progress=progress), suite

@@ -34,7 +34,7 @@ from sapo_megatron.megatron.train_step import TrainEngine
 from sapo_megatron.rewards.registry import check_labels
 from sapo_megatron.rewards.runner import RewardRunner, build_reward_runner, check_reward_available
 from sapo_megatron.rollout.base import RolloutEngine
-from sapo_megatron.rollout.episodes import tool_schemas, with_episodes
+from sapo_megatron.rollout.episodes import tool_schemas, with_run_episodes
 from sapo_megatron.rollout.sglang.topology import Topology, resolve_topology
 from sapo_megatron.runtime.interrupts import InterruptGuard, print_line
 from sapo_megatron.runtime.ranks import broadcast_object, on_main_rank
@@ -142,8 +142,9 @@ def build_session(
     )
     rollout, server, topology = build_rollout(cfg, info, engine, tokenizer, run_dir)
     sync = build_weight_sync(cfg, info, rollout, topology, tokenizer, run_dir)
-    colocation, sync = build_colocation(cfg, info, engine, rollout, sync)
-    rollout = with_multi_turn(cfg, rollout, tokenizer)  # episodes with tools when rollout.multi_turn is set
+    colocation, sync = build_colocation(cfg, info, engine, rollout, sync)  # with the engine itself
+    in_process = cfg.rollout.engine == "cpu" and not cfg.rollout.cpu_http
+    rollout = with_run_episodes(rollout, cfg, tokenizer, in_process=in_process)  # when rollout.multi_turn is set
     reward = build_reward_runner(
         cfg.algorithm.reward,
         workers=cfg.algorithm.reward_workers if info.is_main else 0,  # only the main rank scores
@@ -236,22 +237,6 @@ def _resolve_servers(cfg: RunConfig, tokenizer) -> Topology:
         probe_prompt=[tokenizer.bos_id if tokenizer.bos_id is not None else 0],
         timeout_s=r.startup_timeout_s,
         log=lambda line: print(line, flush=True),
-    )
-
-
-def with_multi_turn(cfg: RunConfig, rollout: RolloutEngine | None, tokenizer) -> RolloutEngine | None:
-    """``rollout`` generating multi-turn episodes (``rollout.multi_turn``); weight sync keeps the engine itself."""
-    if cfg.rollout.multi_turn is None or rollout is None:
-        return rollout
-    r = cfg.rollout
-    in_process = r.engine == "cpu" and not r.cpu_http  # one forward at a time: the ready turns go in one call
-    return with_episodes(
-        rollout,
-        r.multi_turn,
-        tokenizer.hf,
-        max_new_tokens=r.max_new_tokens,
-        template_kwargs=cfg.data.chat_template_kwargs,
-        parallel_calls=1 if in_process else r.concurrency,
     )
 
 

@@ -1,6 +1,7 @@
 """The RL loop on multi-turn episodes (rollout.multi_turn with a user episode function) end to end on CPU: a
 tiny Qwen3-MoE with the project's chat BPE, R3 replaying routes spliced across turns, two-span loss masks through
-packing into SAPO updates; the step metrics count turns, tool calls and generated tokens."""
+packing into SAPO updates; the step metrics count turns, tool calls and generated tokens; `sapo-megatron eval` with
+the run's config evaluates with the same episodes."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 
 import yaml
 
+from sapo_megatron.cli import main
 from sapo_megatron.data.prompts import PromptRow, save_jsonl
 from sapo_megatron.defaults import embedded_default_dict
 from sapo_megatron.model.tiny import make_tiny_hf_checkpoint

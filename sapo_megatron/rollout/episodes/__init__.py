@@ -52,6 +52,7 @@ __all__ = [
     "tool_episode",
     "tool_schemas",
     "with_episodes",
+    "with_run_episodes",
 ]
 
 
@@ -81,6 +82,23 @@ def build_tools(mt: MultiTurnConfig) -> ToolSet:
         timeout_s=mt.tool_timeout_s,
         max_concurrent=mt.max_concurrent_tools,
         max_output_chars=mt.max_tool_output_chars,
+    )
+
+
+def with_run_episodes(engine: RolloutEngine | None, cfg: Any, tokenizer: Any, *, in_process: bool):
+    """``engine`` generating episodes when the run config ``cfg`` sets ``rollout.multi_turn`` (else ``engine``
+    itself): for training (the session) and evaluation (``sapo-megatron eval``). ``in_process``: an engine that
+    computes one forward at a time (the CPU engine), which then gets all ready turns in one call."""
+    r = cfg.rollout
+    if r.multi_turn is None or engine is None:
+        return engine
+    return with_episodes(
+        engine,
+        r.multi_turn,
+        tokenizer.hf,
+        max_new_tokens=r.max_new_tokens,
+        template_kwargs=cfg.data.chat_template_kwargs,
+        parallel_calls=1 if in_process else r.concurrency,
     )
 
 

@@ -141,7 +141,9 @@ class EpisodeEngine(RolloutEngine):
             )
             return await batcher.generate(request)
 
-        ctx = EpisodeContext(turn, self.tools, self.deltas, self.limits, self.decode)
+        # a turn's token limit is the request's (training: rollout.max_new_tokens; evaluation: the dataset's)
+        limits = dataclasses.replace(self.limits, max_new_tokens=req.sampling.max_new_tokens)
+        ctx = EpisodeContext(turn, self.tools, self.deltas, limits, self.decode)
         try:
             info = await self.episode_fn(ctx, ledger)
         except (EpisodeDriftError, RolloutError):
