@@ -9,7 +9,6 @@ import json
 
 import yaml
 
-from sapo_megatron.cli import main
 from sapo_megatron.data.prompts import PromptRow, save_jsonl
 from sapo_megatron.defaults import embedded_default_dict
 from sapo_megatron.model.tiny import make_tiny_hf_checkpoint
