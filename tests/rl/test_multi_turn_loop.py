@@ -9,6 +9,7 @@ import json
 
 import yaml
 
+from sapo_megatron.cli import main
 from sapo_megatron.data.prompts import PromptRow, save_jsonl
 from sapo_megatron.defaults import embedded_default_dict
 from sapo_megatron.model.tiny import make_tiny_hf_checkpoint
@@ -63,6 +64,26 @@ def test_rl_steps_on_two_turn_episodes_with_r3_and_packing(tmp_path):
     samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
     assert samples and all(s["turns"] == 2 and s["status"] == "completed" for s in samples)
     assert all(s["response_tokens"] + s["observation_tokens"] > s["response_tokens"] for s in samples)
-    assert all(
-        "tool\n42" in s["response"] for s in samples
-    )  # the observation, in the fixture template's tool role
+    assert all("tool\n42" in s["response"] for s in samples)  # the observation (the fixture's tool role)
+
+    # evaluation runs the same episodes and reports turns and tool calls per sample
+    heldout = str(save_jsonl(rows[:2], tmp_path / "heldout.jsonl"))
+    out = tmp_path / "eval"
+    args = [
+        "eval",
+        str(config),
+        "--model",
+        str(model),
+        "--data",
+        f"held={heldout}",
+        "--n",
+        "2",
+        "--temperature",
+        "1.0",
+    ]
+    assert main([*args, "--output-dir", str(out)]) == 0
+    metrics = json.loads((out / "eval.json").read_text())["datasets"]["held"]
+    assert (metrics["turns_mean"], metrics["tool_calls_mean"]) == (2.0, 1.0)
+    assert 2 <= metrics["response_length_mean"] <= 2 * MAX_NEW_TOKENS
+    rows_out = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(rows_out) == 4 and all(r["turns"] == 2 and r["status"] == "completed" for r in rows_out)
