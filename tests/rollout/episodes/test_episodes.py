@@ -356,3 +356,47 @@ def test_turn_seeds_differ_per_turn_and_sample(hf):
 
 def test_the_built_in_loop_is_the_default(hf):
     assert episode_engine(ScriptedEngine(hf, {}), hf).episode_fn is tool_episode
+
+
+def test_tools_run_while_other_episodes_generate(hf):
+    """One episode's slow tool (0.6 s) does not hold the others: their next turns are generated while it runs."""
+    spans: dict[str, tuple[float, float]] = {}
+
+    async def timed(name: str, seconds: float) -> str:
+        start = time.perf_counter()
+        await asyncio.sleep(seconds)
+        spans[name] = (start, time.perf_counter())
+        return "ok"
+
+    async def slow(**_: object) -> str:
+        return await timed("slow", 0.6)
+
+    async def fast(**_: object) -> str:
+        return await timed("fast", 0.01)
+
+    schema = lambda name: {"type": "function", "function": {"name": name}}  # noqa: E731
+    tools = ToolSet(
+        [Tool(schema("slow"), slow), Tool(schema("fast"), fast)],
+        timeout_s=5,
+        max_concurrent=8,
+        max_output_chars=10,
+    )
+    engine = ScriptedEngine(
+        hf, {"tortoise": [call("slow"), "done"], "hare": [call("fast"), call("fast"), "done"]}
+    )
+    calls: list[tuple[float, int]] = []
+    original = engine.generate
+
+    def record(requests):
+        calls.append((time.perf_counter(), len(requests)))
+        return original(requests)
+
+    engine.generate = record
+    episodes = episode_engine(engine, hf, tools=tools)
+    groups = episodes.generate(
+        [request(prompt_ids(hf, "tortoise")), request(prompt_ids(hf, "hare"), group_id=1)]
+    )
+    assert [g[0].episode.turns for g in groups] == [2, 3]
+    start, end = spans["slow"]
+    during = [n for t, n in calls if start < t < end]
+    assert sum(during) >= 2  # the hare's second and third turns, generated while the tortoise's tool ran
