@@ -112,7 +112,6 @@ class EpisodeEngine(RolloutEngine):
         return asyncio.run(self._generate(requests))
 
     async def _generate(self, requests: Sequence[GenerationRequest]) -> list[list[Sample]]:
-        self.tools.reset()
         batcher = TurnBatcher(self.engine, self.parallel_calls, self._engine_calls)
         turn_ids = itertools.count()  # a request id per turn: servers refuse a repeated one (SGLang's rid)
         episodes = [self._episode(batcher, req, i, turn_ids) for req in requests for i in range(req.n)]

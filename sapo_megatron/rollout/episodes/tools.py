@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -105,7 +106,11 @@ class ToolSet:
         self.timeout_s = timeout_s
         self.max_concurrent = max_concurrent
         self.max_output_chars = max_output_chars
-        self._slots: asyncio.Semaphore | None = None  # made in the event loop that runs the calls
+        # one semaphore per event loop: each generate call runs its own loop, and two can run at once (a batch
+        # generated in the background while the main thread evaluates)
+        self._slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
+            weakref.WeakKeyDictionary()
+        )
 
     @property
     def schemas(self) -> list[dict[str, Any]]:
@@ -119,9 +124,10 @@ class ToolSet:
             return ToolOutcome(
                 f"Error: there is no tool {call.name!r} (tools: {sorted(self.tools)})", error=True
             )
-        if self._slots is None:
-            self._slots = asyncio.Semaphore(self.max_concurrent)
-        async with self._slots:
+        loop = asyncio.get_running_loop()
+        if loop not in self._slots:
+            self._slots[loop] = asyncio.Semaphore(self.max_concurrent)
+        async with self._slots[loop]:
             try:
                 text = await asyncio.wait_for(tool.run(**call.arguments), self.timeout_s)
             except TimeoutError:
@@ -131,10 +137,6 @@ class ToolSet:
             except Exception as exc:  # the error is the observation (verl's BaseTool does the same)
                 return ToolOutcome(f"Error: {type(exc).__name__}: {exc}", error=True)
         return ToolOutcome(self._clip(str(text)))
-
-    def reset(self) -> None:
-        """Forget the semaphore of a finished event loop (each rollout batch runs its own loop)."""
-        self._slots = None
 
     def _clip(self, text: str) -> str:
         if len(text) <= self.max_output_chars:

@@ -131,7 +131,6 @@ def test_the_python_tool_keeps_the_sandbox_limits(python_tools):
     from sapo_megatron.rollout.episodes import ToolCall
 
     async def run(code: str):
-        python_tools.reset()
         return await python_tools.call(ToolCall("python", {"code": code}))
 
     started = time.perf_counter()

@@ -51,9 +51,7 @@ def test_user_tools_from_a_yaml_file_run_with_their_config(tmp_path):
     tools = ToolSet(load_tools_file(path), timeout_s=1, max_concurrent=2, max_output_chars=100)
     assert [s["function"]["name"] for s in tools.schemas] == ["add", "scale"]
     assert asyncio.run(tools.call(ToolCall("add", {"a": 1, "b": 2.5}))).text == "3.5"
-    tools.reset()
     assert asyncio.run(tools.call(ToolCall("scale", {"x": 2}))).text == "6"
-    tools.reset()
     wrong = asyncio.run(tools.call(ToolCall("add", {"a": 1})))
     assert wrong.error and "TypeError" in wrong.text  # a missing argument is the model's error to learn from
 
@@ -118,3 +116,31 @@ def test_the_concurrency_cap_holds_over_all_calls():
 
     assert [o.text for o in asyncio.run(many())] == ["done"] * 12
     assert peak == 3
+
+
+def test_two_event_loops_share_a_tool_set():
+    """A batch generated in the background while the main thread evaluates: two loops call the same tools."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sapo_megatron.rollout.episodes import Tool
+
+    async def nap(**_: object) -> str:
+        await asyncio.sleep(0.05)
+        return "ok"
+
+    tools = ToolSet(
+        [Tool({"type": "function", "function": {"name": "nap"}}, nap)],
+        timeout_s=1,
+        max_concurrent=2,
+        max_output_chars=10,
+    )
+
+    def batch() -> list[str]:
+        async def many():
+            return await asyncio.gather(*(tools.call(ToolCall("nap")) for _ in range(6)))
+
+        return [o.text for o in asyncio.run(many())]
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(lambda _: batch(), range(2)))
+    assert results == [["ok"] * 6] * 2
