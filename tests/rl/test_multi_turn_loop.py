@@ -61,6 +61,10 @@ def test_rl_steps_on_two_turn_episodes_with_r3_and_packing(tmp_path):
         assert 2 <= row["response/length_mean"] <= 2 * MAX_NEW_TOKENS  # generated tokens, not the observation
         assert row["episode/observation_tokens_mean"] > 5
         assert row["grad_norm"] >= 0.0
+        # trainer (Megatron, R3) vs engine log-probs on the mask-1 tokens: an observation token in the mask would
+        # compare the engine's 0 with a trainer log-prob of about -6
+        assert row["mismatch/abs_delta_mean"] < 1e-4, row["mismatch/abs_delta_mean"]
+        print(f"step {row['step']}: trainer/engine mean |Δ log p| {row['mismatch/abs_delta_mean']:.2e}")
     samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
     assert samples and all(s["turns"] == 2 and s["status"] == "completed" for s in samples)
     assert all(s["response_tokens"] + s["observation_tokens"] > s["response_tokens"] for s in samples)
