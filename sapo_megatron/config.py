@@ -560,6 +560,13 @@ class AlgorithmConfig(Section):
     )
     dynamic_sampling: bool = Field(default=False, description="DAPO: drop all-equal groups and refill")
     max_refills: int = Field(default=3, ge=0, description="extra rollout rounds to refill dropped groups")
+    over_sampling: float = Field(
+        default=1.0,
+        ge=1.0,
+        le=8.0,
+        description="draw this many times the prompts a round needs (rounded up) and keep the first groups that "
+        "pass, in data order: fewer refill rounds under dynamic sampling, aborts and failed episodes",
+    )
     overlong_cache_len: int | None = Field(
         default=None,
         ge=1,

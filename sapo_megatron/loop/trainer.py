@@ -241,6 +241,7 @@ def _rollout(session: Session, prompts: PromptIterator, step: int):
         advantage=cfg.algorithm.advantage,
         dynamic_sampling=cfg.algorithm.dynamic_sampling,
         max_refills=cfg.algorithm.max_refills,
+        over_sampling=cfg.algorithm.over_sampling,
         overlong_cache_len=cfg.algorithm.overlong_cache_len,
         return_routed_experts=cfg.rollout.routed_experts,
     )

@@ -8,6 +8,7 @@ group under dynamic sampling, it is replaced by a group of a fresh prompt.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ class CollectSettings:
     advantage: AdvantageConfig
     dynamic_sampling: bool = False
     max_refills: int = 0
+    over_sampling: float = 1.0
     overlong_cache_len: int | None = None
     return_routed_experts: bool = False
 
@@ -114,7 +116,9 @@ def collect(
     are dropped unscored, and counted in ``rollout/aborted_groups``. With dynamic sampling, groups whose rewards
     are all equal (zero advantage everywhere) are dropped too. Dropped groups are replaced by groups of exactly
     as many fresh prompts from ``refill`` (the data order continues: no prompt is skipped), for at most
-    ``max_refills`` extra rounds. Rewards come from ``score_batch`` (one call per generation round) or, per
+    ``max_refills`` extra rounds. With ``over_sampling`` > 1 each round draws that many times the prompts it needs
+    (rounded up) and the first groups that pass, in data order, are kept (``rollout/over_sampled_prompts``,
+    ``rollout/unused_groups``). Rewards come from ``score_batch`` (one call per generation round) or, per
     sample, from ``score``. If the batch is then still short, the all-equal groups fill it (zero
     advantage; ``rollout/kept_group_frac`` says so); aborted groups never do: :class:`RolloutError` if the
     batch cannot be completed without them.
@@ -122,7 +126,8 @@ def collect(
     start, wanted = time.perf_counter(), len(prompts)
     score_round = score_batch if score_batch is not None else per_sample(score)
     pool = _GroupPool()
-    batch_prompts, rounds = prompts, 0
+    over_sampled = _extra(wanted, settings.over_sampling)
+    batch_prompts, rounds = [*prompts, *(refill(over_sampled) if over_sampled else ())], 0
     while batch_prompts:
         groups = generate_groups(engine, batch_prompts, encode, settings, seed * 31 + rounds)
         rounds += 1
@@ -131,7 +136,10 @@ def collect(
         pool.add(batch_prompts, groups, score_round, settings)
         if len(pool.informative) >= wanted or rounds > settings.max_refills:
             break
-        batch_prompts = list(refill(wanted - len(pool.informative)))
+        missing = wanted - len(pool.informative)
+        extra = _extra(missing, settings.over_sampling)
+        over_sampled += extra
+        batch_prompts = list(refill(missing + extra))
     chosen = (pool.informative + pool.uninformative)[:wanted]
     if len(chosen) < wanted:
         raise _incomplete_batch(len(chosen), wanted, rounds, pool.aborted_groups)
@@ -146,9 +154,18 @@ def collect(
     batch.metrics = _rollout_metrics(batch, kept_groups=kept_groups, rounds=rounds, wanted=wanted)
     batch.metrics.update(episode_metrics(batch.samples))  # turns, tool calls, truncations (multi-turn)
     batch.metrics["rollout/aborted_groups"] = float(pool.aborted_groups)
+    scored_groups = len(pool.informative) + len(pool.uninformative)
+    # scored but not trained: dropped by dynamic sampling, or drawn beyond the batch by over-sampling
+    batch.metrics["rollout/unused_groups"] = float(max(scored_groups - wanted, 0))
+    batch.metrics["rollout/over_sampled_prompts"] = float(over_sampled)
     batch.metrics["response/aborted_frac"] = pool.aborted_samples / max(pool.samples, 1)  # all that came back
     batch.metrics["time/rollout_s"] = time.perf_counter() - start
     return batch
+
+
+def _extra(needed: int, over_sampling: float) -> int:
+    """Prompts drawn beyond ``needed`` under ``over_sampling`` (1.0: none)."""
+    return math.ceil(needed * over_sampling - 1e-9) - needed
 
 
 @dataclass

@@ -220,3 +220,29 @@ def test_aborted_groups_never_fill_a_short_batch():
     assert [row.prompt for row in batch.prompts] == ["1", "4"] and batch.metrics[
         "rollout/kept_group_frac"
     ] == 0.5
+
+
+def test_over_sampling_draws_more_prompts_and_keeps_the_first_that_pass():
+    """Two groups wanted, 1.5× drawn: "4" is all-correct (dropped by dynamic sampling), "2" fills its place in the
+    same round; without over-sampling that takes a second round."""
+    engine = ScriptedEngine()
+    batch = run(engine, rows(1, 4), refill_rows=rows(2, 3, "3,1"), dynamic_sampling=True, over_sampling=1.5)
+    assert [row.prompt for row in batch.prompts] == ["1", "2"]
+    assert [p[0] for p in engine.prompts] == [1, 4, 2]
+    assert batch.metrics["rollout/rounds"] == 1.0 and batch.metrics["rollout/over_sampled_prompts"] == 1.0
+    assert batch.metrics["rollout/unused_groups"] == 1.0  # "4": scored, not trained
+    plain = run(ScriptedEngine(), rows(1, 4), refill_rows=rows(2, 3), dynamic_sampling=True, max_refills=2)
+    assert plain.metrics["rollout/rounds"] == 2.0 and plain.metrics["rollout/over_sampled_prompts"] == 0.0
+    # a refill round over-samples too: 3 wanted, 2 missing after round one → 3 drawn
+    engine = ScriptedEngine()
+    batch = run(
+        engine,
+        rows(1, 4, 0),
+        refill_rows=rows(0, 2, 3, "3,1"),
+        dynamic_sampling=True,
+        over_sampling=1.2,
+        max_refills=2,
+    )
+    assert [p[0] for p in engine.prompts] == [1, 4, 0, 0, 2, 3, 3]
+    assert [row.prompt for row in batch.prompts] == ["1", "2", "3"]
+    assert batch.metrics["rollout/over_sampled_prompts"] == 2.0  # ceil(3 × 1.2) - 3 + ceil(2 × 1.2) - 2
