@@ -915,6 +915,13 @@ def _batch_problems(cfg: RunConfig, world_size: int) -> list[str]:
 
 def _packing_problems(cfg: RunConfig) -> list[str]:
     budget, longest = cfg.parallel.max_tokens_per_micro_batch, cfg.rollout.max_new_tokens
+    mt = cfg.rollout.multi_turn
+    if cfg.trainer.steps and mt is not None and budget < mt.max_context_tokens - 1:
+        return [
+            f"parallel.max_tokens_per_micro_batch={budget} is smaller than an episode of "
+            f"rollout.multi_turn.max_context_tokens={mt.max_context_tokens} tokens (less one) takes: raise it, or "
+            "lower max_context_tokens"
+        ]
     if cfg.trainer.steps and budget < longest:
         return [
             f"parallel.max_tokens_per_micro_batch={budget} is smaller than rollout.max_new_tokens={longest}: a "

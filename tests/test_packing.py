@@ -290,3 +290,17 @@ def test_padding_fraction_counts_the_positions_without_a_token():
     assert padding_fraction(seqs, [packed], dp_size=1) == pytest.approx(1 - 24 / 26)
     # per update, every rank's micro-batches count (they all have the same shapes)
     assert padding_fraction(seqs * 2, [packed], dp_size=2) == pytest.approx(1 - 48 / 52)
+
+
+def test_config_refuses_a_budget_below_an_episode():
+    episode = {
+        **_config(max_tokens_per_micro_batch=256),
+        "rollout": {"max_new_tokens": 64, "multi_turn": {"max_context_tokens": 1024}},
+        "data": {"tokenizer": "/models/qwen3", "apply_chat_template": True},
+    }
+    with pytest.raises(
+        ConfigError, match=r"smaller than an episode of rollout\.multi_turn\.max_context_tokens=1024"
+    ):
+        config_from_dict(episode)
+    episode["parallel"]["max_tokens_per_micro_batch"] = 1024
+    assert config_from_dict(episode).rollout.multi_turn.max_context_tokens == 1024

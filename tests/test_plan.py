@@ -106,6 +106,12 @@ def test_micro_batch_is_the_rank_share_padded_to_the_multiple():
     assert (shape.sequences, shape.seq_len) == (4, 8704)  # 8692 up to a multiple of 4 x 16 = 64
 
 
+def test_an_episode_pads_the_micro_batch_to_its_context_limit():
+    overrides = {"rollout.multi_turn": {"max_context_tokens": 16384}, "data.apply_chat_template": True}
+    shape = micro_batch_shape(load_config(QWEN30B, overrides), 32, prompt_tokens=500)
+    assert (shape.sequences, shape.seq_len) == (1, 16384)  # not 500 + 8192: turns and observations add up
+
+
 def test_packing_budget_replaces_the_padded_rectangle():
     cfg = tiny(precision={"dtype": "fp8"}, parallel={"max_tokens_per_micro_batch": 1000})
     shape = micro_batch_shape(cfg, 1, prompt_tokens=64)

@@ -50,7 +50,7 @@ class MicroBatchShape:
 def micro_batch_shape(cfg: RunConfig, world_size: int, prompt_tokens: int) -> MicroBatchShape:
     """The largest micro-batch of an RL update: ``parallel.max_tokens_per_micro_batch`` tokens when packing is on,
     else this rank's sequences per micro-batch, each padded to prompt + ``rollout.max_new_tokens`` (a response
-    that runs to the limit pads the whole micro-batch to it), rounded up to :func:`sequence_length_multiple`."""
+    that runs to the limit pads the whole micro-batch to it; multi-turn episodes: ``max_context_tokens``), rounded up to :func:`sequence_length_multiple`."""
     multiple = sequence_length_multiple(cfg)
     budget = cfg.parallel.max_tokens_per_micro_batch
     if budget:
@@ -58,7 +58,12 @@ def micro_batch_shape(cfg: RunConfig, world_size: int, prompt_tokens: int) -> Mi
     per_update = cfg.rollout.n_samples * cfg.trainer.prompts_per_step // cfg.trainer.mini_batches
     split = data_parallel_size(cfg, world_size) * cfg.parallel.micro_batches
     sequences = max(1, -(-per_update // split))
-    return MicroBatchShape(sequences, round_up(prompt_tokens + cfg.rollout.max_new_tokens, multiple))
+    longest = prompt_tokens + cfg.rollout.max_new_tokens
+    if (
+        cfg.rollout.multi_turn is not None
+    ):  # an episode: prompt, turns and observations up to the context limit
+        longest = cfg.rollout.multi_turn.max_context_tokens
+    return MicroBatchShape(sequences, round_up(longest, multiple))
 
 
 @dataclass(frozen=True)
