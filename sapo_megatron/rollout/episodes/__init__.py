@@ -9,7 +9,6 @@ observations on one token sequence, trained with a loss mask of several spans.
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -73,8 +72,9 @@ def build_tools(mt: MultiTurnConfig) -> ToolSet:
         limits = SandboxLimits(
             wall_s=mt.python_timeout_s, cpu_s=max(1, int(mt.python_timeout_s)), memory_mb=mt.python_memory_mb
         )
-        workers = min(mt.max_concurrent_tools, os.cpu_count() or 1)
-        tools.append(python_tool(limits, ThreadPoolExecutor(workers, thread_name_prefix="python-tool")))
+        # a thread per running call: it only waits on the sandbox's process (the cap is ToolSet's semaphore)
+        pool = ThreadPoolExecutor(mt.max_concurrent_tools, thread_name_prefix="python-tool")
+        tools.append(python_tool(limits, pool))
     if mt.tools_file:
         tools += load_tools_file(mt.tools_file)
     return ToolSet(
