@@ -136,7 +136,7 @@ class EpisodeContext:
 
     generate: GenerateTurn
     tools: ToolSet
-    deltas: ObservationDeltas
+    deltas: ObservationDeltas | None  # None: the episode function appends its own observation ids
     limits: EpisodeLimits
     decode: Callable[[list[int]], str]
 

@@ -14,7 +14,7 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -81,7 +81,8 @@ class TurnBatcher:
 
 class EpisodeEngine(RolloutEngine):
     """``generate``: an episode (``episode_fn``, default the built-in tool loop) per sample of each request;
-    everything else is ``engine``'s."""
+    everything else is ``engine``'s. ``deltas`` may be None for an episode function that appends its own
+    observation ids (the built-in loop renders them)."""
 
     def __init__(
         self,
@@ -89,9 +90,9 @@ class EpisodeEngine(RolloutEngine):
         episode_fn: EpisodeFn,
         *,
         tools: ToolSet,
-        deltas: ObservationDeltas,
+        deltas: ObservationDeltas | None,
         limits: EpisodeLimits,
-        decode,
+        decode: Callable[[list[int]], str],
         parallel_calls: int,
         user_function: bool = False,
     ) -> None:
