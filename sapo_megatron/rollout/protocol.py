@@ -56,8 +56,10 @@ def generate_payload(
     rid: str,
     sample_index: int = 0,
     return_routed_experts: bool = False,
+    routed_experts_start: int = 0,
 ) -> dict[str, Any]:
-    """Body of ``POST /generate`` for one sample (logprobs of the output tokens only)."""
+    """Body of ``POST /generate`` for one sample (logprobs of the output tokens only); routes from position
+    ``routed_experts_start`` on."""
     payload: dict[str, Any] = {
         "input_ids": list(prompt_ids),
         "sampling_params": sampling_params_payload(sampling, sample_index),
@@ -67,6 +69,8 @@ def generate_payload(
     }
     if return_routed_experts:
         payload["return_routed_experts"] = True
+        if routed_experts_start:
+            payload["routed_experts_start_len"] = routed_experts_start
     return payload
 
 
@@ -199,9 +203,11 @@ def parse_generate_reply(
     num_layers: int | None,
     top_k: int | None,
     vocab_size: int | None = None,
+    routed_experts_start: int = 0,
 ) -> ParsedGeneration:
     """Check a ``/generate`` reply for one sample against its request and extract what the trainer needs
-    (``vocab_size``: the trainer's vocabulary, which every output id must be in)."""
+    (``vocab_size``: the trainer's vocabulary, which every output id must be in; routes from position
+    ``routed_experts_start`` on: ``seq_len - 1 - start`` rows, as SGLang's ``routed_experts_start_len``)."""
 
     def fail_field(field: str, problem: str) -> RolloutError:
         return RolloutError(
@@ -265,7 +271,7 @@ def parse_generate_reply(
             )
         routed = decode_routed_experts(
             meta["routed_experts"],
-            num_rows=len(prompt_ids) + len(output_ids) - 1,
+            num_rows=max(len(prompt_ids) + len(output_ids) - 1 - routed_experts_start, 0),
             num_layers=num_layers,
             top_k=top_k,
             server=server,

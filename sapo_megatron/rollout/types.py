@@ -61,19 +61,28 @@ class SamplingParams:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GenerationRequest:
-    """One prompt to sample ``n`` responses for; ``group_id`` ties the samples to their prompt group."""
+    """One prompt to sample ``n`` responses for; ``group_id`` ties the samples to their prompt group.
+
+    ``routed_experts_start``: with ``return_routed_experts``, the routes come back from this position on (SGLang's
+    ``routed_experts_start_len``; multi-turn episodes already hold the earlier rows)."""
 
     prompt_ids: Sequence[int]
     n: int
     sampling: SamplingParams
     return_routed_experts: bool = False
     group_id: int
+    routed_experts_start: int = 0
 
     def __post_init__(self) -> None:
         if len(self.prompt_ids) == 0:
             raise ValueError(f"GenerationRequest(group_id={self.group_id}): prompt_ids is empty")
         if self.n < 1:
             raise ValueError(f"GenerationRequest(group_id={self.group_id}): n must be >= 1, got {self.n}")
+        if not 0 <= self.routed_experts_start <= len(self.prompt_ids):
+            raise ValueError(
+                f"GenerationRequest(group_id={self.group_id}): routed_experts_start {self.routed_experts_start} is "
+                f"not in [0, {len(self.prompt_ids)}] (the prompt's length)"
+            )
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
 
 
@@ -117,6 +126,7 @@ class Sample:
     reward_fields: dict[str, Any] = dataclasses.field(default_factory=dict)  # the reward's extra fields
     loss_mask: list[int] | None = None
     episode: EpisodeInfo | None = None
+    routed_experts_start: int = 0  # routed_experts holds the rows from this position on (the request's)
 
     def __post_init__(self) -> None:
         where = f"Sample(group_id={self.group_id}, sample_index={self.sample_index})"
@@ -133,7 +143,9 @@ class Sample:
                 f"got {len(mask)} values"
             )
         if self.routed_experts is not None:
-            expected_rows = len(self.prompt_ids) + len(self.response_ids) - 1
+            expected_rows = max(
+                len(self.prompt_ids) + len(self.response_ids) - 1 - self.routed_experts_start, 0
+            )
             arr = self.routed_experts
             if arr.ndim != 3 or arr.shape[0] != expected_rows or arr.dtype != np.int32:
                 raise ValueError(

@@ -57,6 +57,29 @@ def test_generation_logprobs_and_routing_over_http(client, moe_dir):
     assert metrics["rollout/samples"] == 9 and metrics["rollout/retries"] == 0
 
 
+def test_routes_from_a_start_position_over_http(client, server, moe_dir):
+    """``routed_experts_start_len`` (SGLang's): the rows of the positions from the start on, as in a full reply;
+    a start past the prompt is refused with 400."""
+    reference = load(moe_dir)
+    sampling = SamplingParams(max_new_tokens=5, seed=1)
+    prompt = [5, 6, 7, 8, 9, 10]
+    request = GenerationRequest(
+        prompt_ids=prompt,
+        n=2,
+        sampling=sampling,
+        return_routed_experts=True,
+        group_id=0,
+        routed_experts_start=4,
+    )
+    for s in client.generate([request])[0]:
+        assert s.routed_experts_start == 4 and s.routed_experts.shape[0] == len(s.token_ids) - 1 - 4
+        expected = reference_routing(reference, s.token_ids)[4:]
+        np.testing.assert_array_equal(np.sort(s.routed_experts, axis=-1), expected)
+    body = {"input_ids": prompt, "return_routed_experts": True, "routed_experts_start_len": 7}
+    reply = httpx.post(f"{server.url}/generate", json=body, timeout=30)
+    assert reply.status_code == 400 and "routed_experts_start_len 7 is not in [0, 6]" in reply.text
+
+
 def test_score_over_http(client, moe_dir):
     reference = load(moe_dir)
     seqs = [[1, 2, 3, 4, 5, 6], [7, 8, 9]]

@@ -92,3 +92,25 @@ def test_generate_payload_fields():
         "rid": "r",
         "return_routed_experts": True,
     }
+    later = generate_payload([1, 2], sampling, rid="r", return_routed_experts=True, routed_experts_start=1)
+    assert later["routed_experts_start_len"] == 1  # SGLang's name; only sent when not 0
+    assert "routed_experts_start_len" not in generate_payload(
+        [1, 2], sampling, rid="r", routed_experts_start=1
+    )
+
+
+def test_routes_start_within_the_prompt_and_set_the_rows_a_sample_holds():
+    sampling = SamplingParams(max_new_tokens=2)
+    with pytest.raises(ValueError, match=r"routed_experts_start 4 is not in \[0, 3\]"):
+        GenerationRequest(prompt_ids=[1, 2, 3], n=1, sampling=sampling, group_id=0, routed_experts_start=4)
+    routes = np.zeros((5 - 1 - 2, 1, 2), dtype=np.int32)  # prompt 3 + response 2, rows from position 2
+    sample = Sample(
+        group_id=0, sample_index=0, prompt_ids=[1, 2, 3], response_ids=[4, 5], rollout_logp=[0.0, 0.0],
+        finish_reason="stop", routed_experts=routes, routed_experts_start=2,
+    )  # fmt: skip
+    assert sample.routed_experts.shape[0] == 2
+    with pytest.raises(ValueError, match=r"routed_experts must be int32 \[4,"):
+        Sample(
+            group_id=0, sample_index=0, prompt_ids=[1, 2, 3], response_ids=[4, 5], rollout_logp=[0.0, 0.0],
+            finish_reason="stop", routed_experts=routes,
+        )  # fmt: skip

@@ -67,6 +67,7 @@ class RowSpec:
     return_routed_experts: bool = False
     logprob_start_len: int = -1
     ignore_eos: bool = False
+    routed_experts_start: int = 0  # routes from this position on (SGLang's routed_experts_start_len)
 
 
 @dataclasses.dataclass
@@ -211,6 +212,7 @@ class CPUEngine(RolloutEngine):
                 sampling=req.sampling,
                 seed=req.sampling.seed_for(index),
                 return_routed_experts=req.return_routed_experts,
+                routed_experts_start=req.routed_experts_start,
             )
             for req in requests
             for index in range(req.n)
@@ -230,6 +232,7 @@ class CPUEngine(RolloutEngine):
                         rollout_logp=res.output_logprobs,
                         finish_reason=res.finish_reason,
                         routed_experts=res.routed_experts,
+                        routed_experts_start=req.routed_experts_start,
                     )
                 )
             samples.append(group)
@@ -398,6 +401,7 @@ class CPUEngine(RolloutEngine):
             routed = None
             if row.return_routed_experts:
                 routed = _row_routing(routed_steps, i, prompt_lens[i], width, len(outputs[i]))
+                routed = routed[row.routed_experts_start :]
             results.append(
                 RowResult(
                     output_ids=outputs[i],

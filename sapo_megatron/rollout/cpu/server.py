@@ -8,7 +8,7 @@ Endpoints (what each checks):
 
 - ``POST|PUT /generate``: ``input_ids`` (a list or a list of lists of ints in the vocabulary), ``sampling_params``
   (only the keys in ``_SAMPLING_KEYS``), ``return_logprob``, ``logprob_start_len`` (-1 or a prompt position),
-  ``return_routed_experts`` (MoE models only), ``rid``; prompt + ``max_new_tokens`` within the context length.
+  ``return_routed_experts`` (MoE models only) with ``routed_experts_start_len``, ``rid``; prompt + ``max_new_tokens`` within the context length.
   Errors: 400 ``{"error": {"message"}}``. Concurrent requests are gathered for a few milliseconds and run as one
   batch (the client sends one HTTP request per sample). Every field is checked before a request joins a batch
   (types, finite temperature / top_p, ``sampling_seed`` in [0, 2^63), at most ``max_rows_per_request`` rows), so
@@ -595,12 +595,17 @@ def _parse_generate(
     return_logprob = _as_list(body.get("return_logprob") or False, n, "return_logprob")
     start_lens = _as_list(body.get("logprob_start_len", -1), n, "logprob_start_len")
     routed = _flag(body.get("return_routed_experts", False), "return_routed_experts")
+    routes_from = _integer(body.get("routed_experts_start_len", 0), "routed_experts_start_len")
     rows, echo = [], []
     for i, prompt in enumerate(prompts):
         params, seed, ignore_eos = _sampling(sampling[i])
         start = -1 if start_lens[i] is None else _integer(start_lens[i], "logprob_start_len")
         if start < -1:
             raise BadRequest(f"logprob_start_len must be -1 or >= 0, got {start}")
+        if routed and not 0 <= routes_from <= len(prompt):  # SGLang's scheduler refuses the same
+            raise BadRequest(
+                f"routed_experts_start_len {routes_from} is not in [0, {len(prompt)}] (the number of input tokens)"
+            )
         rows.append(
             RowSpec(
                 prompt_ids=prompt,
@@ -609,6 +614,7 @@ def _parse_generate(
                 return_routed_experts=routed,
                 logprob_start_len=start if return_logprob[i] else -1,
                 ignore_eos=ignore_eos,
+                routed_experts_start=routes_from if routed else 0,
             )
         )
         rid = rids[i] if rids[i] is not None else uuid.uuid4().hex

@@ -6,10 +6,11 @@ appended as they are (loss mask 1, the engine's log-probs), tool observations ar
 from re-tokenized text would drift from the ids the policy sampled (AReaL asserts the same; sglang PR #26555 shows
 drift breaking routing replay) – and stops the run naming the sample, turn and first differing position.
 
-Routes (R3): a turn reports rows for every token it fed, ``[len(input) + len(output) - 1]``. The rows of earlier
-tokens were already reported by the turns that decoded them and are kept; a turn contributes the rows from where
-the previous one stopped: the previous turn's last sampled token (which it never fed), the observation, its own
-tokens. So every row comes from the forward that computed the log-probs trained on (NeMo-RL PR #3485).
+Routes (R3): the rows of earlier tokens were already reported by the turns that decoded them and are kept; a turn
+contributes the rows from where the previous one stopped: the previous turn's last sampled token (which it never
+fed), the observation, its own tokens. So every row comes from the forward that computed the log-probs trained on
+(NeMo-RL PR #3485). A turn asks for only those rows (``routed_experts_start``, SGLang's
+``routed_experts_start_len``): the payload stays one episode's routes in all, not one per turn.
 """
 
 from __future__ import annotations
@@ -88,14 +89,17 @@ class EpisodeLedger:
         if turn.routed_experts is None:
             self._routes_missing = True
             return
-        rows = turn.routed_experts
-        if rows.shape[0] != len(self.tokens) - 1:
-            raise EpisodeDriftError(
-                f"{self.name}, turn {self.turns}: the engine reported routes for {rows.shape[0]} tokens, the "
-                f"sequence has {len(self.tokens)} (expected {len(self.tokens) - 1} rows)"
-            )
+        rows, start = (
+            turn.routed_experts,
+            turn.routed_experts_start,
+        )  # rows of positions start, start + 1, ...
         known = 0 if self.routes is None else len(self.routes)
-        new = rows[known:]
+        if rows.shape[0] != len(self.tokens) - 1 - start or start > known:
+            raise EpisodeDriftError(
+                f"{self.name}, turn {self.turns}: the engine reported routes for {rows.shape[0]} tokens from "
+                f"position {start}; the sequence has {len(self.tokens)} and routes are known up to {known}"
+            )
+        new = rows[known - start :]
         self.routes = new.copy() if self.routes is None else np.concatenate([self.routes, new])
 
     def add_observation(self, ids: Sequence[int]) -> None:

@@ -138,6 +138,7 @@ class EpisodeEngine(RolloutEngine):
                 sampling=sampling,
                 return_routed_experts=req.return_routed_experts,
                 group_id=next(turn_ids),
+                routed_experts_start=0 if ledger.routes is None else len(ledger.routes),  # only the new rows
             )
             return await batcher.generate(request)
 

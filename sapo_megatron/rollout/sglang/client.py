@@ -235,6 +235,7 @@ class SGLangClient(RolloutEngine):
                 rid=rid,
                 sample_index=index,
                 return_routed_experts=req.return_routed_experts,
+                routed_experts_start=req.routed_experts_start,
             )
             reply = self._post(server, "/generate", payload, request=rid)
             parsed = parse_generate_reply(
@@ -247,6 +248,7 @@ class SGLangClient(RolloutEngine):
                 num_layers=self.num_layers,
                 top_k=self.top_k,
                 vocab_size=self.vocab_size,
+                routed_experts_start=req.routed_experts_start,
             )
             return parsed
 
@@ -263,6 +265,7 @@ class SGLangClient(RolloutEngine):
             rollout_logp=parsed.logprobs,
             finish_reason=parsed.finish_reason,
             routed_experts=parsed.routed_experts,
+            routed_experts_start=req.routed_experts_start,
         )
 
     def score(

@@ -68,6 +68,7 @@ class ScriptedEngine(RolloutEngine):
         self.delay_s = delay_s
         self.eos = hf.convert_tokens_to_ids("<|im_end|>")
         self.calls: list[int] = []
+        self.route_starts: list[int] = []
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[list[Sample]]:
         self.calls.append(len(requests))
@@ -88,8 +89,10 @@ class ScriptedEngine(RolloutEngine):
         finish = "length" if len(ids) > limit else "stop"
         ids = ids[:limit]
         routes = None
-        if req.return_routed_experts:
-            routes = np.full((len(req.prompt_ids) + len(ids) - 1, 1, 1), turn + 1, dtype=np.int32)
+        if req.return_routed_experts:  # from routed_experts_start on, as SGLang's routed_experts_start_len
+            rows = len(req.prompt_ids) + len(ids) - 1 - req.routed_experts_start
+            routes = np.full((rows, 1, 1), turn + 1, dtype=np.int32)
+        self.route_starts.append(req.routed_experts_start)
         return Sample(
             group_id=req.group_id,
             sample_index=index,
@@ -98,6 +101,7 @@ class ScriptedEngine(RolloutEngine):
             rollout_logp=[-(turn + 1) / 10] * len(ids),
             finish_reason=finish,
             routed_experts=routes,
+            routed_experts_start=req.routed_experts_start,
         )
 
     def ids(self, text: str) -> list[int]:

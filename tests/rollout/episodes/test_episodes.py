@@ -252,6 +252,8 @@ def test_routes_are_spliced_across_turns(hf):
         assert (rows[start : end - 1] == turn).all(), turn
         start = end - 1
     assert start == len(rows)
+    # each turn asked only for the rows it adds: from where the previous turn's rows stopped
+    assert engine.route_starts == [0, ends[0] - 1, ends[1] - 1]
 
 
 def test_a_re_tokenized_turn_is_caught_naming_the_sample(hf):
