@@ -40,12 +40,18 @@ QWEN3_TOOL_TEMPLATE = (
 )
 
 
-def chat_tokenizer(directory: Path):
-    """The project's offline BPE (tests/data/chat_fixtures.py) with the Qwen3-style tool template."""
+def chat_tokenizer(directory: Path | None = None):
+    """The tokenizer the package ships (``data.tokenizer: chat``; with ``directory``: the tests' own offline BPE,
+    tests/data/chat_fixtures.py) with the Qwen3-style tool template."""
     from transformers import AutoTokenizer
 
-    make_chat_tokenizer(directory)
-    hf = AutoTokenizer.from_pretrained(str(directory))
+    from sapo_megatron.data.chat_tokenizer import load_chat_tokenizer
+
+    if directory is None:
+        hf = load_chat_tokenizer()
+    else:
+        make_chat_tokenizer(directory)
+        hf = AutoTokenizer.from_pretrained(str(directory))
     hf.chat_template = QWEN3_TOOL_TEMPLATE
     return hf
 

@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from sapo_megatron.data.chat_tokenizer import QWEN_STYLE_TEMPLATE
 from sapo_megatron.rewards.sandbox import SandboxLimits
 from sapo_megatron.rollout.episodes import (
     EpisodeDriftError,
@@ -20,12 +21,16 @@ from sapo_megatron.rollout.episodes import (
 )
 from sapo_megatron.rollout.episodes.tools import PYTHON_SCHEMA, Tool, python_tool
 from sapo_megatron.rollout.types import EpisodeInfo, GenerationRequest, SamplingParams
-from tests.data.chat_fixtures import QWEN_STYLE_TEMPLATE
 from tests.rollout.episodes.helpers import ScriptedEngine, call, chat_tokenizer, episode_engine, prompt_ids
 
 
 @pytest.fixture(scope="module")
-def hf(tmp_path_factory):
+def hf():
+    return chat_tokenizer()  # the shipped one (data.tokenizer: chat), with Qwen3's tool rendering
+
+
+@pytest.fixture(scope="module")
+def fixture_bpe(tmp_path_factory):
     return chat_tokenizer(tmp_path_factory.mktemp("chat_tok"))
 
 
@@ -55,9 +60,11 @@ def request(
     )
 
 
+@pytest.mark.parametrize("tokenizer", ["shipped", "tests' BPE"])
 @pytest.mark.parametrize("template", ["qwen3-tools", "qwen-style"])
-def test_template_deltas_equal_the_whole_conversation_tokenized_at_once(hf, template):
-    if template == "qwen-style":
+def test_template_deltas_equal_the_whole_conversation_tokenized_at_once(hf, fixture_bpe, tokenizer, template):
+    hf = hf if tokenizer == "shipped" else fixture_bpe
+    if template == "qwen-style":  # the shipped tokenizer's own template: tool messages as a "tool" turn
         hf = chat_tokenizer_copy(hf, QWEN_STYLE_TEMPLATE)
     end = hf.convert_tokens_to_ids("<|im_end|>")
     deltas = ObservationDeltas(hf, "<|im_end|>")
