@@ -169,6 +169,10 @@ def write_config(out: Path, vocab: int, data: dict[str, str], args) -> Path:
     return path
 
 
+def _mean(values: list[float]) -> float:
+    return round(sum(values) / max(len(values), 1), 3)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/demo_calculator")
@@ -187,18 +191,13 @@ def main(argv: list[str] | None = None) -> int:
     metrics = [json.loads(line) for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     rl = [row for row in metrics if row["phase"] == "rl"]
     calls = [row.get("episode/tool_calls_mean", 0.0) for row in rl]
+    rewards = [row["reward/mean"] for row in rl]
     print(
         json.dumps(
             {
                 "heldout_avg@4_with_tools": [summary["accuracy_before"], summary["accuracy_after"]],
-                "tool_calls_per_sample_first_last_5_steps": [
-                    round(sum(calls[:5]) / 5, 3),
-                    round(sum(calls[-5:]) / 5, 3),
-                ],
-                "reward_first_last_5_steps": [
-                    round(sum(r["reward/mean"] for r in rl[:5]) / 5, 3),
-                    round(sum(r["reward/mean"] for r in rl[-5:]) / 5, 3),
-                ],
+                "tool_calls_per_sample_first_last_5_steps": [_mean(calls[:5]), _mean(calls[-5:])],
+                "reward_first_last_5_steps": [_mean(rewards[:5]), _mean(rewards[-5:])],
                 "wall_seconds": summary["wall_seconds"],
             }
         )
