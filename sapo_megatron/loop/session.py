@@ -144,7 +144,9 @@ def build_session(
     sync = build_weight_sync(cfg, info, rollout, topology, tokenizer, run_dir)
     colocation, sync = build_colocation(cfg, info, engine, rollout, sync)  # with the engine itself
     in_process = cfg.rollout.engine == "cpu" and not cfg.rollout.cpu_http
-    rollout = with_run_episodes(rollout, cfg, tokenizer, in_process=in_process)  # when rollout.multi_turn is set
+    rollout = with_run_episodes(
+        rollout, cfg, tokenizer, in_process=in_process
+    )  # when rollout.multi_turn is set
     reward = build_reward_runner(
         cfg.algorithm.reward,
         workers=cfg.algorithm.reward_workers if info.is_main else 0,  # only the main rank scores
