@@ -58,31 +58,45 @@ class VisionSpec:
         self, ids: Sequence[int], sizes: Sequence[tuple[int, int]], where: str = "prompt"
     ) -> list[int]:
         """``ids`` with the i-th ``<|image_pad|>`` repeated for image i; their number must equal the images'."""
-        pads = sum(1 for t in ids if t == self.pad_id)
-        if pads != len(sizes):
+        try:
+            return expand_image_pads(ids, self.pad_id, [self.tokens_for(size) for size in sizes])
+        except ValueError as exc:
             raise DatasetError(
-                f"{where}: the rendered prompt has {pads} {IMAGE_PAD} tokens for {len(sizes)} images",
+                f"{where}: the rendered prompt has {exc}",
                 hint=f"write images as <image> in the prompt, never {IMAGE_PAD} itself",
-            )
-        counts = iter(self.tokens_for(size) for size in sizes)
-        out: list[int] = []
-        for token in ids:
-            out.extend([token] * next(counts) if token == self.pad_id else [token])
-        return out
+            ) from None
 
     def collapse(self, ids: Sequence[int]) -> list[int]:
-        """Expanded ids back to one ``<|image_pad|>`` per image: what SGLang takes with ``image_data`` (it
-        expands them itself and fails on ids that are already expanded)."""
-        out: list[int] = []
-        for token in ids:
-            if token == self.pad_id and out and out[-1] == self.pad_id:
-                continue
-            out.append(token)
-        return out
+        """Expanded ids back to one ``<|image_pad|>`` per image (:func:`collapse_image_pads`)."""
+        return collapse_image_pads(ids, self.pad_id)
 
     def mm_token_type_ids(self, ids: Sequence[int]) -> list[int]:
         """1 on image-pad positions, 0 elsewhere (transformers' processor output of the same name)."""
         return [1 if t == self.pad_id else 0 for t in ids]
+
+
+def expand_image_pads(ids: Sequence[int], pad_id: int, counts: Sequence[int]) -> list[int]:
+    """``ids`` with the i-th ``pad_id`` repeated ``counts[i]`` times. Raises ValueError when the number of pads
+    is not the number of images."""
+    pads = sum(1 for t in ids if t == pad_id)
+    if pads != len(counts):
+        raise ValueError(f"{pads} image-pad tokens for {len(counts)} images")
+    remaining = iter(counts)
+    out: list[int] = []
+    for token in ids:
+        out.extend([token] * next(remaining) if token == pad_id else [token])
+    return out
+
+
+def collapse_image_pads(ids: Sequence[int], pad_id: int) -> list[int]:
+    """Each run of ``pad_id`` cut to one: the ids SGLang takes with ``image_data`` (it expands them itself; ids
+    already expanded make its ``base_processor.build_input_ids`` fail with HTTP 500)."""
+    out: list[int] = []
+    for token in ids:
+        if token == pad_id and out and out[-1] == pad_id:
+            continue
+        out.append(token)
+    return out
 
 
 def load_image_processor(directory: str | Path) -> Any | None:

@@ -58,14 +58,26 @@ class SamplingParams:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class ImageInputs:
+    """The images of a prompt: ``png`` the resized images in prompt order (PNG: every engine decodes the same
+    pixels), ``pad_id`` the image-pad token, which ``prompt_ids`` holds expanded (the model's view: one pad per
+    merged patch). An engine that expands pads itself (SGLang) receives them collapsed to one per image."""
+
+    png: tuple[bytes, ...]
+    pad_id: int
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class GenerationRequest:
-    """One prompt to sample ``n`` responses for; ``group_id`` ties the samples to their prompt group."""
+    """One prompt to sample ``n`` responses for; ``group_id`` ties the samples to their prompt group; ``images``
+    the prompt's images (``prompt_ids`` then has their pads expanded)."""
 
     prompt_ids: Sequence[int]
     n: int
     sampling: SamplingParams
     return_routed_experts: bool = False
     group_id: int
+    images: ImageInputs | None = None
 
     def __post_init__(self) -> None:
         if len(self.prompt_ids) == 0:
@@ -73,6 +85,8 @@ class GenerationRequest:
         if self.n < 1:
             raise ValueError(f"GenerationRequest(group_id={self.group_id}): n must be >= 1, got {self.n}")
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
+        if self.images is not None and not self.images.png:
+            object.__setattr__(self, "images", None)
 
 
 @dataclasses.dataclass(kw_only=True)
