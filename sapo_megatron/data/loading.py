@@ -48,6 +48,7 @@ def build_run_data(cfg: Any, *, verbose: bool = False, log: Any = None) -> RunDa
             continue
         started = time.perf_counter()
         rows, dataset = _rows(cfg, source, split, size, vision)
+        _check_model_takes_images(cfg, rows, f"data.{split}")
         check_encodable(rows, tokenizer, source, template=data.prompt_template)
         read_s = time.perf_counter() - started
         rows, counts = apply_length_policy(rows, renderer, data, source, limit=limit, limit_reason=reason)
@@ -84,6 +85,20 @@ def build_vision(cfg: Any, tokenizer: Any) -> VisionSpec | None:
     directory = getattr(tokenizer, "directory", None)
     processor = None if directory is None else load_image_processor(directory)
     return None if processor is None else vision_spec(tokenizer, processor, str(directory))
+
+
+def _check_model_takes_images(cfg: Any, rows: list[PromptRow], field_name: str) -> None:
+    """Prompts with images need a VL model: a text model would train on image pads without their pixels."""
+    from sapo_megatron.errors import ConfigError
+
+    with_images = sum(1 for row in rows if row.images)
+    if with_images and getattr(cfg.model.arch, "vision", None) is None:
+        images = sum(len(row.images) for row in rows)
+        raise ConfigError(
+            f"{field_name}: {with_images} prompts have images ({images} images, all read and checked), but "
+            "model.hf_config is a text model, which cannot see them",
+            hint="set model.hf_config to a Qwen3-VL model's config, or use a dataset without images",
+        )
 
 
 def _context_limit(cfg: Any) -> tuple[int, str | None]:

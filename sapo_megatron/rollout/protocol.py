@@ -56,8 +56,12 @@ def generate_payload(
     rid: str,
     sample_index: int = 0,
     return_routed_experts: bool = False,
+    image_data: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """Body of ``POST /generate`` for one sample (logprobs of the output tokens only)."""
+    """Body of ``POST /generate`` for one sample (logprobs of the output tokens only). With ``image_data`` (PNG
+    data URIs, SGLang's ``GenerateReqInput.image_data``), ``prompt_ids`` must hold one image pad per image: the
+    server expands them (SGLang 0.5.23 answers already expanded ids with HTTP 500, an IndexError in
+    ``base_processor.build_input_ids``)."""
     payload: dict[str, Any] = {
         "input_ids": list(prompt_ids),
         "sampling_params": sampling_params_payload(sampling, sample_index),
@@ -65,9 +69,16 @@ def generate_payload(
         "logprob_start_len": -1,
         "rid": rid,
     }
+    if image_data:
+        payload["image_data"] = list(image_data)
     if return_routed_experts:
         payload["return_routed_experts"] = True
     return payload
+
+
+def png_data_uri(png: bytes) -> str:
+    """An image as ``image_data`` carries it."""
+    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
 
 
 def score_payload(token_ids: Sequence[int], *, rid: str) -> dict[str, Any]:
@@ -199,6 +210,7 @@ def parse_generate_reply(
     num_layers: int | None,
     top_k: int | None,
     vocab_size: int | None = None,
+    images: int = 0,
 ) -> ParsedGeneration:
     """Check a ``/generate`` reply for one sample against its request and extract what the trainer needs
     (``vocab_size``: the trainer's vocabulary, which every output id must be in)."""
@@ -255,7 +267,13 @@ def parse_generate_reply(
 
     for key, expected in (("prompt_tokens", len(prompt_ids)), ("completion_tokens", len(output_ids))):
         if key in meta and meta[key] != expected:
-            raise fail_field(f"meta_info.{key}", f"is {meta[key]!r}, expected {expected}")
+            why = ""
+            if key == "prompt_tokens" and images:
+                why = (
+                    " (the trainer's prompt with its images expanded: the server's image processor made other "
+                    "grids, so trainer and engine would see different images)"
+                )
+            raise fail_field(f"meta_info.{key}", f"is {meta[key]!r}, expected {expected}{why}")
 
     routed = None
     if want_routed_experts:

@@ -96,35 +96,42 @@ def test_prompts_with_images_are_never_truncated(tmp_path, setup):
         apply_length_policy(rows, PromptRenderer(tok, filtered, spec), filtered, "d")
 
 
-def test_run_data_loads_images_with_the_vl_tokenizer(tmp_path, vl_dir):
+def test_run_data_checks_every_image_then_refuses_a_text_model(tmp_path, vl_dir, setup):
     from sapo_megatron.config import config_from_dict
     from sapo_megatron.data.loading import build_run_data
+    from sapo_megatron.errors import ConfigError
     from sapo_megatron.model.tiny import tiny_hf_config
 
+    tok, _, spec = setup
     path = tmp_path / "train.jsonl"
-    path.write_text(
-        "".join(
-            json.dumps(
-                {"prompt": f"<image> colour {i}?", "ground_truth": "red", "images": uri(png(40 + i, 40))}
-            )
-            + "\n"
-            for i in range(3)
-        )
-    )
+    records = [
+        {"prompt": f"<image> colour {i}?", "ground_truth": "red", "images": uri(png(40 + i, 40))}
+        for i in range(3)
+    ]
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    data = {"train": str(path), "tokenizer": str(vl_dir), "apply_chat_template": True}
+    # a text LM whose vocabulary fits the tokenizer: the VL model's config is the model issue's
     cfg = config_from_dict(
         {
-            "model": {
-                "hf_config": tiny_hf_config("moe", vocab_size=400)
-            },  # the LM's vocabulary fits the tokenizer
+            "model": {"hf_config": tiny_hf_config("moe", vocab_size=400)},
             "rollout": {"max_new_tokens": 16},
-            "data": {"train": str(path), "tokenizer": str(vl_dir), "apply_chat_template": True},
+            "data": data,
         }
     )
-    lines: list[str] = []
-    data = build_run_data(cfg, verbose=True, log=lines.append)
-    assert data.vision is not None and len(data.train_rows) == 3
-    assert any("3 images decoded and checked" in line for line in lines)
-    ids = data.renderer.encode(data.train_rows[0])
+    with pytest.raises(
+        ConfigError, match=r"data.train: 3 prompts have images \(3 images, all read and checked\)"
+    ):
+        build_run_data(cfg, verbose=True, log=lambda line: None)
+    # a corrupt image is named before that
+    records[2]["images"] = uri(png(16, 16)[:50])
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    with pytest.raises(DatasetError, match=rf"{path}:3 field images\[0\]: (corrupt image|not an image)"):
+        build_run_data(cfg, verbose=True, log=lambda line: None)
+    keys = cfg.data
+    records[2]["images"] = uri(png(42, 40))
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    rows = read_dataset(path, keys, keys.image_policy(spec.factor, spec.min_pixels, spec.max_pixels)).rows
+    ids = PromptRenderer(tok, keys, spec).encode(rows[0])
     assert (
-        sum(t == data.vision.pad_id for t in ids) == 4
+        sum(t == spec.pad_id for t in ids) == 4
     )  # 40x40 -> 32x32 (40 / 16 = 2.5 rounds to 2): 16 patches / 4

@@ -5,6 +5,7 @@ alone, a mismatch stops naming the group, and samples.jsonl names the images."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -172,3 +173,64 @@ def test_samples_file_names_the_images(vl, tmp_path):
     assert written[0]["images"] == [f"bytes:{d}" for d in digests]
     # 48 wide x 32 high: 6 x 4 patches of 8 pixels, 6 tokens after the 2 x 2 merge; 16 x 64: 2 x 8 patches, 4
     assert written[0]["prompt"].count("<|image_pad|>") == 6 + 4
+
+
+def test_sglang_client_sends_one_pad_per_image_and_png_data_uris(vl):
+    import base64
+
+    from sapo_megatron.rollout.sglang.client import _wire_prompt
+
+    _, _, renderer, rows, spec = vl
+    req = request(renderer, spec, rows[1], 0, GREEDY)
+    ids, image_data = _wire_prompt(req)
+    assert ids == renderer.encode_text(renderer.text(rows[1]))  # unexpanded: what SGLang 0.5.23 takes
+    assert sum(t == spec.pad_id for t in ids) == 2
+    assert [base64.b64decode(uri.split(",", 1)[1]) for uri in image_data] == list(req.images.png)
+    assert all(uri.startswith("data:image/png;base64,") for uri in image_data)
+    assert _wire_prompt(request(renderer, spec, rows[2], 0, GREEDY)) == (renderer.encode(rows[2]), None)
+
+
+@pytest.mark.slow  # starts a server
+def test_cpu_server_serves_images_through_the_sglang_client(vl):
+    import httpx
+
+    from sapo_megatron.rollout.cpu.server import CPUServer
+    from sapo_megatron.rollout.sglang.client import SGLangClient
+
+    directory, engine, renderer, rows, spec = vl
+    requests = [
+        dataclasses.replace(request(renderer, spec, row, i, GREEDY), n=1, return_routed_experts=True)
+        for i, row in enumerate(rows)
+    ]
+    local = engine.generate(requests)
+    with (
+        CPUServer(CPUEngine.from_pretrained(directory, seed=0), tokenizer=renderer.tokenizer) as server,
+        SGLangClient(server.url, num_layers=3, top_k=2, max_retries=0, timeout_s=120) as client,
+    ):
+        remote = client.generate(requests)
+        for (a,), (b,) in zip(local, remote):
+            assert a.response_ids == b.response_ids and a.prompt_ids == b.prompt_ids
+            assert np.allclose(a.rollout_logp, b.rollout_logp, atol=1e-6)
+            assert np.array_equal(a.routed_experts, b.routed_experts)
+        # text + image_data, as SGLang takes it too: the reported prompt is the expanded one
+        uris = [
+            f"data:image/png;base64,{__import__('base64').b64encode(p).decode()}"
+            for p in requests[0].images.png
+        ]
+        body = {"text": renderer.text(rows[0]), "image_data": uris, "sampling_params": {"max_new_tokens": 2}}
+        reply = httpx.post(f"{server.url}/generate", json=body, timeout=60).json()
+        assert reply["meta_info"]["prompt_tokens"] == len(renderer.encode(rows[0]))
+        for bad, message in (
+            ("/etc/passwd", "no paths, no URLs"),
+            ("data:image/png;base64,%%", "invalid base64"),
+        ):
+            answer = httpx.post(f"{server.url}/generate", json={**body, "image_data": [bad]}, timeout=60)
+            assert answer.status_code == 400 and message in answer.text
+        # the trainer counted other pads than the server's processor: the client stops, naming the request
+        ids = renderer.encode(rows[0])
+        short = ids[: ids.index(spec.pad_id)] + ids[ids.index(spec.pad_id) + 1 :]
+        wrong = dataclasses.replace(requests[0], prompt_ids=short, group_id=5)
+        with pytest.raises(
+            RolloutError, match=r"prompt_tokens is \d+, expected \d+ \(the trainer's prompt with its images"
+        ):
+            client.generate([wrong])

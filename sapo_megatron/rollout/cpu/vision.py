@@ -67,11 +67,19 @@ class EngineVision:
         return ((input_ids == self.pad_id) & attention_mask.bool()).long()
 
 
+MAX_IMAGE_PIXELS = 1 << 26
+"""A larger image is refused from its header, before decoding (a 64-Mpixel image is 4x the real Qwen3-VL
+processor's longest_edge, 16,777,216 pixels; a small file can claim a huge size)."""
+
+
 def _decode(data: bytes, index: int) -> Any:
     from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(io.BytesIO(data)) as image:
+            width, height = image.size
+            if width * height > MAX_IMAGE_PIXELS:
+                raise ValueError(f"image_data[{index}] is {width}x{height} pixels, over {MAX_IMAGE_PIXELS}")
             return image.convert("RGB")
-    except (UnidentifiedImageError, OSError) as exc:
+    except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as exc:
         raise ValueError(f"image_data[{index}] is not a readable image: {exc}") from None

@@ -37,11 +37,13 @@ from typing import Any, TypeVar
 import httpx
 import torch
 
+from sapo_megatron.data.vision import collapse_image_pads
 from sapo_megatron.rollout.base import RolloutEngine, RolloutError, normalize_response_starts
 from sapo_megatron.rollout.protocol import (
     generate_payload,
     parse_generate_reply,
     parse_score_reply,
+    png_data_uri,
     score_payload,
 )
 from sapo_megatron.rollout.sglang.memory import (
@@ -228,13 +230,16 @@ class SGLangClient(RolloutEngine):
     def _generate_one(
         self, req: GenerationRequest, index: int, rid_base: str, cancel: threading.Event
     ) -> Sample:
+        prompt_ids, image_data = _wire_prompt(req)
+
         def attempt(server: _Server, rid: str) -> Any:
             payload = generate_payload(
-                req.prompt_ids,
+                prompt_ids,
                 req.sampling,
                 rid=rid,
                 sample_index=index,
                 return_routed_experts=req.return_routed_experts,
+                image_data=image_data,
             )
             reply = self._post(server, "/generate", payload, request=rid)
             parsed = parse_generate_reply(
@@ -247,6 +252,7 @@ class SGLangClient(RolloutEngine):
                 num_layers=self.num_layers,
                 top_k=self.top_k,
                 vocab_size=self.vocab_size,
+                images=len(image_data or ()),
             )
             return parsed
 
@@ -902,6 +908,15 @@ class SGLangClient(RolloutEngine):
     def _count(self, key: str, value: float) -> None:
         with self._lock:
             self._counters[key] += value
+
+
+def _wire_prompt(req: GenerationRequest) -> tuple[list[int], list[str] | None]:
+    """The ids and images a request is sent with: with images, one pad per image and PNG data URIs (SGLang expands
+    the pads with its own processor; its ``prompt_tokens`` must then equal the trainer's expanded prompt)."""
+    if req.images is None:
+        return list(req.prompt_ids), None
+    ids = collapse_image_pads(req.prompt_ids, req.images.pad_id)
+    return ids, [png_data_uri(png) for png in req.images.png]
 
 
 def _capture(fn: Callable[..., None], *args: Any) -> Exception | None:
