@@ -209,7 +209,10 @@ def _check_bytes(size: int, where: str, policy: ImagePolicy) -> None:
 
 def _decode(raw: bytes, where: str, policy: ImagePolicy) -> tuple[int, int]:
     """``(height, width)`` of an encoded image, decoded in full; the size is checked from the header first."""
-    from PIL import Image, UnidentifiedImageError
+    try:
+        from PIL import Image, UnidentifiedImageError
+    except ImportError:
+        raise DatasetError(f"{where}: reading images needs Pillow: pip install 'sapo-megatron[vision]'") from None
 
     try:
         with Image.open(io.BytesIO(raw)) as image:
