@@ -212,7 +212,9 @@ def _decode(raw: bytes, where: str, policy: ImagePolicy) -> tuple[int, int]:
     try:
         from PIL import Image, UnidentifiedImageError
     except ImportError:
-        raise DatasetError(f"{where}: reading images needs Pillow: pip install 'sapo-megatron[vision]'") from None
+        raise DatasetError(
+            f"{where}: reading images needs Pillow: pip install 'sapo-megatron[vision]'"
+        ) from None
 
     try:
         with Image.open(io.BytesIO(raw)) as image:
