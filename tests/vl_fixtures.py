@@ -106,3 +106,38 @@ def build_tiny_vl_checkpoint(directory: str | Path, *, seed: int = 0) -> Path:
     model = transformers.Qwen3VLMoeForConditionalGeneration(config).float().eval()
     model.save_pretrained(str(directory))
     return directory
+
+
+VIDEO_PROCESSOR = {
+    "video_processor_type": "Qwen3VLVideoProcessor",
+    "patch_size": PROCESSOR["patch_size"],
+    "temporal_patch_size": PROCESSOR["temporal_patch_size"],
+    "merge_size": PROCESSOR["merge_size"],
+    "image_mean": PROCESSOR["image_mean"],
+    "image_std": PROCESSOR["image_std"],
+    "size": {"shortest_edge": 16 * 16, "longest_edge": 64 * 64 * 2},
+}
+
+
+def to_hub_layout(directory: str | Path) -> Path:
+    """Rewrite a transformers-5 save of the tiny VL-MoE as the hub's checkpoints are and SGLang 0.5.23 loads them:
+    fused experts ``gate_up_proj [E, H, 2I]`` / ``down_proj [E, I, H]`` (transformers 5 writes its in-memory
+    ``[E, 2I, H]`` / ``[E, H, I]``, which SGLang's ``qwen3_vl_moe.load_weights`` transposes into the wrong shape),
+    and the processor files a Qwen3-VL repository has (``processor_class``, a video processor), from which SGLang
+    builds ``Qwen3VLProcessor``. transformers reads the result back to the same weights (tested)."""
+    from safetensors.torch import load_file, save_file
+
+    directory = Path(directory)
+    path = directory / "model.safetensors"
+    tensors = load_file(str(path))
+    for name in list(tensors):
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            tensors[name] = tensors[name].transpose(1, 2).contiguous()
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    processor = json.loads((directory / "preprocessor_config.json").read_text())
+    processor["processor_class"] = "Qwen3VLProcessor"
+    (directory / "preprocessor_config.json").write_text(json.dumps(processor))
+    (directory / "video_preprocessor_config.json").write_text(
+        json.dumps({**VIDEO_PROCESSOR, "processor_class": "Qwen3VLProcessor"})
+    )
+    return directory
