@@ -81,7 +81,9 @@ def png_data_uri(png: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
 
 
-def score_payload(token_ids: Sequence[int], *, rid: str) -> dict[str, Any]:
+def score_payload(
+    token_ids: Sequence[int], *, rid: str, image_data: Sequence[str] | None = None
+) -> dict[str, Any]:
     """Body of ``POST /generate`` that scores a full sequence without generating (teacher scoring).
 
     Checked against SGLang's source (``python/sglang/srt/managers/io_struct.py`` ``GenerateReqInput``:
@@ -92,13 +94,16 @@ def score_payload(token_ids: Sequence[int], *, rid: str) -> dict[str, Any]:
     sends the same body and reads ``input_token_logprobs[1:]``. Input log-probs come from the raw logits:
     the ``temperature`` here does not change them (teachers score at temperature 1).
     """
-    return {
+    payload: dict[str, Any] = {
         "input_ids": list(token_ids),
         "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
         "return_logprob": True,
         "logprob_start_len": 0,
         "rid": rid,
     }
+    if image_data:  # ids with one pad per image, as in generate_payload; the reply covers the expanded ids
+        payload["image_data"] = list(image_data)
+    return payload
 
 
 def finish_reason_json(

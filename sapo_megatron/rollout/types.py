@@ -67,6 +67,15 @@ class ImageInputs:
     pad_id: int
 
 
+def mask_image_targets(
+    logprobs: Sequence[float], targets: Sequence[int], images: ImageInputs | None
+) -> list[float]:
+    """Scored log-probs with those whose target is an image pad set to 0.0 (see ``RolloutEngine.score``)."""
+    if images is None:
+        return list(logprobs)
+    return [0.0 if target == images.pad_id else lp for lp, target in zip(logprobs, targets)]
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GenerationRequest:
     """One prompt to sample ``n`` responses for; ``group_id`` ties the samples to their prompt group; ``images``

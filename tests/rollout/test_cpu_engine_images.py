@@ -136,6 +136,21 @@ def test_left_padded_mixed_batch_equals_each_row_alone(vl):
             assert np.allclose(a.rollout_logp, b.rollout_logp, atol=1e-5)
 
 
+def test_teacher_scoring_with_images_masks_image_pad_targets(vl):
+    _, engine, renderer, rows, spec = vl
+    requests = [request(renderer, spec, row, i, GREEDY) for i, row in enumerate(rows[:2])]
+    ids = [list(r.prompt_ids) for r in requests]
+    scored = engine.score(ids, 1, images=[r.images for r in requests])
+    for row, sequence, values in zip(rows, ids, scored):
+        logp, _ = reference(engine, row, sequence, spec)
+        targets = torch.tensor(sequence[1:])
+        pads = targets == spec.pad_id
+        assert int(pads.sum()) == sum(spec.tokens_for(image.size) for image in row.images)
+        values = torch.tensor(values)
+        assert torch.all(values[pads] == 0.0)  # masked: no loss on image tokens, SGLang reports a placeholder
+        assert torch.allclose(values[~pads], logp[~pads], atol=1e-5)
+
+
 def test_a_prompt_the_engine_expands_differently_stops_naming_the_group(vl):
     _, engine, renderer, rows, spec = vl
     ids = renderer.encode(rows[0])
@@ -212,6 +227,13 @@ def test_cpu_server_serves_images_through_the_sglang_client(vl):
             assert a.response_ids == b.response_ids and a.prompt_ids == b.prompt_ids
             assert np.allclose(a.rollout_logp, b.rollout_logp, atol=1e-6)
             assert np.array_equal(a.routed_experts, b.routed_experts)
+        ids = [list(r.prompt_ids) for r in requests]
+        images = [r.images for r in requests]
+        assert np.allclose(
+            np.concatenate(client.score(ids, 1, images=images)),
+            np.concatenate(engine.score(ids, 1, images=images)),
+            atol=1e-6,
+        )
         # text + image_data, as SGLang takes it too: the reported prompt is the expanded one
         uris = [
             f"data:image/png;base64,{__import__('base64').b64encode(p).decode()}"

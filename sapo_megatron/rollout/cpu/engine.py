@@ -46,7 +46,14 @@ import torch
 from sapo_megatron.rollout.base import RolloutEngine, RolloutError, normalize_response_starts
 from sapo_megatron.rollout.cpu.vision import EngineVision, is_vision_model
 from sapo_megatron.rollout.precision import EngineNumerics
-from sapo_megatron.rollout.types import FinishReason, GenerationRequest, Sample, SamplingParams
+from sapo_megatron.rollout.types import (
+    FinishReason,
+    GenerationRequest,
+    ImageInputs,
+    Sample,
+    SamplingParams,
+    mask_image_targets,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -284,16 +291,29 @@ class CPUEngine(RolloutEngine):
         row.prompt_ids, row.pixels = self._vision.prepare(row.prompt_ids, row.images)
 
     def score(
-        self, token_ids_list: Sequence[Sequence[int]], response_start: int | Sequence[int]
+        self,
+        token_ids_list: Sequence[Sequence[int]],
+        response_start: int | Sequence[int],
+        images: Sequence[ImageInputs | None] | None = None,
     ) -> list[list[float]]:
         starts = normalize_response_starts(token_ids_list, response_start)
+        images = list(images) if images is not None else [None] * len(token_ids_list)
         rows = [
-            RowSpec(prompt_ids=list(ids), sampling=SamplingParams(max_new_tokens=0), logprob_start_len=0)
-            for ids in token_ids_list
+            RowSpec(
+                prompt_ids=list(ids),
+                sampling=SamplingParams(max_new_tokens=0),
+                logprob_start_len=0,
+                images=image.png if image is not None else (),
+            )
+            for ids, image in zip(token_ids_list, images)
         ]
         results = self.generate_rows(rows)
-        # input_logprobs[t] is log p(ids[t] | ids[:t]); entry 0 is None.
-        return [[float(lp) for lp in res.input_logprobs[start:]] for res, start in zip(results, starts)]
+        out = []
+        for ids, res, start, image in zip(token_ids_list, results, starts, images):
+            # input_logprobs[t] is log p(ids[t] | ids[:t]); entry 0 is None.
+            values = [float(lp) for lp in res.input_logprobs[start:]]
+            out.append(mask_image_targets(values, ids[start:], image))
+        return out
 
     def update_weights_from_disk(self, path: str) -> None:
         """Reload weights from an HF directory with the same architecture and shapes (strict), in the engine's

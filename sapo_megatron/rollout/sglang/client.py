@@ -58,7 +58,7 @@ from sapo_megatron.rollout.tensor_transport import (
     flattened_buckets,
     serialize_flattened_bucket,
 )
-from sapo_megatron.rollout.types import GenerationRequest, Sample
+from sapo_megatron.rollout.types import GenerationRequest, ImageInputs, Sample, mask_image_targets
 from sapo_megatron.runtime.interrupts import wait_for
 
 logger = logging.getLogger(__name__)
@@ -272,22 +272,29 @@ class SGLangClient(RolloutEngine):
         )
 
     def score(
-        self, token_ids_list: Sequence[Sequence[int]], response_start: int | Sequence[int]
+        self,
+        token_ids_list: Sequence[Sequence[int]],
+        response_start: int | Sequence[int],
+        images: Sequence[ImageInputs | None] | None = None,
     ) -> list[list[float]]:
         starts = normalize_response_starts(token_ids_list, response_start)
         self._require_memory(MEMORY_TAGS, "score")
+        images = list(images) if images is not None else [None] * len(token_ids_list)
         call_id = uuid.uuid4().hex[:12]
         results: list[list[float] | None] = [None] * len(token_ids_list)
 
         def run(i: int, cancel: threading.Event) -> None:
             ids = list(token_ids_list[i])
+            wire_ids, image_data = _wire_ids(ids, images[i])
 
             def attempt(server: _Server, rid: str) -> list[float]:
-                reply = self._post(server, "/generate", score_payload(ids, rid=rid), request=rid)
+                payload = score_payload(wire_ids, rid=rid, image_data=image_data)
+                reply = self._post(server, "/generate", payload, request=rid)
                 return parse_score_reply(reply, token_ids=ids, rid=rid, server=server.url)
 
             values = self._with_failover(f"{call_id}-score{i}", attempt, cancel)
-            results[i] = values[starts[i] - 1 :]  # values[t - 1] is log p(ids[t] | ids[:t])
+            # values[t - 1] is log p(ids[t] | ids[:t])
+            results[i] = mask_image_targets(values[starts[i] - 1 :], ids[starts[i] :], images[i])
 
         self._run_all([(run, (i,)) for i in range(len(token_ids_list))])
         return [r for r in results if r is not None]
@@ -913,10 +920,13 @@ class SGLangClient(RolloutEngine):
 def _wire_prompt(req: GenerationRequest) -> tuple[list[int], list[str] | None]:
     """The ids and images a request is sent with: with images, one pad per image and PNG data URIs (SGLang expands
     the pads with its own processor; its ``prompt_tokens`` must then equal the trainer's expanded prompt)."""
-    if req.images is None:
-        return list(req.prompt_ids), None
-    ids = collapse_image_pads(req.prompt_ids, req.images.pad_id)
-    return ids, [png_data_uri(png) for png in req.images.png]
+    return _wire_ids(req.prompt_ids, req.images)
+
+
+def _wire_ids(ids: Sequence[int], images: ImageInputs | None) -> tuple[list[int], list[str] | None]:
+    if images is None:
+        return list(ids), None
+    return collapse_image_pads(ids, images.pad_id), [png_data_uri(png) for png in images.png]
 
 
 def _capture(fn: Callable[..., None], *args: Any) -> Exception | None:
