@@ -25,7 +25,7 @@ from sapo_megatron.rollout.collect import CollectSettings, generate_groups
 from sapo_megatron.rollout.cpu.engine import CPUEngine
 from sapo_megatron.rollout.protocol import png_data_uri
 from sapo_megatron.rollout.sglang.client import SGLangClient
-from sapo_megatron.rollout.types import SamplingParams
+from sapo_megatron.rollout.types import ImageInputs, SamplingParams
 from tests.data.test_images import png, uri
 from tests.rollout.test_cpu_engine_images import reference
 from tests.sglang_real.conftest import API_KEY, real_server_flags, sglang_process
@@ -72,12 +72,17 @@ def test_generation_with_images_matches_transformers_and_the_cpu_engine(vl, vl_u
         return_routed_experts=True,
         image_pad_id=spec.pad_id,
     )
+    ids = [renderer.encode(row) for row in rows[:2]]
+    images = [ImageInputs(png=tuple(i.png() for i in row.images), pad_id=spec.pad_id) for row in rows[:2]]
     with SGLangClient(
         [vl_url], api_key=API_KEY, num_layers=3, top_k=2, timeout_s=300, max_retries=0
     ) as client:
         served = generate_groups(client, rows, renderer.encode, settings, seed=0)
+        served_scores = client.score(ids, 1, images=images)  # teacher scoring, image-pad targets masked
     engine = CPUEngine.from_pretrained(directory, seed=0)
     local = generate_groups(engine, rows, renderer.encode, settings, seed=0)
+    local_scores = engine.score(ids, 1, images=images)
+    worst_score = max(float(np.abs(np.subtract(a, b)).max()) for a, b in zip(served_scores, local_scores))
     worst_tf, worst_cpu, agree, total = 0.0, 0.0, 0, 0
     for row, (sample,), (mine,) in zip(rows, served, local):
         assert sample.prompt_ids == renderer.encode(row)  # SGLang's prompt_tokens matched the trainer's
@@ -96,9 +101,9 @@ def test_generation_with_images_matches_transformers_and_the_cpu_engine(vl, vl_u
     engine.close()
     print(
         f"SGLang VL vs transformers: max |dlogp| {worst_tf:.2e}; vs CPU engine {worst_cpu:.2e}; "
-        f"routes {agree}/{total} agree"
+        f"routes {agree}/{total} agree; scoring vs CPU engine {worst_score:.2e}"
     )
-    assert worst_tf < 1e-4 and worst_cpu < 1e-4
+    assert worst_tf < 1e-4 and worst_cpu < 1e-4 and worst_score < 1e-4
     assert agree == total
 
 
