@@ -13,8 +13,12 @@ TORCH_VERSION=2.14.1
 TORCHVISION_VERSION=0.29.1
 stamp="$venv/.sapo-sglang-installed"
 want="sglang==$SGLANG_VERSION torch==$TORCH_VERSION torchvision==$TORCHVISION_VERSION lock=$(sha256sum "$here/requirements.lock" | cut -c1-16)"
-if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
-    echo "install_vl.sh: $venv already has $want"
+# Kept only when the stamp matches and the three pinned packages import at their versions (the CUDA wheels torch
+# 2.14.1 brings make a pip-freeze comparison with the lock, as install.sh does, list dozens of extra packages).
+check="import torch, torchvision, importlib.metadata as m; assert torch.__version__.startswith('$TORCH_VERSION'); \
+assert torchvision.__version__.startswith('$TORCHVISION_VERSION'); assert m.version('sglang') == '$SGLANG_VERSION'"
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] && "$venv/bin/python" -c "$check" 2> /dev/null; then
+    echo "install_vl.sh: $venv has $want"
     exit 0
 fi
 start=$(date +%s)
@@ -24,6 +28,6 @@ pip=("$venv/bin/pip" install --quiet --disable-pip-version-check)
 "${pip[@]}" "torch==$TORCH_VERSION" "torchvision==$TORCHVISION_VERSION"
 "${pip[@]}" --no-deps "sglang==$SGLANG_VERSION"
 "${pip[@]}" --no-deps -r "$here/requirements.lock"
-"$venv/bin/python" -c "import torch, torchvision.transforms; assert torch.__version__.startswith('$TORCH_VERSION'), torch.__version__"
+"$venv/bin/python" -c "$check"
 echo "$want" > "$stamp"
 echo "install_vl.sh: $venv ready in $(( $(date +%s) - start )) s, $(du -sh "$venv" | cut -f1)"
