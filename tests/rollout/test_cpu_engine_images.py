@@ -256,3 +256,27 @@ def test_cpu_server_serves_images_through_the_sglang_client(vl):
             RolloutError, match=r"prompt_tokens is \d+, expected \d+ \(the trainer's prompt with its images"
         ):
             client.generate([wrong])
+
+
+@pytest.mark.slow  # two server processes and the real sglang-router
+def test_images_through_the_real_router(vl, tmp_path):
+    from sapo_megatron.rollout.sglang.client import SGLangClient
+    from tests.servers import cpu_server, router
+
+    directory, engine, renderer, rows, spec = vl
+    requests = [
+        dataclasses.replace(request(renderer, spec, row, i, GREEDY), n=1)  # the router drops routed experts
+        for i, row in enumerate(rows)
+    ]
+    local = engine.generate(requests)
+    with (
+        cpu_server(directory, tmp_path / "w1.log") as w1,
+        cpu_server(directory, tmp_path / "w2.log") as w2,
+        router([w1, w2], tmp_path / "router.log") as url,
+        SGLangClient([w1, w2], router_url=url, num_layers=3, top_k=2, max_retries=0, timeout_s=120) as client,
+    ):
+        assert client.router_url == url  # /generate goes through the router
+        routed = client.generate(requests)
+    for (a,), (b,) in zip(local, routed):
+        assert a.response_ids == b.response_ids and a.prompt_ids == b.prompt_ids
+        assert np.allclose(a.rollout_logp, b.rollout_logp, atol=1e-6)
