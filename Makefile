@@ -61,7 +61,9 @@ clean:
 # tests/sglang_real against the real SGLang server on CPU (tools/sglang_cpu; docs/cluster.md). Its virtualenv lives
 # outside the clone ($SAPO_SGLANG_VENV, default /opt/sapo-sglang-venv): about 80 s the first time; later runs keep it
 # only when pip freeze there matches the lock exactly (about 1 s).
+# The VL tests' virtualenv (install_vl.sh: torch 2.14.1 + torchvision, $SAPO_SGLANG_VL_VENV): 6 GB, 2-12 min the first time.
 .PHONY: test-sglang
 test-sglang: $(STAMP)
 	tools/sglang_cpu/install.sh
+	tools/sglang_cpu/install_vl.sh
 	SAPO_REQUIRE_SGLANG=1 $(BIN)/pytest -q -p no:cacheprovider --durations=10 tests/sglang_real

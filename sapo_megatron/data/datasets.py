@@ -40,13 +40,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from sapo_megatron.data.images import ImagePolicy, check_image, image_values
 from sapo_megatron.data.prompts import DatasetError, PromptRow, _jsonl_lines, _relative_hint
 
 Format = Literal["auto", "plain", "verl", "slime"]
-KEY_FIELDS = ("prompt_key", "label_key", "source_key", "metadata_key", "response_key")
+KEY_FIELDS = ("prompt_key", "label_key", "source_key", "metadata_key", "response_key", "image_key")
+IMAGE_PLACEHOLDER = "<image>"
+"""Where each image of a row goes in its prompt (verl's and slime's convention), in the images' order."""
 
 PRESETS: dict[str, dict[str, str | None]] = {
     "plain": {
+        "image_key": "images",
         "prompt_key": "prompt",
         "label_key": "ground_truth",
         "source_key": "domain",
@@ -54,6 +58,7 @@ PRESETS: dict[str, dict[str, str | None]] = {
         "response_key": None,
     },
     "verl": {
+        "image_key": "images",
         "prompt_key": "prompt",
         "label_key": "reward_model.ground_truth",
         "source_key": "data_source",
@@ -61,6 +66,7 @@ PRESETS: dict[str, dict[str, str | None]] = {
         "response_key": None,
     },
     "slime": {
+        "image_key": None,
         "prompt_key": "input",
         "label_key": "label",
         "source_key": None,
@@ -96,6 +102,30 @@ class DatasetKeys(BaseModel):
     )
     metadata_key: str | None = Field(default=None, description="handed to rewards as is (e.g. test cases)")
     response_key: str | None = Field(default=None, description="an SFT target (default: the label)")
+    image_key: str | None = Field(
+        default=None,
+        description="the row's images (a path, data URI or {bytes, path}, or a list of them; plain and verl: "
+        "'images'); each goes where the prompt says <image>",
+    )
+    multimodal_keys: dict[str, str] | None = Field(
+        default=None,
+        description="slime's --multimodal-keys, e.g. {image: images}: the column of each modality (image only)",
+    )
+    image_min_pixels: int | None = Field(
+        default=None, ge=1, description="resize smaller images up to this area (default: the processor's)"
+    )
+    image_max_pixels: int | None = Field(
+        default=None, ge=1, description="resize larger images down to this area (default: the processor's)"
+    )
+    image_max_source_pixels: int = Field(
+        default=40_000_000, ge=1, description="refuse an image file larger than this before decoding it"
+    )
+    image_max_file_bytes: int = Field(default=32 << 20, ge=1, description="refuse a larger image file")
+    allow_image_paths_outside: bool = Field(
+        default=False,
+        description="let image paths leave the dataset file's folder (a dataset is otherwise kept from reading "
+        "arbitrary files)",
+    )
     apply_chat_template: bool = Field(
         default=False,
         description="render prompts with the HF tokenizer's chat template (add_generation_prompt=True); a "
@@ -124,6 +154,16 @@ class DatasetKeys(BaseModel):
     )
 
     @model_validator(mode="after")
+    def _check_multimodal_keys(self) -> DatasetKeys:
+        if self.multimodal_keys:
+            other = sorted(set(self.multimodal_keys) - {"image"})
+            if other:
+                raise ValueError(f"data.multimodal_keys: only 'image' is supported, not {other}")
+            if self.image_key is not None and self.image_key != self.multimodal_keys.get("image"):
+                raise ValueError("data.image_key and data.multimodal_keys.image name different columns")
+        return self
+
+    @model_validator(mode="after")
     def _check_chat_settings(self) -> DatasetKeys:
         if not self.apply_chat_template:
             for name in ("system_prompt", "chat_template_kwargs"):
@@ -137,11 +177,35 @@ class DatasetKeys(BaseModel):
     def resolved(self, fmt: str) -> dict[str, str | None]:
         """The keys for one file read as ``fmt`` (not ``auto``): the preset's, replaced by the ones set here."""
         keys = dict(PRESETS[fmt])
+        if self.multimodal_keys and "image" in self.multimodal_keys:
+            keys["image_key"] = self.multimodal_keys["image"]
         for name in KEY_FIELDS:
             value = getattr(self, name)
             if value is not None:
                 keys[name] = value
         return keys
+
+    def image_policy(self, factor: int, min_pixels: int, max_pixels: int) -> ImagePolicy:
+        """The sizing and reading rules of this dataset's images, for an image processor whose merged patch is
+        ``factor`` pixels and that itself resizes into ``[min_pixels, max_pixels]``: ``data.image_min_pixels``
+        / ``max_pixels`` default to the processor's and must lie within them, so that the processor never
+        resizes an image a second time (trainer and engine would then disagree about nothing, but the policy
+        would silently not be the one asked for)."""
+        low = self.image_min_pixels if self.image_min_pixels is not None else min_pixels
+        high = self.image_max_pixels if self.image_max_pixels is not None else max_pixels
+        if low < min_pixels or high > max_pixels:
+            raise DatasetError(
+                f"data.image_min_pixels / image_max_pixels [{low}, {high}] must lie within the image "
+                f"processor's [{min_pixels}, {max_pixels}] (its preprocessor_config.json), else it resizes again"
+            )
+        return ImagePolicy(
+            factor=factor,
+            min_pixels=low,
+            max_pixels=high,
+            max_source_pixels=self.image_max_source_pixels,
+            max_file_bytes=self.image_max_file_bytes,
+            allow_paths_outside=self.allow_image_paths_outside,
+        )
 
 
 @dataclass
@@ -175,17 +239,20 @@ class Dataset:
             kinds = Counter((r.format, r.why) for r in self.files)
             lines = [f"  {n} files, format {fmt} ({why})" for (fmt, why), n in kinds.items()]
         counts = ", ".join(f"{name}: {n}" for name, n in self.counts_by_source().items())
-        lines.append(f"  {len(self.rows)} rows in {self.seconds:.2f} s; per source: {counts}")
+        images = sum(len(row.images) for row in self.rows)
+        checked = f" ({images} images decoded and checked)" if images else ""
+        lines.append(f"  {len(self.rows)} rows{checked} in {self.seconds:.2f} s; per source: {counts}")
         return lines
 
 
-def load_dataset(path: str | Path, keys: DatasetKeys) -> list[PromptRow]:
-    """The rows of ``path`` (a .jsonl / .parquet file, a directory of them, or a glob), read with ``keys``."""
-    return read_dataset(path, keys).rows
+def load_dataset(path: str | Path, keys: DatasetKeys, images: ImagePolicy | None = None) -> list[PromptRow]:
+    """The rows of ``path`` (a .jsonl / .parquet file, a directory of them, or a glob), read with ``keys``;
+    ``images`` sizes and checks the rows' images (a row with images and no policy is refused)."""
+    return read_dataset(path, keys, images).rows
 
 
-def read_dataset(path: str | Path, keys: DatasetKeys) -> Dataset:
-    """:func:`load_dataset` with the report of what was read (per-file format, rows, time)."""
+def read_dataset(path: str | Path, keys: DatasetKeys, images: ImagePolicy | None = None) -> Dataset:
+    """:func:`load_dataset` with the report of what was read (per-file format, rows, images, time)."""
     started = time.perf_counter()
     rows: list[PromptRow] = []
     reports = []
@@ -195,7 +262,7 @@ def read_dataset(path: str | Path, keys: DatasetKeys) -> Dataset:
             raise DatasetError(f"{file}: no rows (the file is empty or holds only blank lines)")
         fmt, why = _choose_format(keys, *records[0])
         resolved = keys.resolved(fmt)
-        rows.extend(_row(record, where, resolved) for where, record in records)
+        rows.extend(_row(record, where, resolved, file.parent, images) for where, record in records)
         reports.append(FileReport(file, fmt, why, len(records)))
     return Dataset(str(path), rows, reports, time.perf_counter() - started)
 
@@ -303,7 +370,9 @@ def _lookup(record: Any, dotted: str) -> Any:
     return value
 
 
-def _row(record: Any, where: str, keys: dict[str, str | None]) -> PromptRow:
+def _row(
+    record: Any, where: str, keys: dict[str, str | None], folder: Path, policy: ImagePolicy | None
+) -> PromptRow:
     if not isinstance(record, dict):
         raise DatasetError(f"{where}: expected a JSON object, got {type(record).__name__}")
     prompt = _prompt(record, where, keys["prompt_key"])
@@ -325,14 +394,42 @@ def _row(record: Any, where: str, keys: dict[str, str | None]) -> PromptRow:
         domain=domain,
         metadata=_optional(record, keys["metadata_key"]),
         response=response,
-        columns=_columns(record, keys["prompt_key"]),
+        images=_images(record, where, keys["image_key"], prompt, folder, policy),
+        columns=_columns(record, keys["prompt_key"], keys["image_key"]),
     )
 
 
-def _columns(record: dict[str, Any], prompt_key: str | None) -> dict[str, Any]:
-    """The row's top-level columns but the prompt's: TRL hands these to its rewards as keyword lists."""
-    prompt_column = (prompt_key or "").split(".")[0]
-    return {name: value for name, value in record.items() if name != prompt_column}
+def _columns(record: dict[str, Any], prompt_key: str | None, image_key: str | None) -> dict[str, Any]:
+    """The row's top-level columns but the prompt's and the images': TRL hands these to its rewards as keyword
+    lists (images, possibly megabytes of bytes, are not sent to reward workers)."""
+    skip = {(key or "").split(".")[0] for key in (prompt_key, image_key)}
+    return {name: value for name, value in record.items() if name not in skip}
+
+
+def _images(
+    record: dict[str, Any],
+    where: str,
+    key: str | None,
+    prompt: str | list[dict[str, str]],
+    folder: Path,
+    policy: ImagePolicy | None,
+) -> tuple:
+    """The row's checked images; their number must equal the prompt's ``<image>`` placeholders."""
+    values = image_values(_optional(record, key))
+    texts = [prompt] if isinstance(prompt, str) else [m["content"] for m in prompt]
+    placeholders = sum(text.count(IMAGE_PLACEHOLDER) for text in texts)
+    if placeholders != len(values):
+        raise DatasetError(
+            f"{where}: the prompt has {placeholders} {IMAGE_PLACEHOLDER} placeholders but field {key!r} holds "
+            f"{len(values)} images",
+            hint=f"put one {IMAGE_PLACEHOLDER} in the prompt where each image goes, in the images' order",
+        )
+    if values and policy is None:
+        raise DatasetError(
+            f"{where}: the row has images, and this model has no image processor",
+            hint="set data.tokenizer to the VL model's directory (with its preprocessor_config.json)",
+        )
+    return tuple(check_image(v, f"{where} field {key}[{i}]", folder, policy) for i, v in enumerate(values))
 
 
 def _required(record: dict[str, Any], where: str, key: str | None, setting: str) -> Any:

@@ -18,6 +18,7 @@ from sapo_megatron.data.prompts import PromptRow, check_encodable
 from sapo_megatron.data.render import PromptRenderer, apply_length_policy
 from sapo_megatron.data.synthetic import TASKS, make_mixed_rows
 from sapo_megatron.data.tokenizer import load_tokenizer
+from sapo_megatron.data.vision import VisionSpec, load_image_processor, vision_spec
 
 
 @dataclass
@@ -29,6 +30,7 @@ class RunData:
     train_rows: list[PromptRow]
     report: list[str] = field(default_factory=list)
     length_counts: dict[str, dict[str, int]] = field(default_factory=dict)
+    vision: VisionSpec | None = None
 
 
 def build_run_data(
@@ -39,14 +41,16 @@ def build_run_data(
     dry run) adds rows per source and the time taken. ``tools``: the schemas the prompts show (multi-turn)."""
     data = cfg.data
     tokenizer = build_tokenizer(cfg)
-    renderer = PromptRenderer(tokenizer, data, tools=tools)
-    out = RunData(tokenizer, renderer, [])
+    vision = build_vision(cfg, tokenizer)
+    renderer = PromptRenderer(tokenizer, data, vision, tools=tools)
+    out = RunData(tokenizer, renderer, [], vision=vision)
     limit, reason = _context_limit(cfg)
     for split, source, size in (("train", data.train, data.train_size),):
         if source is None:
             continue
         started = time.perf_counter()
-        rows, dataset = _rows(cfg, source, split, size)
+        rows, dataset = _rows(cfg, source, split, size, vision)
+        _check_model_takes_images(cfg, rows, f"data.{split}")
         check_encodable(rows, tokenizer, source, template=data.prompt_template)
         read_s = time.perf_counter() - started
         rows, counts = apply_length_policy(rows, renderer, data, source, limit=limit, limit_reason=reason)
@@ -77,6 +81,28 @@ def build_tokenizer(cfg: Any):
     return tokenizer
 
 
+def build_vision(cfg: Any, tokenizer: Any) -> VisionSpec | None:
+    """The image tokens and processor geometry when ``data.tokenizer`` is a VL model's directory (it has a
+    ``preprocessor_config.json``), else None (a dataset with images is then refused, naming its first image)."""
+    directory = getattr(tokenizer, "directory", None)
+    processor = None if directory is None else load_image_processor(directory)
+    return None if processor is None else vision_spec(tokenizer, processor, str(directory))
+
+
+def _check_model_takes_images(cfg: Any, rows: list[PromptRow], field_name: str) -> None:
+    """Prompts with images need a VL model: a text model would train on image pads without their pixels."""
+    from sapo_megatron.errors import ConfigError
+
+    with_images = sum(1 for row in rows if row.images)
+    if with_images and getattr(cfg.model.arch, "vision", None) is None:
+        images = sum(len(row.images) for row in rows)
+        raise ConfigError(
+            f"{field_name}: {with_images} prompts have images ({images} images, all read and checked), but "
+            "model.hf_config is a text model, which cannot see them",
+            hint="set model.hf_config to a Qwen3-VL model's config, or use a dataset without images",
+        )
+
+
 def _context_limit(cfg: Any) -> tuple[int, str | None]:
     """The longest prompt the rollout engine takes, and where the limit comes from (None: data.max_prompt_tokens)."""
     from sapo_megatron.errors import ConfigError
@@ -101,9 +127,14 @@ def _context_limit(cfg: Any) -> tuple[int, str | None]:
     return limit, None if asked is not None else reason
 
 
-def _rows(cfg: Any, source: str, split: str, size: int) -> tuple[list[PromptRow], Dataset | None]:
+def _rows(
+    cfg: Any, source: str, split: str, size: int, vision: VisionSpec | None
+) -> tuple[list[PromptRow], Dataset | None]:
     if not source.startswith("synthetic:"):
-        dataset = read_dataset(source, cfg.data)
+        policy = None
+        if vision is not None:
+            policy = cfg.data.image_policy(vision.factor, vision.min_pixels, vision.max_pixels)
+        dataset = read_dataset(source, cfg.data, policy)
         return dataset.rows, dataset
     from sapo_megatron.errors import ConfigError
 

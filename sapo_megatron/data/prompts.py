@@ -26,7 +26,8 @@ class DatasetError(UserError, ValueError):
 class PromptRow:
     """One prompt: ``prompt`` is text or a list of chat messages ``{role, content}``; ``domain`` is its source
     (MOPD domain, per-source metrics); ``metadata`` goes to rewards as is; ``response`` is an SFT target;
-    ``prompt_ids`` are set when the length policy truncated the prompt (the ids the engine then receives)."""
+    ``prompt_ids`` are set when the length policy truncated the prompt (the ids the engine then receives);
+    ``images`` are :class:`~sapo_megatron.data.images.ImageRef`, one per ``<image>`` of the prompt, in order."""
 
     prompt: str | list[dict[str, str]]
     ground_truth: str
@@ -34,6 +35,7 @@ class PromptRow:
     metadata: Any = None
     response: str | None = None
     prompt_ids: tuple[int, ...] | None = None
+    images: tuple[Any, ...] = ()
     columns: dict[str, Any] | None = dataclasses.field(default=None, compare=False, repr=False)
     """The dataset row's top-level columns other than the prompt (TRL-style rewards get them)."""
 
@@ -71,6 +73,8 @@ def _fingerprint(rows: Sequence[PromptRow]) -> str:
     digest = hashlib.sha256()
     for row in rows:
         digest.update(json.dumps([row.prompt, row.ground_truth, row.domain]).encode())
+        if row.images:  # text rows keep the fingerprints of checkpoints written before images existed
+            digest.update(" ".join(image.digest for image in row.images).encode())
     return digest.hexdigest()[:16]
 
 

@@ -11,6 +11,11 @@ assistant message is the SFT target, not part of the prompt) rendered by the HF 
 transformers encodes them there (``add_special_tokens=False``: the template writes its special tokens itself).
 Refused, with the reason, for the char tokenizer and for an HF tokenizer without a chat template.
 
+Prompts with images (:mod:`sapo_megatron.data.vision`): each ``<image>`` is written as the VL chat templates
+write an image, ``<|vision_start|><|image_pad|><|vision_end|>``, and after encoding each image pad is expanded to
+the image's token count, so that the ids are the ones the model is trained on; the engines receive these ids and
+the images (the SGLang client collapses the pads again: SGLang expands them itself).
+
 :func:`apply_length_policy` measures every prompt: over the limit, ``error`` stops naming the row and its length,
 ``filter`` drops the row, ``truncate_left`` keeps the prompt's last tokens (verl's ``truncation='left'``).
 """
@@ -21,8 +26,9 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from sapo_megatron.data.datasets import DatasetKeys, row_location
+from sapo_megatron.data.datasets import IMAGE_PLACEHOLDER, DatasetKeys, row_location
 from sapo_megatron.data.prompts import DatasetError, PromptRow, fill_template
+from sapo_megatron.data.vision import IMAGE_MARKUP, VisionSpec
 
 Messages = list[dict[str, str]]
 
@@ -38,9 +44,17 @@ class PromptRenderer:
     ``sft_ids(row)``: ``(prompt ids, target ids)`` of a supervised example (loss on the target only).
     ``tools``: OpenAI function schemas the chat template shows the model (multi-turn episodes with tools)."""
 
-    def __init__(self, tokenizer: Any, keys: DatasetKeys, tools: list[dict[str, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        keys: DatasetKeys,
+        vision: VisionSpec | None = None,
+        *,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.keys = keys
+        self.vision = vision
         self.tools = tools or None
         self.chat = keys.apply_chat_template
         self._hf = _chat_tokenizer(tokenizer) if self.chat else None
@@ -50,11 +64,14 @@ class PromptRenderer:
         messages = _context(row)
         if isinstance(messages, str):
             messages = [{"role": "user", "content": fill_template(self.keys.prompt_template, messages)}]
+        if row.images:
+            messages = [{**m, "content": _image_markup(m["content"])} for m in messages]
         if self.keys.system_prompt is not None and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.keys.system_prompt}, *messages]
         return messages
 
     def text(self, row: PromptRow) -> str:
+        """The rendered prompt text; an image is one ``<|image_pad|>`` here (:meth:`encode` expands it)."""
         if self._hf is not None:
             return self._render(self.messages(row), add_generation_prompt=True)
         if not isinstance(row.prompt, str):
@@ -62,12 +79,24 @@ class PromptRenderer:
                 "a prompt of chat messages needs a chat template",
                 hint="set data.apply_chat_template: true (with an HF tokenizer that has one)",
             )
-        return fill_template(self.keys.prompt_template, row.prompt)
+        text = fill_template(self.keys.prompt_template, row.prompt)
+        return _image_markup(text) if row.images else text
 
     def encode(self, row: PromptRow) -> list[int]:
+        """The prompt ids the model sees (image pads expanded)."""
         if row.prompt_ids is not None:  # truncated by the length policy
             return list(row.prompt_ids)
-        return self.encode_text(self.text(row))
+        return self._expanded(row, self.encode_text(self.text(row)))
+
+    def _expanded(self, row: PromptRow, ids: list[int]) -> list[int]:
+        if not row.images:
+            return ids
+        if self.vision is None:
+            raise DatasetError(
+                "the prompt has images, and the renderer has no image processor",
+                hint="set data.tokenizer to the VL model's directory (with its preprocessor_config.json)",
+            )
+        return self.vision.expand(ids, [image.size for image in row.images])
 
     def encode_text(self, text: str) -> list[int]:
         """Ids of an already rendered prompt text (see :meth:`text`)."""
@@ -87,7 +116,10 @@ class PromptRenderer:
             **self.keys.chat_template_kwargs,
         )
         ids = self._hf(texts, add_special_tokens=False)["input_ids"]
-        return [list(row.prompt_ids) if row.prompt_ids is not None else i for row, i in zip(rows, ids)]
+        return [
+            list(row.prompt_ids) if row.prompt_ids is not None else self._expanded(row, i)
+            for row, i in zip(rows, ids)
+        ]
 
     def sft_ids(self, row: PromptRow) -> tuple[list[int], list[int]]:
         """``(prompt ids, target ids)``. The target is the trailing assistant message, else ``response``, else
@@ -111,6 +143,10 @@ class PromptRenderer:
             **({"tools": self.tools} if self.tools else {}),
             **self.keys.chat_template_kwargs,
         )
+
+
+def _image_markup(text: str) -> str:
+    return text.replace(IMAGE_PLACEHOLDER, IMAGE_MARKUP)
 
 
 def _context(row: PromptRow) -> str | Messages:
@@ -182,6 +218,13 @@ def apply_length_policy(
         if keys.overlong_prompts == "filter":
             counts["filtered"] += 1
             continue
+        if row.images:  # cutting a prompt could cut an image's tokens apart from its pixels
+            raise DatasetError(
+                f"{row_location(where, index)}: the prompt with images is {len(ids)} tokens, over {max_tokens}, "
+                "and a prompt with images is never truncated",
+                hint="set data.overlong_prompts: filter, lower data.image_max_pixels, or raise "
+                "data.max_prompt_tokens",
+            )
         counts["truncated"] += 1
         kept.append(dataclasses.replace(row, prompt_ids=tuple(ids[-max_tokens:])))
     counts["kept"] = len(kept)

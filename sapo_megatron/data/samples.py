@@ -3,7 +3,8 @@
 Each logged step writes the first sample of each of its first :data:`SAMPLES_PER_STEP` groups, one JSON object a
 line: ``phase`` ("rl"), ``step``, ``prompt`` (the prompt ids the engine received, decoded with special tokens
 kept, so a chat template shows as the model saw it), ``response``, ``reward`` and the reward's extra fields
-(``answer``, ...), ``source``, ``finish_reason``, ``response_tokens``. The first :data:`TENSORBOARD_SAMPLES` of them also go to
+(``answer``, ...), ``source``, ``finish_reason``, ``response_tokens``, and ``images`` (each image's file path,
+or ``bytes:<sha256 prefix>`` for an image held in the dataset) when the prompt has images. The first :data:`TENSORBOARD_SAMPLES` of them also go to
 TensorBoard as text (tag ``samples``). A resumed run drops the rows after its checkpoint (:func:`resume_point`), as
 ``metrics.jsonl``.
 """
@@ -98,6 +99,8 @@ class SampleLog:
                 tool_errors=episode.tool_errors,
                 observation_tokens=len(sample.response_ids) - sample.generated_tokens,
             )
+        if prompt.images:  # which images the prompt showed (file path, or the digest of inline bytes)
+            row["images"] = [image.name() for image in prompt.images]
         fields = getattr(sample, "reward_fields", None) or {}  # the reward's extra fields (e.g. answer)
         row.update({name: value for name, value in fields.items() if name not in row})
         return row

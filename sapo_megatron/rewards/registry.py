@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from sapo_megatron.rewards.answers import exact_match, extract_last_number, numeric_match
 from sapo_megatron.rewards.code_exec import code_exec
 from sapo_megatron.rewards.dapo import dapo_math
+from sapo_megatron.rewards.logic import knights_knaves, mixed_tasks
 from sapo_megatron.rewards.math_verify_reward import INSTALL_HINT, math_verify_available, math_verify_reward
 from sapo_megatron.rewards.outputs import to_output
 from sapo_megatron.rewards.types import RewardError
@@ -90,6 +91,8 @@ register_reward("math_verify", missing_dependency=lambda: None if math_verify_av
 )
 register_reward("dapo_math")(dapo_math)
 register_reward("code_exec")(code_exec)
+register_reward("knights_knaves")(knights_knaves)
+register_reward("mixed_tasks")(mixed_tasks)
 
 
 NUMERIC_REWARDS = ("numeric_match",)

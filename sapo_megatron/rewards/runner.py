@@ -27,7 +27,7 @@ logger = logging.getLogger(__name__)
 RewardSpec = str | Mapping[str, Any]
 """A registered name, an import path (``file.py:fn`` / ``pkg.mod:fn``) or ``{url: ..., api_key_env: ...}``."""
 
-INLINE_BY_DEFAULT = frozenset({"exact_match", "numeric_match", "dapo_math"})
+INLINE_BY_DEFAULT = frozenset({"exact_match", "numeric_match", "dapo_math", "knights_knaves"})
 
 
 class _Backend(Protocol):

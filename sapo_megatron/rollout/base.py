@@ -13,7 +13,7 @@ from concurrent.futures import Future
 import torch
 
 from sapo_megatron.errors import UserError
-from sapo_megatron.rollout.types import GenerationRequest, Sample
+from sapo_megatron.rollout.types import GenerationRequest, ImageInputs, Sample
 
 
 class RolloutError(UserError, RuntimeError):
@@ -45,9 +45,15 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def score(
-        self, token_ids_list: Sequence[Sequence[int]], response_start: int | Sequence[int]
+        self,
+        token_ids_list: Sequence[Sequence[int]],
+        response_start: int | Sequence[int],
+        images: Sequence[ImageInputs | None] | None = None,
     ) -> list[list[float]]:
         """Teacher scoring: for each sequence, ``log p(ids[t] | ids[:t])`` for ``t >= response_start``.
+
+        ``images[i]``: the images of sequence ``i``, whose ids hold their pads expanded. A target that is an image
+        pad gets 0.0 (masked: SGLang reports a placeholder token there, and no loss is taken on image tokens).
 
         Logprobs come from the raw logits (temperature 1), as SGLang's ``input_token_logprobs`` with
         ``max_new_tokens=0, logprob_start_len=0``. ``response_start`` is one value for all sequences or one per

@@ -19,7 +19,7 @@ from sapo_megatron.algo import AdvantageConfig, nonconstant_groups, overlong_pen
 from sapo_megatron.data.prompts import PromptRow
 from sapo_megatron.rollout.base import RolloutEngine, RolloutError
 from sapo_megatron.rollout.episodes.runner import episode_metrics
-from sapo_megatron.rollout.types import GenerationRequest, Sample, SamplingParams
+from sapo_megatron.rollout.types import GenerationRequest, ImageInputs, Sample, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,7 @@ class CollectSettings:
     over_sampling: float = 1.0
     overlong_cache_len: int | None = None
     return_routed_experts: bool = False
+    image_pad_id: int | None = None  # the tokenizer's <|image_pad|> when prompts have images
 
 
 @dataclass
@@ -75,10 +76,19 @@ def generate_groups(
             sampling=dataclasses.replace(settings.sampling, seed=seed * 100_003 + index * settings.n_samples),
             return_routed_experts=settings.return_routed_experts,
             group_id=index,
+            images=_images(row, settings),
         )
         for index, row in enumerate(prompts)
     ]
     return engine.generate(requests)
+
+
+def _images(row: PromptRow, settings: CollectSettings) -> ImageInputs | None:
+    if not row.images:
+        return None
+    if settings.image_pad_id is None:
+        raise RolloutError("a prompt has images and the rollout settings name no image-pad token")
+    return ImageInputs(png=tuple(image.png() for image in row.images), pad_id=settings.image_pad_id)
 
 
 def per_sample(score: Score) -> BatchScore:

@@ -57,9 +57,12 @@ def generate_payload(
     sample_index: int = 0,
     return_routed_experts: bool = False,
     routed_experts_start: int = 0,
+    image_data: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Body of ``POST /generate`` for one sample (logprobs of the output tokens only); routes from position
-    ``routed_experts_start`` on."""
+    ``routed_experts_start`` on. With ``image_data`` (PNG data URIs, SGLang's ``GenerateReqInput.image_data``),
+    ``prompt_ids`` must hold one image pad per image: the server expands them (SGLang 0.5.23 answers already
+    expanded ids with HTTP 500, an IndexError in ``base_processor.build_input_ids``)."""
     payload: dict[str, Any] = {
         "input_ids": list(prompt_ids),
         "sampling_params": sampling_params_payload(sampling, sample_index),
@@ -67,6 +70,8 @@ def generate_payload(
         "logprob_start_len": -1,
         "rid": rid,
     }
+    if image_data:
+        payload["image_data"] = list(image_data)
     if return_routed_experts:
         payload["return_routed_experts"] = True
         if routed_experts_start:
@@ -74,7 +79,14 @@ def generate_payload(
     return payload
 
 
-def score_payload(token_ids: Sequence[int], *, rid: str) -> dict[str, Any]:
+def png_data_uri(png: bytes) -> str:
+    """An image as ``image_data`` carries it."""
+    return "data:image/png;base64," + base64.b64encode(png).decode("ascii")
+
+
+def score_payload(
+    token_ids: Sequence[int], *, rid: str, image_data: Sequence[str] | None = None
+) -> dict[str, Any]:
     """Body of ``POST /generate`` that scores a full sequence without generating (teacher scoring).
 
     Checked against SGLang's source (``python/sglang/srt/managers/io_struct.py`` ``GenerateReqInput``:
@@ -85,13 +97,16 @@ def score_payload(token_ids: Sequence[int], *, rid: str) -> dict[str, Any]:
     sends the same body and reads ``input_token_logprobs[1:]``. Input log-probs come from the raw logits:
     the ``temperature`` here does not change them (teachers score at temperature 1).
     """
-    return {
+    payload: dict[str, Any] = {
         "input_ids": list(token_ids),
         "sampling_params": {"max_new_tokens": 0, "temperature": 1.0},
         "return_logprob": True,
         "logprob_start_len": 0,
         "rid": rid,
     }
+    if image_data:  # ids with one pad per image, as in generate_payload; the reply covers the expanded ids
+        payload["image_data"] = list(image_data)
+    return payload
 
 
 def finish_reason_json(
@@ -204,6 +219,7 @@ def parse_generate_reply(
     top_k: int | None,
     vocab_size: int | None = None,
     routed_experts_start: int = 0,
+    images: int = 0,
 ) -> ParsedGeneration:
     """Check a ``/generate`` reply for one sample against its request and extract what the trainer needs
     (``vocab_size``: the trainer's vocabulary, which every output id must be in; routes from position
@@ -261,7 +277,13 @@ def parse_generate_reply(
 
     for key, expected in (("prompt_tokens", len(prompt_ids)), ("completion_tokens", len(output_ids))):
         if key in meta and meta[key] != expected:
-            raise fail_field(f"meta_info.{key}", f"is {meta[key]!r}, expected {expected}")
+            why = ""
+            if key == "prompt_tokens" and images:
+                why = (
+                    " (the trainer's prompt with its images expanded: the server's image processor made other "
+                    "grids, so trainer and engine would see different images)"
+                )
+            raise fail_field(f"meta_info.{key}", f"is {meta[key]!r}, expected {expected}{why}")
 
     routed = None
     if want_routed_experts:

@@ -60,8 +60,28 @@ class SamplingParams:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class ImageInputs:
+    """The images of a prompt: ``png`` the resized images in prompt order (PNG: every engine decodes the same
+    pixels), ``pad_id`` the image-pad token, which ``prompt_ids`` holds expanded (the model's view: one pad per
+    merged patch). An engine that expands pads itself (SGLang) receives them collapsed to one per image."""
+
+    png: tuple[bytes, ...]
+    pad_id: int
+
+
+def mask_image_targets(
+    logprobs: Sequence[float], targets: Sequence[int], images: ImageInputs | None
+) -> list[float]:
+    """Scored log-probs with those whose target is an image pad set to 0.0 (see ``RolloutEngine.score``)."""
+    if images is None:
+        return list(logprobs)
+    return [0.0 if target == images.pad_id else lp for lp, target in zip(logprobs, targets)]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class GenerationRequest:
-    """One prompt to sample ``n`` responses for; ``group_id`` ties the samples to their prompt group.
+    """One prompt to sample ``n`` responses for; ``group_id`` ties the samples to their prompt group; ``images``
+    the prompt's images (``prompt_ids`` then has their pads expanded).
 
     ``routed_experts_start``: with ``return_routed_experts``, the routes come back from this position on (SGLang's
     ``routed_experts_start_len``; multi-turn episodes already hold the earlier rows)."""
@@ -72,6 +92,7 @@ class GenerationRequest:
     return_routed_experts: bool = False
     group_id: int
     routed_experts_start: int = 0
+    images: ImageInputs | None = None
 
     def __post_init__(self) -> None:
         if len(self.prompt_ids) == 0:
@@ -84,6 +105,8 @@ class GenerationRequest:
                 f"not in [0, {len(self.prompt_ids)}] (the prompt's length)"
             )
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
+        if self.images is not None and not self.images.png:
+            object.__setattr__(self, "images", None)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -65,12 +65,16 @@ def reference(model_dir) -> torch.nn.Module:
 
 
 @contextlib.contextmanager
-def sglang_process(model_dir: Path, log: Path, *flags: str):
-    venv = sglang_venv()
+def sglang_process(model_dir: Path, log: Path, *flags: str, venv: Path | None = None):
+    """A real server from ``venv`` (default: the tier's; the VL tests pass install_vl.sh's)."""
+    venv = venv or sglang_venv()
     if not (venv / STAMP).is_file():
-        unavailable(f"{venv} has no {STAMP}; run tools/sglang_cpu/install.sh {venv}")
+        script = "install_vl.sh" if venv != sglang_venv() else "install.sh"
+        unavailable(f"{venv} has no {STAMP}; run tools/sglang_cpu/{script} {venv}")
     port = free_port()
     command = [str(SERVE), "--model-path", str(model_dir), "--port", str(port), *flags]
+    if venv != sglang_venv():
+        command = ["env", f"SAPO_SGLANG_VENV={venv}", *command]
     with contextlib.ExitStack() as stack:  # the server is stopped and reaped however the tests end
         try:
             url = stack.enter_context(

@@ -20,6 +20,10 @@ It reproduces what the trainer relies on from SGLang, so that swapping engines c
   probability) for every token fed to the model: int32 ``[len(prompt) + len(output) - 1, num_hidden_layers, top_k]``
   like SGLang's ``--enable-return-routed-experts``. Layers without a router (dense layers of mixed models) hold -1.
 
+- **Images** (Qwen3-VL models, :mod:`sapo_megatron.rollout.cpu.vision`): a request's images (PNG) go through the
+  model's image processor; its prompt's image pads are expanded to the processor's grid (the expanded length is
+  the reported prompt length) and the 3-D MRoPE positions come from the model's ``get_rope_index``.
+
 Prompts x samples run as one left-padded batch with a KV cache. Each row samples from its own ``torch.Generator``
 (seeded from the request's ``sampling_seed``, or drawn from the engine seed in row order), so results do not depend
 on how rows were batched.
@@ -39,9 +43,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from sapo_megatron.rollout.base import RolloutEngine, normalize_response_starts
+from sapo_megatron.rollout.base import RolloutEngine, RolloutError, normalize_response_starts
+from sapo_megatron.rollout.cpu.vision import EngineVision, is_vision_model
 from sapo_megatron.rollout.precision import EngineNumerics
-from sapo_megatron.rollout.types import FinishReason, GenerationRequest, Sample, SamplingParams
+from sapo_megatron.rollout.types import (
+    FinishReason,
+    GenerationRequest,
+    ImageInputs,
+    Sample,
+    SamplingParams,
+    mask_image_targets,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +71,8 @@ class RowSpec:
     """One sequence to generate (one sample of a request), as the engine sees it.
 
     ``logprob_start_len``: -1 for no input logprobs, else the first prompt position whose logprob is returned.
+    ``images``: PNG bytes of the prompt's images; :meth:`CPUEngine.prepare_images` expands ``prompt_ids`` and
+    sets ``pixels`` (``pixel_values``, ``image_grid_thw``).
     """
 
     prompt_ids: list[int]
@@ -68,6 +82,8 @@ class RowSpec:
     logprob_start_len: int = -1
     ignore_eos: bool = False
     routed_experts_start: int = 0  # routes from this position on (SGLang's routed_experts_start_len)
+    images: tuple[bytes, ...] = ()
+    pixels: dict[str, torch.Tensor] | None = None
 
 
 @dataclasses.dataclass
@@ -148,6 +164,7 @@ class CPUEngine(RolloutEngine):
         return_original_logprob: bool = False,
         num_threads: int | None = None,
         precision: str = "fp32",
+        image_processor: object | None = None,
     ) -> None:
         self.numerics = EngineNumerics(precision)
         self.model = model.eval().requires_grad_(False)
@@ -157,13 +174,14 @@ class CPUEngine(RolloutEngine):
         self.max_batch_size = max_batch_size
         self.return_original_logprob = return_original_logprob
         self.weight_version = 0
-        config = model.config
+        config = model.config.get_text_config()  # a VL model's language model holds these
         self.vocab_size = int(config.vocab_size)
         self.max_context = int(getattr(config, "max_position_embeddings", 1 << 30))
         self.num_experts = int(getattr(config, "num_experts", 0) or 0)
         self.top_k = int(getattr(config, "num_experts_per_tok", 0) or 0)
         self.eos_token_ids = _eos_ids(model)
         self._routers = _RouterCapture(model, self.top_k) if self.num_experts and self.top_k else None
+        self._vision = EngineVision(model, image_processor) if is_vision_model(model) else None
         self._cache_kwarg = (
             "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         )
@@ -175,8 +193,14 @@ class CPUEngine(RolloutEngine):
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, **kwargs) -> CPUEngine:
-        """Load an HF checkpoint directory (config.json + safetensors) in float32, then apply ``precision``."""
-        return cls(_load_model(model_dir), model_path=str(model_dir), **kwargs)
+        """Load an HF checkpoint directory (config.json + safetensors) in float32, then apply ``precision``; a VL
+        model's image processor comes from the directory's ``preprocessor_config.json``."""
+        from sapo_megatron.data.vision import load_image_processor
+
+        model = _load_model(model_dir)
+        if is_vision_model(model):
+            kwargs.setdefault("image_processor", load_image_processor(model_dir))
+        return cls(model, model_path=str(model_dir), **kwargs)
 
     # ------------------------------------------------------------------ facts
     @property
@@ -189,7 +213,11 @@ class CPUEngine(RolloutEngine):
 
     @property
     def num_layers(self) -> int:
-        return int(self.model.config.num_hidden_layers)
+        return int(self.model.config.get_text_config().num_hidden_layers)
+
+    @property
+    def takes_images(self) -> bool:
+        return self._vision is not None
 
     def model_info(self) -> dict[str, object]:
         return {
@@ -213,10 +241,13 @@ class CPUEngine(RolloutEngine):
                 seed=req.sampling.seed_for(index),
                 return_routed_experts=req.return_routed_experts,
                 routed_experts_start=req.routed_experts_start,
+                images=req.images.png if req.images is not None else (),
             )
             for req in requests
             for index in range(req.n)
         ]
+        for req, row in zip((r for r in requests for _ in range(r.n)), rows):
+            self._check_prompt(req, row)
         results = iter(self.generate_rows(rows))
         samples: list[list[Sample]] = []
         for req in requests:
@@ -238,17 +269,54 @@ class CPUEngine(RolloutEngine):
             samples.append(group)
         return samples
 
+    def _check_prompt(self, req: GenerationRequest, row: RowSpec) -> None:
+        """Expand ``row``'s images with this engine's processor; the prompt must then be the trainer's."""
+        if not row.images:
+            return
+        try:
+            self.prepare_images(row)
+        except ValueError as exc:
+            raise RolloutError(f"group {req.group_id}: {exc}", request=f"g{req.group_id}") from None
+        if row.prompt_ids != list(req.prompt_ids):
+            raise RolloutError(
+                f"group {req.group_id}: the engine's prompt has {len(row.prompt_ids)} tokens after expanding its "
+                f"images (grids {row.pixels['image_grid_thw'].tolist()}), the trainer's {len(req.prompt_ids)}: "
+                "trainer and engine would see different images",
+                request=f"g{req.group_id}",
+                field="prompt_tokens",
+            )
+
+    def prepare_images(self, row: RowSpec) -> None:
+        """Expand the image pads of ``row.prompt_ids`` for ``row.images`` and set ``row.pixels`` (ValueError
+        for a model without images, an unreadable image, or pads that do not pair with the images)."""
+        if self._vision is None:
+            raise ValueError("image_data given, but this model takes no images")
+        row.prompt_ids, row.pixels = self._vision.prepare(row.prompt_ids, row.images)
+
     def score(
-        self, token_ids_list: Sequence[Sequence[int]], response_start: int | Sequence[int]
+        self,
+        token_ids_list: Sequence[Sequence[int]],
+        response_start: int | Sequence[int],
+        images: Sequence[ImageInputs | None] | None = None,
     ) -> list[list[float]]:
         starts = normalize_response_starts(token_ids_list, response_start)
+        images = list(images) if images is not None else [None] * len(token_ids_list)
         rows = [
-            RowSpec(prompt_ids=list(ids), sampling=SamplingParams(max_new_tokens=0), logprob_start_len=0)
-            for ids in token_ids_list
+            RowSpec(
+                prompt_ids=list(ids),
+                sampling=SamplingParams(max_new_tokens=0),
+                logprob_start_len=0,
+                images=image.png if image is not None else (),
+            )
+            for ids, image in zip(token_ids_list, images)
         ]
         results = self.generate_rows(rows)
-        # input_logprobs[t] is log p(ids[t] | ids[:t]); entry 0 is None.
-        return [[float(lp) for lp in res.input_logprobs[start:]] for res, start in zip(results, starts)]
+        out = []
+        for ids, res, start, image in zip(token_ids_list, results, starts, images):
+            # input_logprobs[t] is log p(ids[t] | ids[:t]); entry 0 is None.
+            values = [float(lp) for lp in res.input_logprobs[start:]]
+            out.append(mask_image_targets(values, ids[start:], image))
+        return out
 
     def update_weights_from_disk(self, path: str) -> None:
         """Reload weights from an HF directory with the same architecture and shapes (strict), in the engine's
@@ -335,6 +403,8 @@ class CPUEngine(RolloutEngine):
         if self._closed:
             raise RuntimeError("CPUEngine is closed")
         for row in rows:
+            if row.images and row.pixels is None:
+                self.prepare_images(row)
             self.validate_row(row)
         with self._lock:
             seeds = [r.seed if r.seed is not None else int(self._seed_rng.integers(2**62)) for r in rows]
@@ -358,6 +428,19 @@ class CPUEngine(RolloutEngine):
             input_ids[i, width - prompt_lens[i] :] = torch.tensor(row.prompt_ids)
             attention_mask[i, width - prompt_lens[i] :] = 1
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        last_pos = position_ids[:, -1]
+        vision_kwargs: dict[str, torch.Tensor] = {}
+        if self._vision is not None:  # 3-D MRoPE positions, the images' pixels
+            grids = [r.pixels["image_grid_thw"] for r in rows if r.pixels is not None]
+            if grids:
+                vision_kwargs["pixel_values"] = torch.cat(
+                    [r.pixels["pixel_values"] for r in rows if r.pixels]
+                )
+                vision_kwargs["image_grid_thw"] = torch.cat(grids)
+            position_ids, last_pos = self._vision.positions(
+                input_ids, attention_mask, vision_kwargs.get("image_grid_thw")
+            )
+            vision_kwargs["mm_token_type_ids"] = self._vision.mm_token_type_ids(input_ids, attention_mask)
 
         capture = self._routers is not None and any(r.return_routed_experts for r in rows)
         want_input_logprobs = any(r.logprob_start_len >= 0 for r in rows)
@@ -372,6 +455,7 @@ class CPUEngine(RolloutEngine):
                 use_cache=True,
                 logits_to_keep=0 if want_input_logprobs else 1,
                 **{self._cache_kwarg: cache},
+                **vision_kwargs,
             )
             logits = out.logits.float()
             routed_steps: list[np.ndarray] = []
@@ -388,7 +472,7 @@ class CPUEngine(RolloutEngine):
                 logits[:, -1, :],
                 cache,
                 attention_mask,
-                position_ids[:, -1],
+                last_pos,
                 routed_steps,
                 capture,
             )
@@ -527,7 +611,7 @@ def _torch_threads(num_threads: int | None):
 
 
 def _load_model(model_dir: str | Path) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.utils import logging as hf_logging
 
     from sapo_megatron.checkpoint.hf_io import check_safetensors_complete
@@ -538,8 +622,10 @@ def _load_model(model_dir: str | Path) -> torch.nn.Module:
     check_safetensors_complete(path)  # a truncated file named, not a bare SafetensorError
     bar_was_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # transformers 5 draws a "Loading weights" bar for a local load
+    vision = getattr(AutoConfig.from_pretrained(path), "vision_config", None) is not None
+    auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
     try:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        return auto.from_pretrained(path, dtype=torch.float32).eval()
     finally:
         if bar_was_on:
             hf_logging.enable_progress_bar()

@@ -8,7 +8,11 @@ Endpoints (what each checks):
 
 - ``POST|PUT /generate``: ``input_ids`` (a list or a list of lists of ints in the vocabulary), ``sampling_params``
   (only the keys in ``_SAMPLING_KEYS``), ``return_logprob``, ``logprob_start_len`` (-1 or a prompt position),
-  ``return_routed_experts`` (MoE models only) with ``routed_experts_start_len``, ``rid``; prompt + ``max_new_tokens`` within the context length.
+  ``return_routed_experts`` (MoE models only) with ``routed_experts_start_len``, ``rid``, ``image_data`` (VL
+  models: per prompt a ``data:image/...;base64,`` URI or a list of them, one per image pad of the prompt; file paths
+  and URLs are refused, a server reads no files and fetches nothing for a client); prompt + ``max_new_tokens``
+  within the context length. With images the prompt's pads are expanded by the model's image processor, as SGLang
+  does, and ``prompt_tokens`` counts the expanded prompt.
   Errors: 400 ``{"error": {"message"}}``. Concurrent requests are gathered for a few milliseconds and run as one
   batch (the client sends one HTTP request per sample). Every field is checked before a request joins a batch
   (types, finite temperature / top_p, ``sampling_seed`` in [0, 2^63), at most ``max_rows_per_request`` rows), so
@@ -39,6 +43,8 @@ port) or from the shell with SGLang's flags: ``python -m sapo_megatron.rollout.c
 from __future__ import annotations
 
 import argparse
+import base64
+import binascii
 import dataclasses
 import ipaddress
 import json
@@ -383,6 +389,8 @@ class CPUServer:
         rows, echo, batched = _parse_generate(self._with_input_ids(body), self.max_rows_per_request)
         for row in rows:
             try:
+                if row.images:
+                    self.engine.prepare_images(row)
                 self.engine.validate_row(row)
             except ValueError as exc:
                 raise BadRequest(str(exc)) from exc
@@ -596,6 +604,7 @@ def _parse_generate(
     start_lens = _as_list(body.get("logprob_start_len", -1), n, "logprob_start_len")
     routed = _flag(body.get("return_routed_experts", False), "return_routed_experts")
     routes_from = _integer(body.get("routed_experts_start_len", 0), "routed_experts_start_len")
+    images = _image_data(body.get("image_data"), n, batched)
     rows, echo = [], []
     for i, prompt in enumerate(prompts):
         params, seed, ignore_eos = _sampling(sampling[i])
@@ -615,11 +624,39 @@ def _parse_generate(
                 logprob_start_len=start if return_logprob[i] else -1,
                 ignore_eos=ignore_eos,
                 routed_experts_start=routes_from if routed else 0,
+                images=images[i],
             )
         )
         rid = rids[i] if rids[i] is not None else uuid.uuid4().hex
         echo.append({"rid": str(rid), "return_logprob": _flag(return_logprob[i], "return_logprob")})
     return rows, echo, batched
+
+
+def _image_data(value: Any, n: int, batched: bool) -> list[tuple[bytes, ...]]:
+    """Each prompt's images from ``image_data`` (SGLang's shapes: one item or a list per prompt; a list of those
+    for a batch), decoded from data URIs."""
+    if value is None:
+        return [()] * n
+    per_prompt = value if batched else [value]
+    if not isinstance(per_prompt, list) or len(per_prompt) != n:
+        raise BadRequest(f"image_data must give the images of each of the {n} prompts")
+    out = []
+    for item in per_prompt:
+        uris = [] if item is None else item if isinstance(item, list) else [item]
+        out.append(tuple(_data_uri(uri) for uri in uris))
+    return out
+
+
+def _data_uri(uri: Any) -> bytes:
+    if not isinstance(uri, str) or not uri.startswith("data:image/"):
+        raise BadRequest("image_data items must be data:image/...;base64,<data> URIs (no paths, no URLs)")
+    header, _, payload = uri.partition(",")
+    if not header.endswith(";base64"):
+        raise BadRequest("image_data items must be base64 data URIs")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise BadRequest("image_data: invalid base64") from None
 
 
 def _load_tokenizer(model_dir: Path) -> Any:

@@ -37,11 +37,13 @@ from typing import Any, TypeVar
 import httpx
 import torch
 
+from sapo_megatron.data.vision import collapse_image_pads
 from sapo_megatron.rollout.base import RolloutEngine, RolloutError, normalize_response_starts
 from sapo_megatron.rollout.protocol import (
     generate_payload,
     parse_generate_reply,
     parse_score_reply,
+    png_data_uri,
     score_payload,
 )
 from sapo_megatron.rollout.sglang.memory import (
@@ -56,7 +58,7 @@ from sapo_megatron.rollout.tensor_transport import (
     flattened_buckets,
     serialize_flattened_bucket,
 )
-from sapo_megatron.rollout.types import GenerationRequest, Sample
+from sapo_megatron.rollout.types import GenerationRequest, ImageInputs, Sample, mask_image_targets
 from sapo_megatron.runtime.interrupts import wait_for
 
 logger = logging.getLogger(__name__)
@@ -228,14 +230,17 @@ class SGLangClient(RolloutEngine):
     def _generate_one(
         self, req: GenerationRequest, index: int, rid_base: str, cancel: threading.Event
     ) -> Sample:
+        prompt_ids, image_data = _wire_prompt(req)
+
         def attempt(server: _Server, rid: str) -> Any:
             payload = generate_payload(
-                req.prompt_ids,
+                prompt_ids,
                 req.sampling,
                 rid=rid,
                 sample_index=index,
                 return_routed_experts=req.return_routed_experts,
                 routed_experts_start=req.routed_experts_start,
+                image_data=image_data,
             )
             reply = self._post(server, "/generate", payload, request=rid)
             parsed = parse_generate_reply(
@@ -249,6 +254,7 @@ class SGLangClient(RolloutEngine):
                 top_k=self.top_k,
                 vocab_size=self.vocab_size,
                 routed_experts_start=req.routed_experts_start,
+                images=len(image_data or ()),
             )
             return parsed
 
@@ -269,22 +275,29 @@ class SGLangClient(RolloutEngine):
         )
 
     def score(
-        self, token_ids_list: Sequence[Sequence[int]], response_start: int | Sequence[int]
+        self,
+        token_ids_list: Sequence[Sequence[int]],
+        response_start: int | Sequence[int],
+        images: Sequence[ImageInputs | None] | None = None,
     ) -> list[list[float]]:
         starts = normalize_response_starts(token_ids_list, response_start)
         self._require_memory(MEMORY_TAGS, "score")
+        images = list(images) if images is not None else [None] * len(token_ids_list)
         call_id = uuid.uuid4().hex[:12]
         results: list[list[float] | None] = [None] * len(token_ids_list)
 
         def run(i: int, cancel: threading.Event) -> None:
             ids = list(token_ids_list[i])
+            wire_ids, image_data = _wire_ids(ids, images[i])
 
             def attempt(server: _Server, rid: str) -> list[float]:
-                reply = self._post(server, "/generate", score_payload(ids, rid=rid), request=rid)
+                payload = score_payload(wire_ids, rid=rid, image_data=image_data)
+                reply = self._post(server, "/generate", payload, request=rid)
                 return parse_score_reply(reply, token_ids=ids, rid=rid, server=server.url)
 
             values = self._with_failover(f"{call_id}-score{i}", attempt, cancel)
-            results[i] = values[starts[i] - 1 :]  # values[t - 1] is log p(ids[t] | ids[:t])
+            # values[t - 1] is log p(ids[t] | ids[:t])
+            results[i] = mask_image_targets(values[starts[i] - 1 :], ids[starts[i] :], images[i])
 
         self._run_all([(run, (i,)) for i in range(len(token_ids_list))])
         return [r for r in results if r is not None]
@@ -905,6 +918,18 @@ class SGLangClient(RolloutEngine):
     def _count(self, key: str, value: float) -> None:
         with self._lock:
             self._counters[key] += value
+
+
+def _wire_prompt(req: GenerationRequest) -> tuple[list[int], list[str] | None]:
+    """The ids and images a request is sent with: with images, one pad per image and PNG data URIs (SGLang expands
+    the pads with its own processor; its ``prompt_tokens`` must then equal the trainer's expanded prompt)."""
+    return _wire_ids(req.prompt_ids, req.images)
+
+
+def _wire_ids(ids: Sequence[int], images: ImageInputs | None) -> tuple[list[int], list[str] | None]:
+    if images is None:
+        return list(ids), None
+    return collapse_image_pads(ids, images.pad_id), [png_data_uri(png) for png in images.png]
 
 
 def _capture(fn: Callable[..., None], *args: Any) -> Exception | None:

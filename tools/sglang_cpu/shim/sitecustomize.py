@@ -7,7 +7,8 @@ Two pieces:
   line 453) maps every device without an entry to ``alloc_with_host_register``, which calls ``cudaHostRegister``;
   ``--enable-return-routed-experts`` allocates its host buffer through it (``srt/state_capturer/base.py:67``). On
   the CPU, host memory is the device memory: a plain ``torch.empty``.
-- Only where no torchvision is installed (install.sh's CPU-torch virtualenv: PyPI's torchvision is built against
+- Only where no torchvision is installed (install.sh's CPU-torch virtualenv; install_vl.sh's has a real one, whose
+  ``torchvision.*`` submodules then all load as they are: PyPI's torchvision is built against
   CUDA torch and cannot load beside the CPU build): an inert ``torchvision`` whose every attribute is a placeholder.
   SGLang imports it at start for image models only (``srt/configs/__init__.py`` -> ``multimodal/internvl_utils.py:5``,
   ``configs/deepseek_ocr.py:7``); a text model never calls it, and using a placeholder raises. transformers sees version 0.0.0 and
@@ -74,12 +75,17 @@ def _placeholder_attr(module_name: str, attr: str) -> _Placeholder:
     return _Placeholder(f"{module_name}.{attr}")
 
 
+@functools.lru_cache(maxsize=1)
+def _real_torchvision() -> bool:
+    return importlib.machinery.PathFinder.find_spec("torchvision") is not None
+
+
 class _InertTorchvision(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] != "torchvision":
             return None
-        if name == "torchvision" and importlib.machinery.PathFinder.find_spec(name) is not None:
-            return None  # a real torchvision is installed: use it
+        if _real_torchvision():
+            return None  # a real torchvision is installed (install_vl.sh): use it and all its submodules
         return importlib.machinery.ModuleSpec(name, self, is_package=True)
 
     def create_module(self, spec):

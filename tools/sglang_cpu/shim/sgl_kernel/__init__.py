@@ -15,6 +15,9 @@ Every other name is a placeholder (module ``__getattr__``): SGLang imports many 
 on its CPU path (e.g. speculative decoding's ``build_tree_kernel_efficient_cpu`` in
 ``kernels/ops/speculative/spec_tree.py:40``) that a plain generation never calls; calling one raises, naming it.
 
+``qwen_ops`` registers four ``torch.ops.sgl_kernel.*_cpu`` ops in plain torch, which the Qwen-VL processors need
+to load (see there).
+
 Leaving ``torch.ops.sgl_kernel.convert_weight_packed`` unregistered makes ``_is_intel_amx_backend_available``
 (``srt/utils/common.py:354``) false, which keeps SGLang on its plain-torch layers instead of the AMX kernels.
 """
@@ -30,6 +33,9 @@ if torch.cuda.is_available():
         "tools/sglang_cpu/shim is for CPU-only test machines; on a machine with CUDA install the real sglang-kernel "
         "and take tools/sglang_cpu/shim off PYTHONPATH"
     )
+
+
+from sgl_kernel import qwen_ops  # noqa: F401 - registers the torch.ops the Qwen-VL processors look up
 
 
 def _rows(address: int, num_rows: int, row_bytes: int) -> torch.Tensor:
