@@ -301,6 +301,17 @@ def _add_compare_parser(commands) -> None:
         metavar="KEY=VALUE",
         help="override a config field of every run (YAML value); repeatable (default: none)",
     )
+    compare.add_argument(
+        "--slurm",
+        action="store_true",
+        help="submit the runs to Slurm (one array job per stage) instead of running them here; the output "
+        "directory must be on a filesystem the nodes share",
+    )
+    compare.add_argument(
+        "--sbatch",
+        metavar="OPTIONS",
+        help='sbatch options of every --slurm job, e.g. "--partition=gpu --gpus-per-node=8 --time=4:00:00"',
+    )
     compare.add_argument("--debug", action="store_true", help="show the traceback of errors (also the arms')")
     compare.set_defaults(handler=_compare)
 
@@ -660,7 +671,16 @@ def _compare(args: argparse.Namespace) -> int:
             output_dir=args.output_dir,
             grid=grid,
         )
-    outcome = run_compare(plan, overwrite=args.overwrite, debug=args.debug)
+    if args.slurm:
+        from sapo_megatron.compare.slurm import run_compare_slurm, sbatch_options
+
+        outcome = run_compare_slurm(
+            plan, overwrite=args.overwrite, debug=args.debug, sbatch_options=sbatch_options(args.sbatch)
+        )
+    elif args.sbatch:
+        raise CompareError("--sbatch goes with --slurm (options of the jobs it submits)")
+    else:
+        outcome = run_compare(plan, overwrite=args.overwrite, debug=args.debug)
     return 1 if outcome.failures else 0
 
 

@@ -111,15 +111,7 @@ def run_compare(
     the outcome (and the report) and the next arm runs."""
     out = out or sys.stdout
     command = command or (lambda path: train_command(path, debug=debug))
-    preflight(plan, overwrite=overwrite)
-    if overwrite:
-        removed = clear_output_dir(plan.output_dir)
-        if removed:
-            _say(out, f"removed the previous comparison in {plan.output_dir} ({', '.join(removed)})")
-    plan.output_dir.mkdir(parents=True, exist_ok=True)
-    _remove_trash(plan.output_dir)
-    for line in describe(plan):
-        _say(out, line)
+    prepare(plan, overwrite=overwrite, out=out)
     outcome_failures: dict[str, str] = {}
     ran: list[str] = []
     with InterruptGuard(announce=None) as guard:
@@ -132,19 +124,37 @@ def run_compare(
             failure = _arm(run, f"[{index}/{len(plan.arms)}]", guard, command, out, ran)
             if failure:
                 outcome_failures[run.name] = failure
+    return finish(plan, outcome_failures, ran, out)
+
+
+def prepare(plan: ComparePlan, *, overwrite: bool, out: TextIO) -> None:
+    """The checks, ``overwrite``'s clearing and the plan's description: what every way of running does first."""
+    preflight(plan, overwrite=overwrite)
+    if overwrite:
+        removed = clear_output_dir(plan.output_dir)
+        if removed:
+            _say(out, f"removed the previous comparison in {plan.output_dir} ({', '.join(removed)})")
+    plan.output_dir.mkdir(parents=True, exist_ok=True)
+    _remove_trash(plan.output_dir)
+    for line in describe(plan):
+        _say(out, line)
+
+
+def finish(plan: ComparePlan, failures: dict[str, str], ran: list[str], out: TextIO) -> CompareOutcome:
+    """Write the report of the plan's arms (``failures``: arm name → error line) and say where it is."""
     report = write_report(
         plan.output_dir,
         [run.arm for run in plan.arms if run.arm is not None],
-        failures=outcome_failures,
+        failures=failures,
         header=describe(plan, markdown=True),
     )
     _say(
         out,
         f"report: {report.markdown} (data: {report.json.name}, plots: {report.markdown.parent / 'plots'})",
     )
-    if outcome_failures:
-        _say(out, f"{len(outcome_failures)} of {len(plan.arms)} arms failed: {', '.join(outcome_failures)}")
-    return CompareOutcome(report, outcome_failures, ran)
+    if failures:
+        _say(out, f"{len(failures)} of {len(plan.arms)} arms failed: {', '.join(failures)}")
+    return CompareOutcome(report, failures, ran)
 
 
 # --------------------------------------------------------------------------------------------------------
