@@ -310,7 +310,7 @@ def _add_compare_parser(commands) -> None:
     compare.add_argument(
         "--sbatch",
         metavar="OPTIONS",
-        help='sbatch options of every --slurm job, e.g. "--partition=gpu --gpus-per-node=8 --time=4:00:00"',
+        help='sbatch options of every --slurm job, with "=": --sbatch="--partition=gpu --gpus-per-node=8"',
     )
     compare.add_argument("--debug", action="store_true", help="show the traceback of errors (also the arms')")
     compare.set_defaults(handler=_compare)

@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 from typing import TextIO
 
-from sapo_megatron.compare.arms import ARM_CONFIG_FILE, ComparePlan, PlannedRun
+from sapo_megatron.compare.arms import ARM_CONFIG_FILE, CompareError, ComparePlan, PlannedRun
 from sapo_megatron.compare.runner import (
     STDERR_TAIL,
     CompareInterrupted,
@@ -35,7 +35,6 @@ from sapo_megatron.compare.runner import (
     is_finished,
     prepare,
 )
-from sapo_megatron.errors import UserError
 from sapo_megatron.runtime.interrupts import InterruptGuard
 
 STDERR_FILE = "slurm-stderr.log"
@@ -49,7 +48,7 @@ COMMAND_TIMEOUT_S = 60
 ACTIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "RESIZING"}
 
 
-class SlurmError(UserError):
+class SlurmError(CompareError):
     """Slurm refused or failed a request (sbatch, squeue), or a run of the plan is still running in a job."""
 
 
@@ -228,12 +227,12 @@ def _slurm(command: list[str], *, allow_unknown: bool = False) -> str:
 
 
 def sbatch_options(text: str | None) -> list[str]:
-    """``--sbatch "--partition=gpu --time=4:00:00"`` as a list of options; each must be an option."""
+    """``--sbatch="--partition=gpu --time=4:00:00"`` as a list of options; each must be an option."""
     options = shlex.split(text or "")
     bad = [option for option in options if not option.startswith("-")]
     if bad:
         raise SlurmError(
             f"--sbatch {text!r}: {bad[0]!r} is not an sbatch option",
-            hint='write options with their values joined: --sbatch "--partition=gpu --time=4:00:00"',
+            hint='write options with their values joined: --sbatch="--partition=gpu --time=4:00:00"',
         )
     return options

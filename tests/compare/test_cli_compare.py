@@ -16,7 +16,7 @@ def test_compare_options_have_help_with_their_defaults():
     assert "(default: none,r2,r3)" in blocks["--replay"]
     assert "(default: none)" in blocks["--corrections"]
     assert "(default: 1)" in blocks["--seeds"]
-    for option in ("--steps", "--output-dir", "--overwrite", "--set", "--debug"):
+    for option in ("--steps", "--output-dir", "--overwrite", "--set", "--debug", "--slurm", "--sbatch"):
         assert subparser("compare").format_help().count(option) >= 2, option  # usage and its help
     args = build_parser().parse_args(["compare", "--steps", "3", "--output-dir", "d"])
     assert (args.config, args.losses, args.replay, args.seeds, args.set) == (
@@ -50,6 +50,11 @@ def test_steps_and_output_dir_are_required(capsys):
         (["--steps", "0"], "--steps 0: each arm needs at least one RL step"),
         (["--seeds", "0"], "--seeds 0: need at least one seed"),
         (["--set", "seed=3"], "--set seed: every arm gets its own"),
+        (["--sbatch=--partition=gpu"], "--sbatch goes with --slurm (options of the jobs it submits)"),
+        (
+            ["--slurm", "--sbatch=--time=1:00 gpu"],
+            "--sbatch '--time=1:00 gpu': 'gpu' is not an sbatch option",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_nothing_is_written(tmp_path, capsys, extra, message):
@@ -59,4 +64,12 @@ def test_bad_input_is_one_line_and_nothing_is_written(tmp_path, capsys, extra, m
     err = capsys.readouterr().err
     assert err.startswith(f"sapo-megatron: {message}"), err
     assert "Traceback" not in err
+    assert not out.exists()
+
+
+def test_slurm_without_sbatch_is_refused_before_anything_is_written(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sbatch there
+    out = tmp_path / "cmp"
+    assert main(["compare", "--slurm", "--steps", "3", "--output-dir", str(out)]) == 2
+    assert capsys.readouterr().err.startswith("sapo-megatron: --slurm: sbatch / squeue not found on PATH")
     assert not out.exists()
