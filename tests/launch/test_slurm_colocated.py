@@ -71,3 +71,23 @@ def test_colocated_job_runs_servers_and_trainer_on_one_node(tmp_path, demo_model
         if any(str(demo_model_dir) in arg for arg in proc.info["cmdline"] or [])
     ]
     assert leftovers == []
+
+
+def test_colocated_job_fails_fast_when_its_servers_do_not_start(tmp_path, demo_model_dir, launch_env):
+    config = tiny_train_config(
+        tmp_path / "tiny.yaml", demo_model_dir, tmp_path / "run", steps=1, save_every=0
+    )
+    env = {**launch_env, "SAPO_SERVER_CMD": "false", "SAPO_SGLANG_PORT": str(free_port_block(1))}
+    started = time.monotonic()
+    job = submit(
+        COLOCATED_SCRIPT,
+        [str(config), str(demo_model_dir)],
+        env=env,
+        workdir=tmp_path,
+        sbatch_options=GPU_LESS,
+    )
+    assert job.wait_final(timeout=60) == "FAILED"
+    assert time.monotonic() - started < 30
+    log = job.output_text()
+    assert "exited with status 1" in log and "the rollout servers did not start" in log, log
+    assert not (tmp_path / "run").exists()  # no trainer rank started
