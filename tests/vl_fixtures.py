@@ -123,8 +123,8 @@ def to_hub_layout(directory: str | Path) -> Path:
     """Rewrite a transformers-5 save of the tiny VL-MoE as the hub's checkpoints are and SGLang 0.5.23 loads them:
     fused experts ``gate_up_proj [E, H, 2I]`` / ``down_proj [E, I, H]`` (transformers 5 writes its in-memory
     ``[E, 2I, H]`` / ``[E, H, I]``, which SGLang's ``qwen3_vl_moe.load_weights`` transposes into the wrong shape),
-    and the processor files a Qwen3-VL repository has (``processor_class``, a video processor), from which SGLang
-    builds ``Qwen3VLProcessor``. transformers reads the result back to the same weights (tested)."""
+    and the processor files of :func:`with_qwen3_vl_processor`. transformers reads the result back to the same
+    weights (tested). ``megatron-to-hf`` writes the hub layout itself (the real-SGLang tier serves its export)."""
     from safetensors.torch import load_file, save_file
 
     directory = Path(directory)
@@ -134,6 +134,13 @@ def to_hub_layout(directory: str | Path) -> Path:
         if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
             tensors[name] = tensors[name].transpose(1, 2).contiguous()
     save_file(tensors, str(path), metadata={"format": "pt"})
+    return with_qwen3_vl_processor(directory)
+
+
+def with_qwen3_vl_processor(directory: str | Path) -> Path:
+    """The processor files a Qwen3-VL repository has (``processor_class``, a video processor), from which SGLang
+    builds ``Qwen3VLProcessor``."""
+    directory = Path(directory)
     processor = json.loads((directory / "preprocessor_config.json").read_text())
     processor["processor_class"] = "Qwen3VLProcessor"
     (directory / "preprocessor_config.json").write_text(json.dumps(processor))

@@ -56,10 +56,12 @@ DEFAULT_READ_BATCH_BYTES = 512 * 1024**2
 DEFAULT_TOLERANCE = {"fp32": 1e-3, "bf16": 0.25}
 """Default bound on max |Δlogit| by compute dtype (the tests hold tiny models to 1e-4 in fp32)."""
 
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
 TOKENIZER_FILES = (
     *HF_TOKENIZER_FILES,
     "generation_config.json",
     TOKENIZER_FILE,  # the embedded demo's character tokenizer (sapo_megatron.data.tokenizer)
+    *PROCESSOR_FILES,  # a vision-language model's image / video processor (SGLang builds its processor from them)
 )
 SAFETENSORS_DTYPE_NAMES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 

@@ -58,6 +58,7 @@ def measured_context(
     """:func:`context_size` over ``sources``: ``(path, keys, rows to read or None for all, max_new_tokens)``
     each (``data.train`` and each eval dataset, with its own keys)."""
     from sapo_megatron.data.datasets import read_dataset
+    from sapo_megatron.data.prompts import DatasetError
     from sapo_megatron.data.render import PromptRenderer
     from sapo_megatron.data.synthetic import TASKS, make_mixed_rows
 
@@ -75,6 +76,9 @@ def measured_context(
                 tasks, min(size or SYNTHETIC_ROWS, SYNTHETIC_ROWS), digits=digits, seed=seed
             )
         else:
-            rows = read_dataset(path, keys).rows[:size]
+            try:
+                rows = read_dataset(path, keys).rows[:size]
+            except DatasetError:
+                continue  # a missing or bad dataset is named by the input checks and the data load, in train.log
         needed = max(needed, context_size(longest_prompt(rows, PromptRenderer(tokenizer, keys)), new_tokens))
     return max(needed, CONTEXT_MULTIPLE)

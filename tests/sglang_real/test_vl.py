@@ -29,15 +29,37 @@ from sapo_megatron.rollout.types import ImageInputs, SamplingParams
 from tests.data.test_images import png, uri
 from tests.rollout.test_cpu_engine_images import reference
 from tests.sglang_real.conftest import API_KEY, real_server_flags, sglang_process
-from tests.vl_fixtures import build_tiny_vl_checkpoint, to_hub_layout
+from tests.vl_fixtures import build_tiny_vl_checkpoint, with_qwen3_vl_processor
 
 VL_VENV = Path(os.environ.get("SAPO_SGLANG_VL_VENV", "/opt/sapo-sglang-vl-venv"))
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
 
 
+def served_export(root: Path) -> Path:
+    """What the server loads is the project's own export: the transformers-5 save (experts ``[E, 2I, H]``, which
+    SGLang 0.5.23 cannot load) through ``hf-to-megatron`` and ``megatron-to-hf``, which writes the hub layout
+    (``gate_up_proj [E, H, 2I]``) and copies the tokenizer and processor files. The generation tests below then
+    prove that SGLang loads it and serves the source model's numbers."""
+    from safetensors import safe_open
+
+    from sapo_megatron.conversion.convert import hf_to_megatron, megatron_to_hf
+
+    source = build_tiny_vl_checkpoint(root / "source")
+    mcore = hf_to_megatron(source, root / "mcore", progress=False)
+    export = megatron_to_hf(
+        mcore, root / "export", hf_reference=with_qwen3_vl_processor(source), progress=False
+    )
+    hidden = json.loads((source / "config.json").read_text())["text_config"]["hidden_size"]
+    with safe_open(str(next(export.glob("*.safetensors"))), "pt") as handle:
+        fused = [n for n in handle.keys() if n.endswith("mlp.experts.gate_up_proj")]  # noqa: SIM118
+        assert fused and all(handle.get_slice(n).get_shape()[1] == hidden for n in fused)  # [E, H, 2I]
+    assert (export / "video_preprocessor_config.json").is_file()
+    return export
+
+
 @pytest.fixture(scope="module")
 def vl(tmp_path_factory):
-    directory = to_hub_layout(build_tiny_vl_checkpoint(tmp_path_factory.mktemp("sglang_vl")))
+    directory = served_export(tmp_path_factory.mktemp("sglang_vl"))
     tok = load_tokenizer(str(directory))
     spec = vision_spec(tok, load_image_processor(directory), str(directory))
     records = [
