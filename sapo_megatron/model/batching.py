@@ -73,7 +73,16 @@ class TrainSequence:
     domain_id: int = -1
     token_values: Mapping[str, Sequence[float]] = field(default_factory=dict, compare=False, repr=False)
     response_mask: Sequence[int] | None = None
+    images: Mapping[str, torch.Tensor] | None = field(default=None, compare=False, repr=False)
+    """The prompt's images as the engine saw them: ``pixel_values`` ``[patches, C·T·P·P]`` and ``image_grid_thw``
+    ``[images, 3]`` (None: a text prompt)."""
 
+
+PIXEL_VALUES = "pixel_values"
+IMAGE_GRID_THW = "image_grid_thw"
+IMAGE_KEYS = (PIXEL_VALUES, IMAGE_GRID_THW)
+"""Micro-batch keys of the images of its sequences, concatenated in row (padded) or segment (packed) order – the
+order in which a VL model meets their image pads."""
 
 TEACHER_LOGP = "teacher_logp"
 """Micro-batch key of the teacher's log-probs, fp32 per token like ``labels`` (0 off the response)."""
@@ -184,7 +193,14 @@ def position_values(seq: TrainSequence, name: str = "sequence") -> dict[str, tor
             raise ValueError(f"{name}: {len(seq.teacher_logp)} teacher log-probs for {count} response tokens")
         per_token_values[TEACHER_LOGP] = seq.teacher_logp
     for key, per_token in per_token_values.items():
-        if key in values or key in (SEGMENT_IDS, POSITION_IDS, SEQUENCE_INDEX, ENGINE_ROUTES, DOMAIN_IDS):
+        if key in values or key in (
+            SEGMENT_IDS,
+            POSITION_IDS,
+            SEQUENCE_INDEX,
+            ENGINE_ROUTES,
+            DOMAIN_IDS,
+            *IMAGE_KEYS,
+        ):
             raise ValueError(f"{name}: token_values key {key!r} is a reserved micro-batch key")
         out = torch.zeros(positions, dtype=torch.float32)
         if len(per_token):
@@ -215,7 +231,24 @@ def per_sequence_values(sequences: Sequence[TrainSequence]) -> MicroBatch:
             name = sequences[index].sample_id or f"sequence {index}"
             raise ValueError(f"{name}: no teacher log-probs, while other sequences of its batch have them")
         values[DOMAIN_IDS] = torch.tensor([s.domain_id for s in sequences], dtype=torch.long)
+    values.update(image_values(sequences))
     return values
+
+
+def image_values(sequences: Sequence[TrainSequence]) -> MicroBatch:
+    """``pixel_values`` and ``image_grid_thw`` of the sequences with images, concatenated in sequence order
+    (nothing when none has images). Raises ValueError naming a sequence whose patches do not match its grids."""
+    with_images = [(i, s) for i, s in enumerate(sequences) if s.images is not None]
+    for index, seq in with_images:
+        pixels, grids = seq.images[PIXEL_VALUES], seq.images[IMAGE_GRID_THW]
+        if grids.dim() != 2 or grids.shape[1] != 3 or int(grids.prod(-1).sum()) != pixels.shape[0]:
+            raise ValueError(
+                f"{seq.sample_id or f'sequence {index}'}: {pixels.shape[0]} image patches for image_grid_thw "
+                f"{grids.tolist()}"
+            )
+    if not with_images:
+        return {}
+    return {key: torch.cat([s.images[key] for _, s in with_images]) for key in IMAGE_KEYS}
 
 
 def _pad_value(key: str, pad_id: int) -> int | float:

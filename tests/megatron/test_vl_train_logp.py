@@ -1,0 +1,148 @@
+"""Training on images: the trainer's log-probs of CPU-engine rollouts with images equal the engine's own
+(fp32, single process), for padded and for packed micro-batches. The engine (transformers' Qwen3-VL-MoE) and the
+Megatron VL model hold the same weights; the trainer re-processes the prompt's PNG images with the checkpoint's
+image processor, as the engine does, so both see the same ``pixel_values`` and grids."""
+
+from __future__ import annotations
+
+# megatron-core 0.19 imports triton at import time unless sapo_megatron's stand-ins are registered first
+import sapo_megatron.megatron  # noqa: F401  # isort: skip
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from sapo_megatron.algo import AdvantageConfig
+from sapo_megatron.checkpoint.fused_experts import unfuse
+from sapo_megatron.config import config_from_dict
+from sapo_megatron.data.datasets import DatasetKeys, read_dataset
+from sapo_megatron.data.render import PromptRenderer
+from sapo_megatron.data.tokenizer import load_tokenizer
+from sapo_megatron.data.vision import load_image_processor, pixel_inputs, vision_spec
+from sapo_megatron.megatron import dist_ckpt
+from sapo_megatron.megatron.model import BuildOptions, build_gpt_model
+from sapo_megatron.megatron.packed_seq import model_inputs
+from sapo_megatron.megatron.weights import load_hf_weights
+from sapo_megatron.model.batching import IMAGE_GRID_THW, TrainSequence, build_micro_batches
+from sapo_megatron.rollout.collect import CollectSettings, generate_groups
+from sapo_megatron.rollout.cpu.engine import CPUEngine
+from sapo_megatron.rollout.types import SamplingParams
+from tests.data.test_images import png, uri
+from tests.vl_fixtures import build_tiny_vl_checkpoint
+
+LOGP_ATOL = 1e-5
+"""fp32 bound on |trainer logp - engine logp| per response token (the brief expects ~1e-6)."""
+
+
+@pytest.fixture(scope="module")
+def rollouts(tmp_path_factory):
+    """Two samples per prompt from the CPU engine (one image; two images of other sizes; text only), as
+    TrainSequences carrying the images the trainer computes, and the engine's checkpoint directory."""
+    directory = build_tiny_vl_checkpoint(tmp_path_factory.mktemp("vl"))
+    tok = load_tokenizer(str(directory))
+    processor = load_image_processor(directory)
+    spec = vision_spec(tok, processor, str(directory))
+    records = [
+        {"prompt": "What is in <image>?", "ground_truth": "a", "images": [uri(png(40, 40, (250, 0, 0)))]},
+        {
+            "prompt": "Compare <image> and <image>.",
+            "ground_truth": "b",
+            "images": [uri(png(48, 32, (0, 200, 0))), uri(png(16, 64, (0, 0, 90)))],
+        },
+        {"prompt": "Say something.", "ground_truth": "c"},
+    ]
+    path = directory / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    keys = DatasetKeys(apply_chat_template=True)
+    rows = read_dataset(path, keys, keys.image_policy(spec.factor, spec.min_pixels, spec.max_pixels)).rows
+    renderer = PromptRenderer(tok, keys, spec)
+    settings = CollectSettings(
+        n_samples=2,
+        sampling=SamplingParams(max_new_tokens=6, temperature=1.0, seed=5),
+        advantage=AdvantageConfig(),
+        image_pad_id=spec.pad_id,
+    )
+    engine = CPUEngine.from_pretrained(directory, seed=0)
+    try:
+        groups = generate_groups(engine, rows, renderer.encode, settings, seed=3)
+    finally:
+        engine.close()
+    sequences = []
+    for row, group in zip(rows, groups):
+        images = pixel_inputs(processor, [image.load() for image in row.images]) if row.images else None
+        for sample in group:
+            # a random policy may sample <|image_pad|>: a VL model takes it for an image position (not covered here)
+            response = sample.response_ids
+            cut = response.index(spec.pad_id) if spec.pad_id in response else len(response)
+            sequences.append(
+                TrainSequence(
+                    sample.prompt_ids,
+                    response[:cut],
+                    rollout_logp=sample.rollout_logp[:cut],
+                    sample_id=f"group {sample.group_id} sample {sample.sample_index}",
+                    images=images,
+                )
+            )
+    return directory, sequences
+
+
+@pytest.fixture(scope="module")
+def trainer_model(rollouts):
+    directory, _ = rollouts
+    import transformers
+
+    hf_config = json.loads((directory / "config.json").read_text())
+    hf = transformers.AutoModelForImageTextToText.from_pretrained(str(directory)).float()
+    cfg = config_from_dict({"model": {"hf_config": hf_config}, "launch": {"procs_per_node": 1}})
+    with dist_ckpt.parallel_context(cfg):
+        module = build_gpt_model(BuildOptions(cfg.model, cfg.parallel, cfg.precision))
+        load_hf_weights(module, unfuse(hf.state_dict()).__getitem__, cfg.model.arch)
+        yield module.eval()
+
+
+def _trainer_logp(model, batch) -> torch.Tensor:
+    with torch.no_grad(), model_inputs(model, batch) as inputs:
+        logits = model(batch["input_ids"], **inputs)
+    return torch.log_softmax(logits.float(), -1).gather(-1, batch["labels"][..., None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_trainer_logp_on_images_equals_the_engines(rollouts, trainer_model, packed):
+    _, sequences = rollouts
+    assert sum(s.images is not None for s in sequences) == 4
+    batches = build_micro_batches(
+        sequences,
+        dp_rank=0,
+        dp_size=1,
+        micro_batches=2,
+        pad_id=0,
+        max_tokens_per_micro_batch=256 if packed else None,
+    )
+    worst, tokens = 0.0, 0
+    for batch in batches:
+        held = [sequences[i] for i in batch["sequence_index"].tolist()]
+        grids = [s.images[IMAGE_GRID_THW] for s in held if s.images is not None]
+        assert batch[IMAGE_GRID_THW].tolist() == torch.cat(grids).tolist()  # row order
+        mask = batch["loss_mask"].bool()
+        diff = (_trainer_logp(trainer_model, batch) - batch["rollout_logp"])[mask]
+        worst, tokens = max(worst, float(diff.abs().max())), tokens + int(mask.sum())
+    print(f"trainer vs CPU engine logp on images ({'packed' if packed else 'padded'}): max {worst:.2e}")
+    assert tokens >= 12
+    assert worst <= LOGP_ATOL
+
+
+def test_a_micro_batch_without_images_has_no_image_keys(rollouts):
+    _, sequences = rollouts
+    text = [s for s in sequences if s.images is None]
+    (batch,) = build_micro_batches(text, dp_rank=0, dp_size=1, micro_batches=1, pad_id=0)
+    assert "pixel_values" not in batch and IMAGE_GRID_THW not in batch
+
+
+def test_patches_that_do_not_fit_the_grids_are_refused(rollouts):
+    _, sequences = rollouts
+    seq = next(s for s in sequences if s.images is not None)
+    bad = dataclasses.replace(seq, images={**seq.images, "pixel_values": seq.images["pixel_values"][:-1]})
+    with pytest.raises(ValueError, match=f"{seq.sample_id}: .* image patches for image_grid_thw"):
+        build_micro_batches([bad], dp_rank=0, dp_size=1, micro_batches=1, pad_id=0)
