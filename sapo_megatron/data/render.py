@@ -28,7 +28,7 @@ from typing import Any
 
 from sapo_megatron.data.datasets import IMAGE_PLACEHOLDER, DatasetKeys, row_location
 from sapo_megatron.data.prompts import DatasetError, PromptRow, fill_template
-from sapo_megatron.data.vision import IMAGE_MARKUP, VisionSpec
+from sapo_megatron.data.vision import IMAGE_MARKUP, VisionSpec, pixel_inputs
 
 Messages = list[dict[str, str]]
 
@@ -97,6 +97,15 @@ class PromptRenderer:
                 hint="set data.tokenizer to the VL model's directory (with its preprocessor_config.json)",
             )
         return self.vision.expand(ids, [image.size for image in row.images])
+
+    def image_inputs(self, row: PromptRow) -> dict[str, Any] | None:
+        """The row's ``pixel_values`` / ``image_grid_thw`` from its resized images by the model's own image
+        processor, as the engine computes them from the PNGs it receives (None: no images)."""
+        if not row.images:
+            return None
+        if self.vision is None or self.vision.processor is None:
+            raise ValueError("a prompt with images needs the VL model's image processor (data.tokenizer)")
+        return pixel_inputs(self.vision.processor, [image.load() for image in row.images])
 
     def encode_text(self, text: str) -> list[int]:
         """Ids of an already rendered prompt text (see :meth:`text`)."""

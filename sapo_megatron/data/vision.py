@@ -43,6 +43,8 @@ class VisionSpec:
     temporal_patch_size: int
     min_pixels: int
     max_pixels: int
+    processor: Any = dataclasses.field(default=None, compare=False, repr=False)
+    """The image processor itself (None in specs built by hand): the trainer runs it as the engine does."""
 
     @property
     def factor(self) -> int:
@@ -148,6 +150,7 @@ def vision_spec(tokenizer: Any, processor: Any, where: str) -> VisionSpec:
         temporal_patch_size=int(processor.temporal_patch_size),
         min_pixels=int(min_pixels),
         max_pixels=int(max_pixels),
+        processor=processor,
     )
 
 

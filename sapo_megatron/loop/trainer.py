@@ -14,6 +14,7 @@ from typing import Any
 
 from sapo_megatron.config import sequence_length_multiple
 from sapo_megatron.data.prompts import PromptIterator, PromptRow
+from sapo_megatron.data.render import PromptRenderer
 from sapo_megatron.distill.teachers import TeacherScoring
 from sapo_megatron.errors import RunInterrupted
 from sapo_megatron.loop.checkpointing import Checkpointer, LoopState
@@ -261,7 +262,7 @@ def _rollout(session: Session, prompts: PromptIterator, step: int):
     session.reward.check_error_budget(cfg.algorithm.max_reward_error_frac)
     batch.metrics.update(session.reward.take_step_metrics())
     session.samples.record(step + 1, batch)  # samples.jsonl every trainer.log_samples_every steps
-    sequences = teacher.attach(_train_sequences(batch), batch)
+    sequences = teacher.attach(_train_sequences(batch, session.renderer), batch)
     return sequences, batch.metrics, prompts.state_dict()
 
 
@@ -276,7 +277,10 @@ def _sampling(session: Session, temperature: float) -> SamplingParams:
     )
 
 
-def _train_sequences(batch: RolloutBatch) -> list[TrainSequence]:
+def _train_sequences(batch: RolloutBatch, renderer: PromptRenderer | None) -> list[TrainSequence]:
+    images = [
+        renderer.image_inputs(row) if renderer else None for row in batch.prompts
+    ]  # what the engine saw
     return [
         TrainSequence(
             s.prompt_ids,
@@ -286,6 +290,7 @@ def _train_sequences(batch: RolloutBatch) -> list[TrainSequence]:
             routed_experts=s.routed_experts,
             sample_id=f"group {s.group_id} sample {s.sample_index}",
             response_mask=s.loss_mask,  # episodes: tool observations are not trained on
+            images=images[g],
         )
         for g, group in enumerate(batch.groups)
         for i, s in enumerate(group)

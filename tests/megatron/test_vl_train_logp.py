@@ -65,10 +65,7 @@ def rollouts(tmp_path_factory):
         image_pad_id=spec.pad_id,
     )
     engine = CPUEngine.from_pretrained(directory, seed=0)
-    try:
-        groups = generate_groups(engine, rows, renderer.encode, settings, seed=3)
-    finally:
-        engine.close()
+    groups = generate_groups(engine, rows, renderer.encode, settings, seed=3)
     sequences = []
     for row, group in zip(rows, groups):
         images = pixel_inputs(processor, [image.load() for image in row.images]) if row.images else None
@@ -85,21 +82,37 @@ def rollouts(tmp_path_factory):
                     images=images,
                 )
             )
-    return directory, sequences
+    yield directory, sequences, engine
+    engine.close()
 
 
 @pytest.fixture(scope="module")
-def trainer_model(rollouts):
-    directory, _ = rollouts
+def build_trainer_model(rollouts):
+    """Single-process Megatron state for the module, and a builder of Megatron VL models holding the engine's
+    initial weights (``freeze_vision`` as asked)."""
+    directory = rollouts[0]
     import transformers
 
     hf_config = json.loads((directory / "config.json").read_text())
-    hf = transformers.AutoModelForImageTextToText.from_pretrained(str(directory)).float()
+    weights = unfuse(
+        transformers.AutoModelForImageTextToText.from_pretrained(str(directory)).float().state_dict()
+    )
     cfg = config_from_dict({"model": {"hf_config": hf_config}, "launch": {"procs_per_node": 1}})
     with dist_ckpt.parallel_context(cfg):
-        module = build_gpt_model(BuildOptions(cfg.model, cfg.parallel, cfg.precision))
-        load_hf_weights(module, unfuse(hf.state_dict()).__getitem__, cfg.model.arch)
-        yield module.eval()
+
+        def build(**model):
+            module = build_gpt_model(
+                BuildOptions(cfg.model.model_copy(update=model), cfg.parallel, cfg.precision)
+            )
+            load_hf_weights(module, weights.__getitem__, cfg.model.arch)
+            return module.eval()
+
+        yield build
+
+
+@pytest.fixture(scope="module")
+def trainer_model(build_trainer_model):
+    return build_trainer_model()
 
 
 def _trainer_logp(model, batch) -> torch.Tensor:
@@ -110,7 +123,7 @@ def _trainer_logp(model, batch) -> torch.Tensor:
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_trainer_logp_on_images_equals_the_engines(rollouts, trainer_model, packed):
-    _, sequences = rollouts
+    _, sequences, _ = rollouts
     assert sum(s.images is not None for s in sequences) == 4
     batches = build_micro_batches(
         sequences,
@@ -134,15 +147,62 @@ def test_trainer_logp_on_images_equals_the_engines(rollouts, trainer_model, pack
 
 
 def test_a_micro_batch_without_images_has_no_image_keys(rollouts):
-    _, sequences = rollouts
+    _, sequences, _ = rollouts
     text = [s for s in sequences if s.images is None]
     (batch,) = build_micro_batches(text, dp_rank=0, dp_size=1, micro_batches=1, pad_id=0)
     assert "pixel_values" not in batch and IMAGE_GRID_THW not in batch
 
 
 def test_patches_that_do_not_fit_the_grids_are_refused(rollouts):
-    _, sequences = rollouts
+    _, sequences, _ = rollouts
     seq = next(s for s in sequences if s.images is not None)
     bad = dataclasses.replace(seq, images={**seq.images, "pixel_values": seq.images["pixel_values"][:-1]})
     with pytest.raises(ValueError, match=f"{seq.sample_id}: .* image patches for image_grid_thw"):
         build_micro_batches([bad], dp_rank=0, dp_size=1, micro_batches=1, pad_id=0)
+
+
+def _one_update(model, sequences, lr: float = 0.05) -> None:
+    """One plain gradient step on the sequences' log-likelihood (images included)."""
+    (batch,) = build_micro_batches(sequences, dp_rank=0, dp_size=1, micro_batches=1, pad_id=0)
+    with model_inputs(model, batch) as inputs:
+        logits = model(batch["input_ids"], **inputs)
+    logp = torch.log_softmax(logits.float(), -1).gather(-1, batch["labels"][..., None]).squeeze(-1)
+    (-(logp * batch["loss_mask"]).sum()).backward()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.grad is not None:
+                param -= lr * param.grad
+                param.grad = None
+
+
+@pytest.mark.parametrize("freeze_vision", [False, True], ids=["trained", "frozen"])
+def test_weight_sync_after_an_update_carries_the_vision_tower_unless_frozen(
+    rollouts, build_trainer_model, freeze_vision
+):
+    from sapo_megatron.megatron.weights import VISION_HF_PREFIX, iter_hf_buckets
+
+    _, sequences, engine = rollouts
+    model = build_trainer_model(freeze_vision=freeze_vision)
+    params = dict(engine.model.named_parameters())
+    before = {name: p.detach().clone() for name, p in params.items()}
+    try:
+        _one_update(model, sequences)
+        after = {
+            n: t
+            for bucket in iter_hf_buckets(model, model.arch, 1 << 20, include_frozen=True)
+            for n, t in bucket
+        }
+        synced = [(n, t) for bucket in iter_hf_buckets(model, model.arch, 1 << 20) for n, t in bucket]
+        engine.update_weights_from_tensors(synced)
+        vision = [n for n in params if n.startswith(VISION_HF_PREFIX)]
+        assert len(vision) == len(model.arch.vision.tensor_shapes())
+        moved = [n for n in vision if not torch.equal(params[n], before[n])]
+        if freeze_vision:
+            assert moved == [] and all(torch.equal(after[n], before[n]) for n in vision)
+        else:
+            assert len(moved) >= len(vision) // 2  # the update reached the tower, and the engine got it
+            assert all(torch.equal(params[n], after[n]) for n in vision)
+        text = "model.language_model.layers.0.self_attn.q_proj.weight"
+        assert not torch.equal(params[text], before[text]) and torch.equal(params[text], after[text])
+    finally:
+        engine.update_weights_from_tensors(before.items())  # the module's other tests use the initial weights
