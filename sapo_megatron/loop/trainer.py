@@ -245,6 +245,7 @@ def _rollout(session: Session, prompts: PromptIterator, step: int):
         over_sampling=cfg.algorithm.over_sampling,
         overlong_cache_len=cfg.algorithm.overlong_cache_len,
         return_routed_experts=cfg.rollout.routed_experts,
+        image_pad_id=session.renderer.vision.pad_id if session.renderer and session.renderer.vision else None,
     )
     teacher = TeacherScoring(session.teachers, session.distill.domain_names)  # no-op without teachers
     batch = collect(

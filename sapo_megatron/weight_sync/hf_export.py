@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
 
-from sapo_megatron.checkpoint import atomic
+from sapo_megatron.checkpoint import atomic, fused_experts
 from sapo_megatron.checkpoint.mapping import hf_expected_shapes
 from sapo_megatron.checkpoint.safetensors_stream import TensorSpec, plan_shards, write_index, write_shard
 from sapo_megatron.model.arch import QwenArch
@@ -89,16 +90,32 @@ def write_hf_checkpoint(
     in :func:`~sapo_megatron.checkpoint.mapping.hf_expected_shapes` order, streaming one tensor at a time (the
     same writer as offline conversion), into a temporary sibling that replaces ``out_dir`` once complete."""
     out_dir = Path(out_dir)
-    specs = [TensorSpec(name, shape, dtype) for name, shape in hf_expected_shapes(arch).items()]
+    shapes = list(hf_expected_shapes(arch).items())
+    groups = fused_experts.fused_groups(dict(shapes)) if arch.is_vl else []
+    if groups:  # Qwen3-VL-MoE: experts fused in the hub layout, as transformers and SGLang load them
+        shapes = fused_experts.fuse_specs(shapes)
+    specs = [TensorSpec(name, shape, dtype) for name, shape in shapes]
     shards = plan_shards(specs, shard_bytes)
     tmp = atomic.prepare_output_dir(out_dir, force=True)
-    stream = ((name, tensor.to(dtype)) for name, tensor in tensors)
+    stream = fused_experts.fuse_stream(((name, tensor.to(dtype)) for name, tensor in tensors), groups)
     for shard in shards:
         write_shard(tmp / shard.filename, shard, stream)
     write_index(tmp, shards)
     (tmp / "config.json").write_text(json.dumps(hf_config_with_tokens(arch, tokenizer), indent=2) + "\n")
     if tokenizer is not None:
         tokenizer.save(tmp)
+        _copy_processor(getattr(tokenizer, "directory", None), tmp)
     atomic.fsync_path(tmp)
     atomic.publish(tmp, out_dir, replace=True)
     return out_dir
+
+
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
+
+
+def _copy_processor(source: Path | None, out_dir: Path) -> None:
+    """A VL model's image / video processor files, from the tokenizer's directory (the engine that loads the
+    export builds the same image processor the trainer's renderer used)."""
+    for name in PROCESSOR_FILES:
+        if source is not None and (Path(source) / name).is_file():
+            shutil.copyfile(Path(source) / name, out_dir / name)
