@@ -44,6 +44,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+from sapo_megatron.model.batching import IMAGE_MASK
 from sapo_megatron.model.packing import POSITION_IDS, is_packed
 
 MicroBatch = Mapping[str, torch.Tensor]
@@ -101,6 +102,10 @@ def model_inputs(model: torch.nn.Module, batch: MicroBatch) -> Iterator[dict[str
     (the local path's RoPE hook is removed when it exits)."""
     input_ids = batch["input_ids"]
     vision = {k: batch[k].to(input_ids.device) for k in VISION_INPUTS if k in batch}
+    if IMAGE_MASK in batch:  # image pads outside the prompts' images (sampled by the policy) are text
+        vision[IMAGE_MASK] = batch[IMAGE_MASK].to(input_ids.device).bool()
+    elif _is_vl(model) and "pixel_values" not in batch:  # no images here: every image pad is text
+        vision[IMAGE_MASK] = torch.zeros_like(input_ids, dtype=torch.bool)
     if not is_packed(batch):
         position_ids = batch.get(POSITION_IDS)
         if position_ids is None:

@@ -78,6 +78,7 @@ def mrope_positions(
     *,
     image_token_id: int,
     spatial_merge_size: int,
+    image_mask: Tensor | None = None,
 ) -> Tensor:
     """long ``[3, b, s]``: Qwen3-VL's (t, h, w) positions (transformers' ``get_rope_index``).
 
@@ -87,7 +88,7 @@ def mrope_positions(
     restarts at every segment (where ``position_ids`` is 0).
     """
     batch, seq = input_ids.shape
-    ids = input_ids.tolist()
+    ids = _image_tokens(input_ids, image_token_id, image_mask).tolist()
     restarts = position_ids.tolist() if position_ids is not None else [[1] * seq for _ in range(batch)]
     grids = [tuple(g) for g in image_grid_thw.tolist()] if image_grid_thw is not None else []
     merge = spatial_merge_size
@@ -99,12 +100,12 @@ def mrope_positions(
         while i < seq:
             if restarts[row][i] == 0:
                 current = 0
-            if ids[row][i] != image_token_id:
+            if not ids[row][i]:
                 thw.append((current, current, current))
                 current, i = current + 1, i + 1
                 continue
             end = i + 1
-            while end < seq and ids[row][end] == image_token_id and restarts[row][end] != 0:
+            while end < seq and ids[row][end] and restarts[row][end] != 0:
                 end += 1
             if image >= len(grids):
                 raise VisionInputError(f"row {row} has more images than image_grid_thw lists ({len(grids)})")
@@ -127,6 +128,13 @@ def mrope_positions(
     if image != len(grids):
         raise VisionInputError(f"image_grid_thw lists {len(grids)} images; the token ids hold {image}")
     return out.to(input_ids.device)
+
+
+def _image_tokens(input_ids: Tensor, image_token_id: int, image_mask: Tensor | None) -> Tensor:
+    """bool ``[b, s]``: the image positions – image pads, but only where ``image_mask`` (a pad the policy sampled
+    in a response is text to the engines, and so to the trainer)."""
+    is_image = input_ids == image_token_id
+    return is_image if image_mask is None else is_image & image_mask.to(is_image.device).bool()
 
 
 def build_vision_tower(vision: VisionArch, model_type: str = "qwen3_vl_moe") -> nn.Module:
@@ -206,8 +214,10 @@ class VLGPTModel(GPTModel):
         *,
         pixel_values: Tensor | None = None,
         image_grid_thw: Tensor | None = None,
+        image_mask: Tensor | None = None,
         **kwargs: Any,
     ) -> Tensor:
+        """``image_mask`` bool ``[b, s]``: which image pads are images (None: all of them)."""
         if position_ids is None or position_ids.dim() == 2:
             position_ids = mrope_positions(
                 input_ids,
@@ -215,10 +225,11 @@ class VLGPTModel(GPTModel):
                 image_grid_thw,
                 image_token_id=self.arch.image_token_id,
                 spatial_merge_size=self.arch.vision.spatial_merge_size,
+                image_mask=image_mask,
             )
         self._visual_rows = None
         if self.pre_process and decoder_input is None:
-            decoder_input = self._embed(input_ids, pixel_values, image_grid_thw)
+            decoder_input = self._embed(input_ids, pixel_values, image_grid_thw, image_mask)
         try:
             return super().forward(
                 input_ids, position_ids, attention_mask, decoder_input=decoder_input, labels=labels, **kwargs
@@ -226,11 +237,17 @@ class VLGPTModel(GPTModel):
         finally:
             self._visual_rows = None
 
-    def _embed(self, input_ids: Tensor, pixel_values: Tensor | None, image_grid_thw: Tensor | None) -> Tensor:
+    def _embed(
+        self,
+        input_ids: Tensor,
+        pixel_values: Tensor | None,
+        image_grid_thw: Tensor | None,
+        image_mask: Tensor | None = None,
+    ) -> Tensor:
         """Word embeddings ``[s_local, b, H]`` with the image tokens in place; keeps this slice's image index
         and the DeepStack features for the hooks."""
         embeddings = self.embedding(input_ids=input_ids, position_ids=None)
-        is_image = input_ids == self.arch.image_token_id
+        is_image = _image_tokens(input_ids, self.arch.image_token_id, image_mask)
         if pixel_values is None:
             if bool(is_image.any()):
                 raise VisionInputError("the token ids hold image tokens but no pixel_values were given")

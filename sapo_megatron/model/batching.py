@@ -81,6 +81,9 @@ class TrainSequence:
 PIXEL_VALUES = "pixel_values"
 IMAGE_GRID_THW = "image_grid_thw"
 IMAGE_KEYS = (PIXEL_VALUES, IMAGE_GRID_THW)
+IMAGE_MASK = "image_mask"
+"""Per-token key of sequences with images: 1 on their prompt positions, where their image pads are images (a pad
+the policy samples in a response is text, as in the engines); absent when no sequence has images."""
 """Micro-batch keys of the images of its sequences, concatenated in row (padded) or segment (packed) order – the
 order in which a VL model meets their image pads."""
 
@@ -187,6 +190,8 @@ def position_values(seq: TrainSequence, name: str = "sequence") -> dict[str, tor
     loss_mask = torch.zeros(positions, dtype=torch.float32)
     loss_mask[start : start + count] = _response_mask(seq, count, name)
     values = {"input_ids": tokens[:-1], "labels": tokens[1:], "loss_mask": loss_mask}
+    if seq.images is not None:
+        values[IMAGE_MASK] = (torch.arange(positions) < len(seq.prompt_ids)).float()
     per_token_values = {"rollout_logp": seq.rollout_logp, **seq.token_values}
     if seq.teacher_logp is not None:
         if len(seq.teacher_logp) != count:

@@ -38,7 +38,7 @@ LOGP_ATOL = 1e-5
 
 @pytest.fixture(scope="module")
 def rollouts(tmp_path_factory):
-    """Two samples per prompt from the CPU engine (one image; two images of other sizes; text only), as
+    """Eight samples per prompt from the CPU engine (one image; two images of other sizes; text only), as
     TrainSequences carrying the images the trainer computes, and the engine's checkpoint directory."""
     directory = build_tiny_vl_checkpoint(tmp_path_factory.mktemp("vl"))
     tok = load_tokenizer(str(directory))
@@ -59,8 +59,8 @@ def rollouts(tmp_path_factory):
     rows = read_dataset(path, keys, keys.image_policy(spec.factor, spec.min_pixels, spec.max_pixels)).rows
     renderer = PromptRenderer(tok, keys, spec)
     settings = CollectSettings(
-        n_samples=2,
-        sampling=SamplingParams(max_new_tokens=6, temperature=1.0, seed=5),
+        n_samples=8,
+        sampling=SamplingParams(max_new_tokens=8, temperature=1.0, seed=5),
         advantage=AdvantageConfig(),
         image_pad_id=spec.pad_id,
     )
@@ -70,18 +70,17 @@ def rollouts(tmp_path_factory):
     for row, group in zip(rows, groups):
         images = pixel_inputs(processor, [image.load() for image in row.images]) if row.images else None
         for sample in group:
-            # a random policy may sample <|image_pad|>: a VL model takes it for an image position (not covered here)
-            response = sample.response_ids
-            cut = response.index(spec.pad_id) if spec.pad_id in response else len(response)
             sequences.append(
                 TrainSequence(
                     sample.prompt_ids,
-                    response[:cut],
-                    rollout_logp=sample.rollout_logp[:cut],
+                    sample.response_ids,
+                    rollout_logp=sample.rollout_logp,
                     sample_id=f"group {sample.group_id} sample {sample.sample_index}",
                     images=images,
                 )
             )
+    # the random policy samples <|image_pad|> once on these seeds: text to the engine, and so to the trainer
+    assert sum(list(s.response_ids).count(spec.pad_id) for s in sequences) >= 1
     yield directory, sequences, engine
     engine.close()
 
@@ -124,7 +123,7 @@ def _trainer_logp(model, batch) -> torch.Tensor:
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_trainer_logp_on_images_equals_the_engines(rollouts, trainer_model, packed):
     _, sequences, _ = rollouts
-    assert sum(s.images is not None for s in sequences) == 4
+    assert sum(s.images is not None for s in sequences) == 16
     batches = build_micro_batches(
         sequences,
         dp_rank=0,
