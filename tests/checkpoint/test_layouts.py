@@ -176,5 +176,5 @@ def test_cli_verify_single_process(hf_checkpoints, converted):
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("logit parity"))
     print(line)
-    assert "tolerance max |Δlogit| <= 1.0e-04: OK" in line
+    assert "tolerance max |Δlogit| <= 1.0e-04; every weight equals the HF checkpoint's: OK" in line
     assert float(re.search(r"max \|Δlogit\| = (\S+),", line).group(1)) <= PARITY_TOL
