@@ -13,7 +13,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import Multimod
 
 from sapo_megatron.checkpoint.fused_experts import unfuse
 from sapo_megatron.config import ConfigError, config_from_dict
-from sapo_megatron.megatron import dist_ckpt
+from sapo_megatron.megatron import cpu_compat, dist_ckpt
 from sapo_megatron.megatron.model import BuildOptions, build_gpt_model
 from sapo_megatron.megatron.packed_seq import block_causal_mask
 from sapo_megatron.megatron.vl_model import InterleavedMRoPE, VisionInputError, mrope_positions
@@ -116,6 +116,7 @@ def test_interleaved_mrope_matches_transformers_and_megatron_chunked_one_does_no
     table = InterleavedMRoPE(arch.head_dim, arch.rope_theta, arch.mrope_section)(positions)  # [s, b, 1, d]
     assert torch.equal(table[:, :, 0].cos().transpose(0, 1), cos)
     assert torch.equal(table[:, :, 0].sin().transpose(0, 1), sin)
+    cpu_compat.apply()  # Megatron's rotary asks torch.cuda for its device (whatever test ran before this one)
     chunked = MultimodalRotaryEmbedding(arch.head_dim, 1.0, rotary_base=int(arch.rope_theta))
     wrong = chunked(positions, list(arch.mrope_section))  # the Qwen2-VL layout: angles off on image tokens
     text_only = batch["mm_token_type_ids"][2].bool().logical_not()
