@@ -435,3 +435,51 @@ def _broadcast_from_main(obj: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Output directories of the other commands that write (eval)
+# --------------------------------------------------------------------------------------------------------
+
+COMMAND_OUTPUTS: dict[str, tuple[str, ...]] = {
+    "eval": ("eval.json", "samples.jsonl", "hf_model"),
+    "compare": ("report.json", "report.md", "plots", "warm_start"),
+}
+"""What each command other than ``train`` writes into its ``--output-dir`` (a marker file first)."""
+
+
+def check_command_output_dir(path: str | Path, *, command: str, overwrite: bool) -> None:
+    """Refuse ``path`` as ``command``'s ``--output-dir`` when it holds a run or another command's outputs.
+
+    ``command``'s own earlier outputs (its marker file, e.g. ``eval.json``, is there) are replaced: that is the
+    same command run again. Anything of a training run (``samples.jsonl`` of a run included) or of another
+    command is left alone unless ``overwrite`` says otherwise; files no command writes never count.
+    Call it before any work, so a refusal costs nothing.
+    """
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise RunDirError(f"--output-dir {out} is a file", hint="choose a directory")
+    if overwrite or not out.is_dir():
+        return
+    state = inspect_run_dir(out)
+    if state.entries:
+        raise RunDirError(
+            f"--output-dir {out} holds a training run ({state.describe()}); {command} would overwrite its files",
+            hint=f"choose another --output-dir (e.g. {out / command}), or pass --overwrite",
+        )
+    own = COMMAND_OUTPUTS[command]
+    names = {child.name for child in out.iterdir()}
+    foreign = sorted(
+        name
+        for other, outputs in COMMAND_OUTPUTS.items()
+        if other != command
+        for name in outputs
+        if name in names and name not in own
+    )
+    if own[0] not in names:
+        foreign += sorted(name for name in own[1:] if name in names)
+    if foreign:
+        raise RunDirError(
+            f"--output-dir {out} holds outputs that {command} did not write ({', '.join(foreign)})",
+            hint=f"choose another --output-dir (e.g. {out / command}), or pass --overwrite",
+        )
