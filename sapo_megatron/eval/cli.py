@@ -129,7 +129,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
 
 def check_eval_output_dir(args: argparse.Namespace) -> None:
     """Refuse an ``--output-dir`` that holds a run or another command's outputs (unless ``--overwrite``)."""
-    from sapo_megatron.run_dir import check_command_output_dir
+    from sapo_megatron.runtime.run_dir import check_command_output_dir
 
     check_command_output_dir(args.output_dir, command="eval", overwrite=getattr(args, "overwrite", False))
 

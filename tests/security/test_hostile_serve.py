@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sapo_megatron.rollout.cpu_server import CPUServer
-from sapo_megatron.rollout.cpu_server_weights import WeightGuard
+from sapo_megatron.rollout.cpu.server import CPUServer
+from sapo_megatron.rollout.cpu.weights import WeightGuard
 from tests.rollout.conftest import engine_from
 from tests.security.hostile import case
 
