@@ -32,8 +32,20 @@ def _die_with_parent() -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
+def _become_subreaper() -> None:
+    """Keep what the reward forks as this worker's descendants, even a daemon that calls ``setsid`` and whose
+    parent exits (Linux ``PR_SET_CHILD_SUBREAPER``): the pool then finds and kills them with the worker."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass  # not Linux: the process group is killed, a setsid daemon may outlive the run
+
+
 def main() -> None:
     _die_with_parent()
+    _become_subreaper()
     reply = os.fdopen(os.dup(1), "wb")  # the protocol's channel; fd 1 becomes stderr for the reward's prints
     os.dup2(2, 1)
     sys.stdout = sys.stderr
