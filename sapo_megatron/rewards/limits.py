@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import threading
@@ -26,6 +27,8 @@ MAX_ABS_SCORE = 1e6
 MAX_FIELDS_BYTES = 64 << 10
 """The most JSON the extra fields of one sample may take in the logs."""
 POLL_S = 0.1
+logger = logging.getLogger(__name__)
+_WARNED_FIELDS = False
 _REAL_EXIT = os._exit
 
 
@@ -67,6 +70,15 @@ def bounded_fields(fields: dict[str, Any]) -> dict[str, Any]:
     size = len(json.dumps(fields, default=str))
     if size <= MAX_FIELDS_BYTES:
         return fields
+    global _WARNED_FIELDS
+    if not _WARNED_FIELDS:
+        _WARNED_FIELDS = True
+        logger.warning(
+            "the reward's extra fields take %d bytes of JSON, over the limit of %d: samples.jsonl gets a note in "
+            "their place (this warning once)",
+            size,
+            MAX_FIELDS_BYTES,
+        )
     return {"fields_dropped": f"the reward's extra fields took {size} bytes of JSON, over {MAX_FIELDS_BYTES}"}
 
 
@@ -83,9 +95,12 @@ def inline_call(timeout_s: float | None, stop_requested: Callable[[], bool]) -> 
         deadline = time.monotonic() + timeout_s
 
         def check(signum: int, frame: Any) -> None:
-            if stop_requested():
+            stop, late = stop_requested(), time.monotonic() > deadline
+            if stop or late:
+                signal.setitimer(signal.ITIMER_REAL, 0)  # raise once: the call unwinds, nothing else is hit
+            if stop:
                 raise _SignalStop
-            if time.monotonic() > deadline:
+            if late:
                 raise RewardCallStopped(
                     f"timed out after {timeout_s:g} s (inline, algorithm.reward_timeout_s)"
                 )

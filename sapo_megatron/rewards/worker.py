@@ -49,9 +49,13 @@ def main() -> None:
     reply = os.fdopen(os.dup(1), "wb")  # the protocol's channel; fd 1 becomes stderr for the reward's prints
     os.dup2(2, 1)
     sys.stdout = sys.stderr
+    requests = os.dup(0)  # and fd 0 /dev/null: a reward that reads stdin must not eat the trainer's requests
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
     from sapo_megatron.rewards.calling import BoundReward
 
-    message = read_frame(0)
+    message = read_frame(requests)
     if message is None:
         return
     _, spec, kwargs = message
@@ -61,7 +65,7 @@ def main() -> None:
         write_frame(reply, ("init_error", f"{type(exc).__name__}: {exc}"))
         return
     write_frame(reply, ("ready",))
-    while (message := read_frame(0)) is not None:
+    while (message := read_frame(requests)) is not None:
         _, task_id, inputs = message
         write_frame(reply, ("done", task_id, bound.run(inputs)))
 
