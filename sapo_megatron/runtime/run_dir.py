@@ -172,6 +172,8 @@ def check_run_dir(path: str | Path, *, mode: str) -> RunState:
             raise _nothing_to_resume(state)
     elif mode == "new" and state.holds_run:
         raise _refusal(state)
+    elif mode == "auto" and _damaged_checkpoints(run_dir / "checkpoints"):
+        raise _nothing_to_resume(state)  # never start over on top of checkpoints that might be restored
     elif mode == "auto" and state.finished:
         raise RunDirError(
             f"{run_dir} holds a finished run without a checkpoint ({state.describe()}); "
@@ -225,6 +227,13 @@ def _nothing_to_resume(state: RunState) -> RunDirError:
             hint="start a new run without --resume (--resume auto does either)",
         )
     detail = f" ({state.checkpoint_note})" if state.checkpoint_note else ""
+    damaged = _damaged_checkpoints(run_dir / "checkpoints")
+    if damaged:
+        return RunDirError(
+            f"no complete checkpoint in {run_dir}: all {len(damaged)} checkpoint(s) there are damaged "
+            f"({', '.join(damaged[:3])}{', ...' if len(damaged) > 3 else ''}){detail}",
+            hint="restore a checkpoint from a backup, or start the run again with --overwrite",
+        )
     if state.holds_run:
         return RunDirError(
             f"no checkpoint in {run_dir}{detail}: the run stopped before its first checkpoint; "
@@ -235,6 +244,21 @@ def _nothing_to_resume(state: RunState) -> RunDirError:
         f"no checkpoint in {run_dir}: the run stopped before its first step ({state.describe()})",
         hint="start it again without --resume",
     )
+
+
+def _damaged_checkpoints(root: Path) -> list[str]:
+    """Names of the checkpoint directories in ``root`` that a save finished writing (their marker is there)
+    but that fail the completeness check now (a truncated or missing file)."""
+    if not root.is_dir():
+        return []
+    damaged = []
+    for child in sorted(root.iterdir()):
+        if child.is_dir() and (child / atomic.MARKER).exists():
+            try:
+                atomic.read_marker(child)
+            except atomic.IncompleteCheckpointError:
+                damaged.append(child.name)
+    return damaged
 
 
 def _steps_text(steps: dict[str, int]) -> str:
