@@ -551,10 +551,12 @@ class AlgorithmConfig(Section):
     )
     reward_workers: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
         default="auto",
-        description="reward worker processes: 0 inline (no timeout), N a pool with reward_timeout_s per call; "
+        description="reward worker processes: 0 inline, N a pool; reward_timeout_s per call either way; "
         "auto: inline for exact_match / numeric_match / dapo_math, else a pool",
     )
-    reward_timeout_s: float = Field(default=30.0, gt=0, description="per reward call in the worker pool")
+    reward_timeout_s: float = Field(
+        default=30.0, gt=0, description="per reward call (inline: on the main thread)"
+    )
     reward_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="extra keyword arguments for the reward, e.g. {mode: fraction}"
     )

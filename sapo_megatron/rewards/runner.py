@@ -1,8 +1,8 @@
 """The reward runner the trainer and the evaluation use: one ``score(inputs)`` call per batch, inline, in a pool
 of worker processes, or on a remote server; it counts errors against ``algorithm.max_reward_error_frac``.
 
-``algorithm.reward_workers``: ``0`` scores inline in the calling process (no timeout: a hanging reward hangs the
-run), ``N >= 1`` in N worker processes with ``algorithm.reward_timeout_s`` per call, ``auto`` (the default) inline
+``algorithm.reward_workers``: ``0`` scores inline in the calling process (on the main thread under the same
+timeout and the run's signals, :func:`limits.inline_call`), ``N >= 1`` in N worker processes with ``algorithm.reward_timeout_s`` per call, ``auto`` (the default) inline
 for the cheap string rewards (``exact_match``, ``numeric_match``, ``dapo_math``) and a pool otherwise.
 """
 

@@ -48,6 +48,32 @@ TEST_MODULES = (
 )
 """The modules whose :func:`case` calls make up the table (imported by :func:`derived_table`)."""
 
+NOT_HERE: dict[tuple[str, str], str] = {
+    **{
+        ("eval/report", name): "issue 29 (eval keeps a chat run's template) owns it"
+        for name in (
+            "eval --model RUN, chat run, string prompts",
+            "eval --model RUN, chat run, message prompts",
+        )
+    },
+    **{
+        ("checkpoints", name): "needs a trained Megatron checkpoint: tests/rl, tests/checkpoint and "
+        "tests/security/test_damaged_files.py cover the refusal; not re-measured here"
+        for name in (
+            "resume with other hidden size",
+            "resume with other expert count",
+            "checkpoint dir symlinked into another run + pruning",
+            "eval on checkpoints/ with that latest",
+            "eval on truncated Megatron checkpoint",
+            "convert truncated checkpoint",
+        )
+    },
+}
+"""Listed cases that are not a :func:`case` of the modules above, and why; the sandbox's cases are the code_exec
+sandbox's own tests (tests/rewards/test_code_exec.py and the sandbox helper's), counted here by their old class
+until they are cases too."""
+SANDBOX = "code_exec sandbox"
+
 EXPECTED: dict[tuple[str, str], str] = {}
 """(area, case) → the class the tests expect now; filled as the test modules are imported."""
 
@@ -165,8 +191,10 @@ def markdown(counts: dict[str, Counter]) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
-    table, missing = derived_table()
-    print(markdown(table))
+if __name__ == "__main__":  # the registry filled by the test modules is the one of the importable module
+    from tests.security import hostile
+
+    table, missing = hostile.derived_table()
+    print(hostile.markdown(table))
     for area, name in missing:
         print(f"not a test yet (old class counted): {area}: {name}", file=sys.stderr)
