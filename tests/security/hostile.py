@@ -15,6 +15,7 @@ import contextlib
 import csv
 import importlib
 import io
+import re
 import sys
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -69,10 +70,35 @@ NOT_HERE: dict[tuple[str, str], str] = {
         )
     },
 }
-"""Listed cases that are not a :func:`case` of the modules above, and why; the sandbox's cases are the code_exec
-sandbox's own tests (tests/rewards/test_code_exec.py and the sandbox helper's), counted here by their old class
-until they are cases too."""
+"""Listed cases that are not a :func:`case` of the modules above, and why."""
+
 SANDBOX = "code_exec sandbox"
+SANDBOX_TESTS = ("tests/rewards/test_sandbox.py", "tests/rewards/test_code_exec.py")
+"""Where the sandbox's cases are tests, each named as in the list and each asserting containment (its module
+docstring: "each must now be contained (CLEAR)"): a sandbox case named there counts as CLEAR."""
+SANDBOX_ALIASES = {
+    "TCP 127.0.0.1 listener": "tcp to a listener on 127 0 0 1",
+    "double-fork setsid daemon": "a double forked daemon dies with the run",
+    "stdout flood": "output are bounded",
+}
+"""Sandbox cases whose test is named in other words (the test's name, as the alias)."""
+
+
+def sandbox_expected() -> dict[tuple[str, str], str]:
+    """(area, case) → CLEAR for each sandbox case that :data:`SANDBOX_TESTS` name (see there)."""
+    root = Path(__file__).resolve().parents[2]
+    text = _words(" ".join((root / path).read_text() for path in SANDBOX_TESTS))
+    found = {}
+    for area, name, _ in listed_cases():
+        parts = re.split(r", | / ", SANDBOX_ALIASES.get(name, name))
+        if area == SANDBOX and all(_words(part) in text for part in parts):
+            found[(area, name)] = "CLEAR"
+    return found
+
+
+def _words(text: str) -> str:
+    return "_" + re.sub(r"[^a-z0-9]+", "_", text.lower()).strip("_") + "_"
+
 
 EXPECTED: dict[tuple[str, str], str] = {}
 """(area, case) → the class the tests expect now; filled as the test modules are imported."""
@@ -173,8 +199,9 @@ def derived_table() -> tuple[dict[str, Counter], list[tuple[str, str]]]:
         importlib.import_module(module)
     counts: dict[str, Counter] = {area: Counter() for area in AREAS}
     untested = []
+    expected = {**sandbox_expected(), **EXPECTED}
     for area, name, old in listed_cases():
-        now = EXPECTED.get((area, name))
+        now = expected.get((area, name))
         if now is None:
             untested.append((area, name))
         counts[area][now or old] += 1
