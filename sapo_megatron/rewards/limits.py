@@ -82,22 +82,41 @@ def bounded_fields(fields: dict[str, Any]) -> dict[str, Any]:
     return {"fields_dropped": f"the reward's extra fields took {size} bytes of JSON, over {MAX_FIELDS_BYTES}"}
 
 
+class CallClock:
+    """The deadline of the current inline call; :meth:`restart` before each call (no system call: the timer that
+    checks it is armed once for a whole batch)."""
+
+    def __init__(self, timeout_s: float | None) -> None:
+        self.timeout_s = timeout_s
+        self.deadline = float("inf")
+        self.timer_stopped = False  # the timer stops itself once it raised
+
+    def restart(self) -> None:
+        if self.timeout_s is not None:
+            self.deadline = time.monotonic() + self.timeout_s
+        if self.timer_stopped:
+            self.timer_stopped = False
+            signal.setitimer(signal.ITIMER_REAL, POLL_S, POLL_S)
+
+
 @contextlib.contextmanager
-def inline_call(timeout_s: float | None, stop_requested: Callable[[], bool]) -> Iterator[None]:
-    """Run an inline reward call under ``timeout_s`` and the run's signals: on the main thread a timer checks
+def inline_call(timeout_s: float | None, stop_requested: Callable[[], bool]) -> Iterator[CallClock]:
+    """Run inline reward calls under ``timeout_s`` each and the run's signals: on the main thread a timer checks
     every :data:`POLL_S` and raises :class:`RewardCallStopped` inside the call (a sleeping reward included) once
-    the time is up; after the run's first SIGTERM / SIGINT it raises ``WaitInterrupted`` there. Also turns
-    ``os._exit`` into :class:`RewardExit` for the call. Elsewhere (a rollout thread) only the exit guard applies."""
+    its time is up; after the run's first SIGTERM / SIGINT it raises ``WaitInterrupted`` there. Also turns
+    ``os._exit`` into :class:`RewardExit`. Elsewhere (a rollout thread) only the exit guard applies. Call
+    ``clock.restart()`` before each call."""
+    clock = CallClock(timeout_s)
     with _no_process_exit():
         if timeout_s is None or threading.current_thread() is not threading.main_thread():
-            yield
+            yield clock
             return
-        deadline = time.monotonic() + timeout_s
 
         def check(signum: int, frame: Any) -> None:
-            stop, late = stop_requested(), time.monotonic() > deadline
+            stop, late = stop_requested(), time.monotonic() > clock.deadline
             if stop or late:
                 signal.setitimer(signal.ITIMER_REAL, 0)  # raise once: the call unwinds, nothing else is hit
+                clock.timer_stopped = True
             if stop:
                 raise _SignalStop
             if late:
@@ -108,7 +127,7 @@ def inline_call(timeout_s: float | None, stop_requested: Callable[[], bool]) -> 
         previous = signal.signal(signal.SIGALRM, check)
         signal.setitimer(signal.ITIMER_REAL, POLL_S, POLL_S)
         try:
-            yield
+            yield clock
         except _SignalStop:
             from sapo_megatron.runtime.interrupts import WaitInterrupted
 

@@ -44,16 +44,20 @@ class _Inline:
         self.bound, self.timeout_s = bound, timeout_s
 
     def run(self, units: list[list[RewardInput]]) -> list[list[RewardOutput]]:
-        return [self._limited(self.bound.run, unit) for unit in units]
+        return self._limited(self.bound.run, units)
 
-    def run_one(self, item: RewardInput) -> RewardOutput:
-        return self._limited(self.bound.run_one, item)
+    def run_each(self, items: list[RewardInput]) -> list[RewardOutput]:
+        return self._limited(self.bound.run_one, items)
 
-    def _limited(self, call: Any, work: Any) -> Any:
+    def _limited(self, call: Any, work: list[Any]) -> list[Any]:
         from sapo_megatron.runtime.interrupts import stop_requested
 
-        with inline_call(self.timeout_s, stop_requested):
-            return call(work)
+        out = []
+        with inline_call(self.timeout_s, stop_requested) as clock:
+            for item in work:
+                clock.restart()
+                out.append(call(item))
+        return out
 
     def close(self) -> None:
         pass
@@ -150,7 +154,7 @@ class RewardRunner:
             return []
         start = time.perf_counter()
         if isinstance(self.backend, _Inline) and not self.group:  # the demo's path: no per-sample wrapping
-            outputs = [self.backend.run_one(item) for item in inputs]
+            outputs = self.backend.run_each(inputs)
         else:
             with self._backend_lock:
                 outputs = [out for unit in self.backend.run(self._units(inputs)) for out in unit]

@@ -184,6 +184,10 @@ def test_misbehaving_rewards(rewards_file, cls, fn, workers, words):
     timeout_s = 1.0 if fn == "sleeps" else 30.0
     outputs = expect(cls, lambda: score(spec, workers=workers, timeout_s=timeout_s), words)
     assert time.monotonic() - started < 40
+    if fn == "sleeps":  # each sample gets its own timeout, the second too
+        with build_reward_runner(spec, workers=workers, timeout_s=0.5) as runner:
+            errors = [out.error for out in runner.score(inputs(2))]
+        assert all("timed out after 0.5 s" in error for error in errors), errors
     if cls == "OK":
         assert all(out.error is None for out in outputs)
         assert [out.score for out in outputs] == ([0.0, 0.0] if fn == "reads_stdin" else [1.0, 1.0])
