@@ -200,7 +200,7 @@ def test_hostile_tokenizer_folders(tok_dir, tmp_path, cls, edit, config, words):
     ("cls", "spec", "words"),
     [
         case(AREA, "tokenizer larger than model vocab", "CLEAR", "TOK", "but the model's vocab_size is 64"),
-        case(AREA, "data.tokenizer is a file", "CLEAR", "FILE", "not 'char' and not a directory"),
+        case(AREA, "data.tokenizer is a file", "CLEAR", "FILE", "and not a directory (give 'char'"),
         case(
             AREA,
             "char tokenizer + apply_chat_template",
