@@ -82,50 +82,67 @@ def bounded_fields(fields: dict[str, Any]) -> dict[str, Any]:
     return {"fields_dropped": f"the reward's extra fields took {size} bytes of JSON, over {MAX_FIELDS_BYTES}"}
 
 
+STOP_SIGNAL = signal.SIGUSR2
+"""What the watchdog sends the main thread to stop an inline call: not SIGALRM, which math-verify's own
+``signal.alarm`` timeouts use inside the call (a periodic SIGALRM would fire its handler early)."""
+
+
 class CallClock:
-    """The deadline of the current inline call; :meth:`restart` before each call (no system call: the timer that
-    checks it is armed once for a whole batch)."""
+    """The current inline call: its deadline and whether it runs; :meth:`restart` before each call (no system
+    call: one watchdog thread serves a whole batch)."""
 
     def __init__(self, timeout_s: float | None) -> None:
         self.timeout_s = timeout_s
         self.deadline = float("inf")
-        self.timer_stopped = False  # the timer stops itself once it raised
+        self.active = False  # the watchdog's signal acts only while a reward call runs
+        self.reason: str | None = None
 
     def restart(self) -> None:
+        """Before a call (then set ``active`` around it)."""
+        self.reason = None
         if self.timeout_s is not None:
             self.deadline = time.monotonic() + self.timeout_s
-        if self.timer_stopped:
-            self.timer_stopped = False
-            signal.setitimer(signal.ITIMER_REAL, POLL_S, POLL_S)
 
 
 @contextlib.contextmanager
 def inline_call(timeout_s: float | None, stop_requested: Callable[[], bool]) -> Iterator[CallClock]:
-    """Run inline reward calls under ``timeout_s`` each and the run's signals: on the main thread a timer checks
-    every :data:`POLL_S` and raises :class:`RewardCallStopped` inside the call (a sleeping reward included) once
-    its time is up; after the run's first SIGTERM / SIGINT it raises ``WaitInterrupted`` there. Also turns
-    ``os._exit`` into :class:`RewardExit`. Elsewhere (a rollout thread) only the exit guard applies. Call
-    ``clock.restart()`` before each call."""
+    """Run inline reward calls (each after ``clock.restart()``, with ``clock.active`` true) under ``timeout_s`` each and the run's
+    signals. On the main thread a watchdog thread checks every :data:`POLL_S`; once a call's time is up it sends
+    :data:`STOP_SIGNAL` to the main thread, whose handler raises :class:`RewardCallStopped` inside the call (a
+    sleeping reward included); after the run's first SIGTERM / SIGINT it raises ``WaitInterrupted`` there. Also
+    turns ``os._exit`` into :class:`RewardExit`. Elsewhere (a rollout thread) only the exit guard applies."""
     clock = CallClock(timeout_s)
     with _no_process_exit():
         if timeout_s is None or threading.current_thread() is not threading.main_thread():
             yield clock
             return
 
-        def check(signum: int, frame: Any) -> None:
-            stop, late = stop_requested(), time.monotonic() > clock.deadline
-            if stop or late:
-                signal.setitimer(signal.ITIMER_REAL, 0)  # raise once: the call unwinds, nothing else is hit
-                clock.timer_stopped = True
-            if stop:
+        def stop_call(signum: int, frame: Any) -> None:
+            reason, clock.reason = clock.reason, "raised"
+            if not clock.active or reason in (None, "raised"):
+                return  # between calls, or already raised for this call
+            if reason == "signal":
                 raise _SignalStop
-            if late:
-                raise RewardCallStopped(
-                    f"timed out after {timeout_s:g} s (inline, algorithm.reward_timeout_s)"
-                )
+            raise RewardCallStopped(f"timed out after {timeout_s:g} s (inline, algorithm.reward_timeout_s)")
 
-        previous = signal.signal(signal.SIGALRM, check)
-        signal.setitimer(signal.ITIMER_REAL, POLL_S, POLL_S)
+        done = threading.Event()
+        main = threading.get_ident()
+
+        def watch() -> None:
+            while not done.wait(POLL_S):
+                if not clock.active or clock.reason is not None:
+                    continue
+                if stop_requested():
+                    clock.reason = "signal"
+                elif time.monotonic() > clock.deadline:
+                    clock.reason = "late"
+                else:
+                    continue
+                signal.pthread_kill(main, STOP_SIGNAL)
+
+        previous = signal.signal(STOP_SIGNAL, stop_call)
+        watchdog = threading.Thread(target=watch, name="reward-watchdog", daemon=True)
+        watchdog.start()
         try:
             yield clock
         except _SignalStop:
@@ -135,8 +152,9 @@ def inline_call(timeout_s: float | None, stop_requested: Callable[[], bool]) -> 
                 "an inline reward call: interrupted by a signal before it finished"
             ) from None
         finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, previous)
+            done.set()
+            watchdog.join()
+            signal.signal(STOP_SIGNAL, previous)
 
 
 @contextlib.contextmanager

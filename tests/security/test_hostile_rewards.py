@@ -102,6 +102,21 @@ def forks_and_returns(response, label):
 def reads_stdin(response, label):
     return float(len(sys.stdin.read()))
 
+def uses_alarm(response, label):
+    import signal
+
+    def own_timeout(*args):
+        raise TimeoutError("the reward's own alarm")
+
+    previous = signal.signal(signal.SIGALRM, own_timeout)
+    signal.alarm(2)
+    try:
+        time.sleep(0.5)
+        return 1.0
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
 def prints(response, label):
     print("x" * 100_000)
     return 1.0
@@ -193,6 +208,12 @@ def test_misbehaving_rewards(rewards_file, cls, fn, workers, words):
         assert [out.score for out in outputs] == ([0.0, 0.0] if fn == "reads_stdin" else [1.0, 1.0])
     if cls == "WARN":
         assert all(out.score == 1.0 and list(out.fields) == ["fields_dropped"] for out in outputs)
+
+
+def test_a_reward_with_its_own_alarm_keeps_it_inline(rewards_file):
+    """math-verify's timeouts use signal.alarm inside the call: the inline watchdog must not fire them early."""
+    outputs = score(f"{rewards_file}:uses_alarm", workers=0, timeout_s=5.0)
+    assert [(out.score, out.error) for out in outputs] == [(1.0, None), (1.0, None)]
 
 
 @pytest.fixture
