@@ -46,17 +46,11 @@ TEST_MODULES = (
     "tests.security.test_hostile_serve",
     "tests.security.test_hostile_configs",
     "tests.security.test_hostile_checkpoints",
+    "tests.eval.test_run_settings",
 )
 """The modules whose :func:`case` calls make up the table (imported by :func:`derived_table`)."""
 
 NOT_HERE: dict[tuple[str, str], str] = {
-    **{
-        ("eval/report", name): "issue 29 (eval keeps a chat run's template) owns it"
-        for name in (
-            "eval --model RUN, chat run, string prompts",
-            "eval --model RUN, chat run, message prompts",
-        )
-    },
     **{
         ("checkpoints", name): "needs a trained Megatron checkpoint: tests/rl, tests/checkpoint and "
         "tests/security/test_damaged_files.py cover the refusal; not re-measured here"
