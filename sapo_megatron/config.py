@@ -1029,7 +1029,7 @@ MAX_YAML_VALUES = 100_000
 bomb ("billion laughs"), a huge file or a deeply nested one stops with one line instead of eating memory."""
 
 
-def parse_yaml(text: str, where: str) -> Any:
+def parse_yaml(text: str, where: str, *, yaml_errors: bool = False) -> Any:
     """Safe-load ``text`` (a config file, or a ``--set`` value) within the limits above; keys given twice in one
     mapping and values Python cannot hold (a 5000-digit integer) are refused naming ``where``."""
     try:
@@ -1037,6 +1037,8 @@ def parse_yaml(text: str, where: str) -> Any:
     except _DuplicateKey as err:
         raise ConfigError(f"{where}: {err}") from None
     except yaml.YAMLError as err:
+        if yaml_errors:  # the caller words it (--set: the problem and its column)
+            raise
         raise ConfigError(f"{where} is not valid YAML: {_one_line_yaml_error(err)}") from None
     except RecursionError:
         raise ConfigError(f"{where}: nested too deeply (the limit is {MAX_YAML_DEPTH} levels)") from None
@@ -1306,13 +1308,9 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
 
 
 def _override_value(value: str, pair: str) -> Any:
-    """A ``--set`` value: YAML within the config file's limits (no alias bomb, no 5000-digit number)."""
-    try:
-        return parse_yaml(value, f"--set {pair[:80]!r}")
-    except ConfigError as err:
-        if "is not valid YAML" in str(err):
-            raise yaml.YAMLError(str(err).split("is not valid YAML: ", 1)[1]) from None
-        raise
+    """A ``--set`` value: YAML within the config file's limits (no alias bomb, no 5000-digit number); a syntax
+    error is left to the caller's message."""
+    return parse_yaml(value, f"--set {pair[:80]!r}", yaml_errors=True)
 
 
 def _yaml_problem(err: Exception) -> str:
