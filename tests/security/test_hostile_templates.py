@@ -100,7 +100,8 @@ def rendered(tok_dir: Path, template: str) -> str:
     ],
 )
 def test_hostile_templates(tok_dir, monkeypatch, cls, template, words):
-    monkeypatch.setattr(render, "RENDER_TIME_LIMIT_S", 1.0)  # the loops would run for hours
+    if "range(100000)" in template:
+        monkeypatch.setattr(render, "RENDER_TIME_LIMIT_S", 1.0)  # the loops would run for hours
     text = expect(cls, lambda: rendered(tok_dir, template), words)
     if cls == "OK":
         assert ROW.prompt in text and "root:" not in text
