@@ -61,9 +61,34 @@ def main(argv: list[str] | None = None) -> int:
             if is_main:
                 print("sapo-megatron: interrupted", file=sys.stderr)
             return EXIT_NOW_CODE
-        except Exception:
-            traceback.print_exc()  # a bug: the whole traceback, on the console and in train.log
-            return 1
+        except Exception as err:
+            return _report_crash(err, is_main=is_main, debug=debug)
+
+
+PEER_GONE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "remote process exited",
+    "Socket closed",
+)
+"""What gloo / NCCL / the TCP store say on a rank whose peer (rank 0, after its clear error) has exited."""
+
+
+def _report_crash(err: Exception, *, is_main: bool, debug: bool = False) -> int:
+    """A bug: its whole traceback (console and train.log). Except on a rank other than 0 whose collective failed
+    because a peer exited: rank 0 printed why, and a second rank's 40-line gloo traceback must not end up last
+    on the screen; one line says what happened (the traceback stays in train.log and with --debug)."""
+    if not is_main and not debug and any(words in str(err) for words in PEER_GONE):
+        logs.record_exception(err)
+        rank = os.environ.get("RANK", "?")
+        print(
+            f"sapo-megatron: rank {rank} stops: another rank ended the run (its error is above)",
+            file=sys.stderr,
+        )
+        return 1
+    traceback.print_exception(type(err), err, err.__traceback__)
+    return 1
 
 
 def _report_user_error(err: UserError, argv: list[str], *, is_main: bool, debug: bool) -> int:

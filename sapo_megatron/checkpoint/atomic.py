@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sapo_megatron import jsonio
 from sapo_megatron.errors import UserError
 
 MARKER = "sapo_checkpoint.json"
@@ -67,7 +68,7 @@ def write_json_durably(path: Path, data: dict[str, Any]) -> None:
     """Write JSON to ``path`` through a temporary file + fsync + ``os.replace``."""
     tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "w") as handle:
-        json.dump(data, handle, indent=2, sort_keys=True)
+        handle.write(jsonio.dumps(data, indent=2, sort_keys=True))
         handle.write("\n")
         handle.flush()
         os.fsync(handle.fileno())

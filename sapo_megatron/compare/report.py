@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sapo_megatron import jsonio
 from sapo_megatron.compare.arms import Arm, CompareError
 from sapo_megatron.compare.results import ArmResult, EvalCurve, by_configuration
 
@@ -306,7 +307,7 @@ def write_report(
     from sapo_megatron.compare.plots import write_plots
 
     plots = write_plots(results, output_dir / "plots")
-    json_path = _write_text(output_dir / "report.json", json.dumps(report_json(results), indent=2) + "\n")
+    json_path = _write_text(output_dir / "report.json", jsonio.dumps(report_json(results), indent=2) + "\n")
     markdown = render_markdown(results, plots=[p.relative_to(output_dir) for p in plots], header=header)
     md_path = _write_text(output_dir / "report.md", markdown)
     return ReportFiles(md_path, json_path, tuple(plots))

@@ -29,8 +29,11 @@ and the field.
 
 from __future__ import annotations
 
+import errno
 import glob
 import json
+import math
+import os
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -77,6 +80,9 @@ PRESETS: dict[str, dict[str, str | None]] = {
 """The keys each ``format`` stands for (a key set in the config replaces its preset's)."""
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
+COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".zip")
+ROLES = ("system", "user", "assistant", "tool")
+"""The message roles a prompt may hold (those of the OpenAI chat format that chat templates know)."""
 
 
 class DatasetKeys(BaseModel):
@@ -278,17 +284,40 @@ def dataset_files(path: str | Path) -> list[Path]:
     elif Path(text).is_dir():
         files = sorted(p for p in Path(text).iterdir() if p.is_file() and p.suffix.lower() in SUFFIXES)
         if not files:
-            raise DatasetError(f"{text} is a directory without .parquet or .jsonl files")
+            raise DatasetError(
+                f"{text} is a directory without .parquet or .jsonl files" + _compressed_hint(text)
+            )
     elif Path(text).is_file():
         files = [Path(text)]
     else:
-        raise DatasetError(f"{text}: no such file" + _relative_hint(Path(text)))
+        raise _missing_source(Path(text))
     for file in files:
         if file.suffix.lower() not in SUFFIXES:
             raise DatasetError(
                 f"{file}: unknown prompt file type {file.suffix!r} (expected .jsonl or .parquet)"
             )
     return files
+
+
+def _compressed_hint(directory: str) -> str:
+    packed = [p.name for p in Path(directory).iterdir() if p.suffix.lower() in COMPRESSED_SUFFIXES]
+    if not packed:
+        return ""
+    return f" (it holds {len(packed)} compressed file(s), such as {packed[0]}: decompress them first)"
+
+
+def _missing_source(path: Path) -> DatasetError:
+    """ "no such file", or what else is wrong with a path that exists as a name (a dangling or looping link)."""
+    if path.is_symlink():
+        try:
+            path.resolve(strict=True)
+        except RuntimeError:  # Python < 3.13 reports a loop this way
+            return DatasetError(f"{path}: a symbolic link that loops (it points back at itself)")
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                return DatasetError(f"{path}: a symbolic link that loops (it points back at itself)")
+            return DatasetError(f"{path}: a symbolic link to {os.readlink(path)}, which does not exist")
+    return DatasetError(f"{path}: no such file" + _relative_hint(path))
 
 
 def row_location(source: str | Path, index: int) -> str:
@@ -312,12 +341,57 @@ def _records(path: Path) -> Iterator[tuple[str, Any]]:
         for index, record in enumerate(_parquet_records(path)):
             yield f"{path} row {index}", record
         return
+    _check_not_compressed(path)
+    if path.suffix.lower() == ".json" and _starts_with(path, b"["):
+        yield from _json_array_records(path)
+        return
     for line_no, line in _jsonl_lines(path):
         where = f"{path}:{line_no}"
-        try:
-            yield where, json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DatasetError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from exc
+        yield where, _parse_json(line, where)
+
+
+def _parse_json(text: str, where: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DatasetError(f"{where}: invalid JSON ({exc.msg} at column {exc.colno})") from None
+    except RecursionError:  # json's C reader recurses once per level
+        raise DatasetError(f"{where}: the JSON is nested too deeply to read (thousands of levels)") from None
+
+
+def _starts_with(path: Path, prefix: bytes) -> bool:
+    with path.open("rb") as handle:
+        head = handle.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    return head.startswith(prefix)
+
+
+def _check_not_compressed(path: Path) -> None:
+    with path.open("rb") as handle:
+        magic = handle.read(4)
+    for prefix, kind in (
+        (b"\x1f\x8b", "gzip"),
+        (b"BZh", "bzip2"),
+        (b"\xfd7zX", "xz"),
+        (b"\x28\xb5\x2f\xfd", "zstd"),
+    ):
+        if magic.startswith(prefix):
+            raise DatasetError(
+                f"{path}: the file is {kind}-compressed, though its name ends in {path.suffix}",
+                hint=f"decompress it first (e.g. {'gunzip -c' if kind == 'gzip' else kind + ' -dc'} FILE > rows.jsonl)",
+            )
+
+
+def _json_array_records(path: Path) -> Iterator[tuple[str, Any]]:
+    """A ``.json`` file holding one array of rows (what ``json.dump(rows)`` writes): row ``i`` is ``file item i``."""
+    try:
+        text = path.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise DatasetError(f"{path}: not UTF-8 text (byte at offset {exc.start})") from None
+    records = _parse_json(text, str(path))
+    if not isinstance(records, list):
+        raise DatasetError(f"{path}: expected a JSON array of rows or one JSON object per line")
+    for index, record in enumerate(records):
+        yield f"{path} item {index}", record
 
 
 def _parquet_records(path: Path) -> list[dict[str, Any]]:
@@ -328,9 +402,31 @@ def _parquet_records(path: Path) -> list[dict[str, Any]]:
             f"{path}: reading parquet needs pyarrow: pip install 'sapo-megatron[parquet]'"
         ) from exc
     try:
-        return pq.read_table(path).to_pylist()
+        table = pq.read_table(path)
     except Exception as exc:  # pyarrow raises several types for corrupt files
         raise DatasetError(f"{path}: cannot read parquet: {exc}") from exc
+    return _restore_int_columns(table).to_pylist()
+
+
+def _restore_int_columns(table: Any) -> Any:
+    """Integer columns that pandas stored as floats because of a missing value (``[1, None]`` → ``[1.0, NaN]``)
+    back to integers with nulls: labels stay as the user gave them ("3", not "3.0"; missing, not "nan")."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    for index, column_field in enumerate(table.schema):
+        if not pa.types.is_floating(column_field.type):
+            continue
+        column = table.column(index)
+        nan = pc.is_nan(column)
+        if not pc.any(nan).as_py():
+            continue
+        values = pc.if_else(nan, pa.scalar(None, column.type), column)
+        if pc.all(pc.equal(pc.floor(values), values)).as_py() is not False:
+            table = table.set_column(index, column_field.name, values.cast(pa.int64()))
+        else:
+            table = table.set_column(index, column_field.name, values)
+    return table
 
 
 def _choose_format(keys: DatasetKeys, where: str, first: Any) -> tuple[str, str]:
@@ -362,6 +458,8 @@ def _has(record: dict[str, Any], dotted: str) -> bool:
 
 
 def _lookup(record: Any, dotted: str) -> Any:
+    if isinstance(record, dict) and "." in dotted and dotted in record:
+        return record[dotted]  # a flat column named by the dotted path (pandas' json_normalize writes these)
     value = record
     for part in dotted.split("."):
         if not isinstance(value, dict) or part not in value:
@@ -454,6 +552,7 @@ def _optional(record: dict[str, Any], key: str | None) -> Any:
 
 def _prompt(record: dict[str, Any], where: str, key: str | None) -> str | list[dict[str, str]]:
     value = _required(record, where, key, "prompt_key")
+    value = _messages_in_json_text(value, where, key)
     if isinstance(value, str):
         if not value.strip():
             raise DatasetError(
@@ -472,11 +571,43 @@ def _prompt(record: dict[str, Any], where: str, key: str | None) -> str | list[d
                     f"{where}: field {key!r} message {index} must be an object with string 'role' and "
                     f"'content', got {message!r:.80}"
                 )
-        return [{"role": m["role"], "content": m["content"]} for m in value]
+        messages = [{"role": m["role"], "content": m["content"]} for m in value]
+        _check_roles(messages, where, key)
+        return messages
     raise DatasetError(
         f"{where}: field {key!r} (the prompt) must be a string or a non-empty list of {{role, content}} "
         f"messages, got {type(value).__name__}"
     )
+
+
+def _messages_in_json_text(value: Any, where: str, key: str | None) -> Any:
+    """A prompt stored as the JSON text of a message list (a parquet written with ``json.dumps(messages)``) is
+    that list: trained as the literal JSON it would teach the policy nothing it is asked."""
+    if not (isinstance(value, str) and value.lstrip().startswith("[{")):
+        return value
+    try:
+        parsed = json.loads(value)
+    except (ValueError, RecursionError):
+        return value  # a text prompt that merely starts like JSON
+    if isinstance(parsed, list) and parsed and all(isinstance(m, dict) and "role" in m for m in parsed):
+        return parsed
+    return value
+
+
+def _check_roles(messages: list[dict[str, str]], where: str, key: str | None) -> None:
+    for index, message in enumerate(messages):
+        if message["role"] not in ROLES:
+            raise DatasetError(
+                f"{where}: field {key!r} message {index} has role {message['role']!r}; a role is one of "
+                f"{', '.join(ROLES)}"
+            )
+    if not any(message["role"] == "user" for message in messages):
+        roles = ", ".join(message["role"] for message in messages)
+        raise DatasetError(
+            f"{where}: field {key!r} has no user message (roles: {roles}); the policy would answer nothing",
+            hint="a prompt needs at least one user message (a system message alone or an assistant turn "
+            "alone is no question)",
+        )
 
 
 def _label(value: Any, where: str, key: str | None) -> str:
@@ -487,6 +618,16 @@ def _label(value: Any, where: str, key: str | None) -> str:
             f"{where}: field {key!r} (the label) must be a string, a number, a list or an object, got "
             f"{type(value).__name__}"
         )
+    if isinstance(value, float) and not math.isfinite(value):
+        raise DatasetError(
+            f"{where}: field {key!r} (the label) is {value}, not an answer (a missing value in a float column?)",
+            hint="drop the row or give its answer",
+        )
     if isinstance(value, int | float):
         return str(value)
-    return json.dumps(value)
+    try:
+        return json.dumps(value, allow_nan=False)
+    except ValueError:
+        raise DatasetError(
+            f"{where}: field {key!r} (the label) holds NaN or Infinity, not standard JSON"
+        ) from None

@@ -22,8 +22,11 @@ the images (the SGLang client collapses the pads again: SGLang expands them itse
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+import signal
+import threading
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from sapo_megatron.data.datasets import IMAGE_PLACEHOLDER, DatasetKeys, row_location
@@ -118,12 +121,9 @@ class PromptRenderer:
         """:meth:`encode` of each row (HF tokenizers encode the batch at once)."""
         if self._hf is None or not rows:
             return [self.encode(row) for row in rows]
-        texts = self._hf.apply_chat_template(  # one call renders the batch (a third faster than one by one)
-            [self.messages(row) for row in rows],
-            tokenize=False,
-            add_generation_prompt=True,
-            **self.keys.chat_template_kwargs,
-        )
+        conversations = [self.messages(row) for row in rows]
+        # one call renders the batch (a third faster than one by one)
+        texts = render_chat(self._hf, conversations, True, self.keys.chat_template_kwargs)
         ids = self._hf(texts, add_special_tokens=False)["input_ids"]
         return [
             list(row.prompt_ids) if row.prompt_ids is not None else self._expanded(row, i)
@@ -145,13 +145,96 @@ class PromptRenderer:
         return prompt_ids, self.tokenizer.encode(target, add_eos=True)
 
     def _render(self, messages: Messages, *, add_generation_prompt: bool) -> str:
-        return self._hf.apply_chat_template(
-            messages,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            **({"tools": self.tools} if self.tools else {}),
-            **self.keys.chat_template_kwargs,
+        kwargs = {**({"tools": self.tools} if self.tools else {}), **self.keys.chat_template_kwargs}
+        return render_chat(self._hf, [messages], add_generation_prompt, kwargs)[0]
+
+
+RENDER_TIME_LIMIT_S = 10.0
+"""Wall-clock limit of one chat-template call (a batch gets this plus :data:`RENDER_TIME_PER_ROW_S` per row)."""
+RENDER_TIME_PER_ROW_S = 0.05
+MAX_RENDERED_CHARS = 4_000_000
+"""The longest rendered prompt accepted (a 128k-token context is about 500k characters)."""
+
+
+class _RenderTimeout(Exception):
+    pass
+
+
+def render_chat(
+    hf: Any, conversations: list[Messages], add_generation_prompt: bool, kwargs: dict
+) -> list[str]:
+    """``hf.apply_chat_template`` on each conversation, bounded and checked.
+
+    The template runs in transformers' Jinja sandbox (no file access, no attribute tricks); on top of that a
+    template that runs too long (on the main thread: SIGALRM cuts it short), renders an absurd amount of text,
+    raises (``raise_exception``, a syntax error, a blocked attribute, a recursive macro), or leaves out the
+    user's own text (a template that ignores ``messages`` makes every prompt the same) stops with one line
+    saying "the chat template failed" or what it did wrong.
+    """
+    limit = RENDER_TIME_LIMIT_S + RENDER_TIME_PER_ROW_S * len(conversations)
+    try:
+        with _time_limit(limit):
+            texts = hf.apply_chat_template(
+                conversations, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+            )
+    except _RenderTimeout:
+        raise ChatTemplateError(
+            f"the chat template ran longer than {limit:g} s for {len(conversations)} prompt(s)",
+            hint="fix the template's loops (a chat template renders in milliseconds)",
+        ) from None
+    except ChatTemplateError:
+        raise
+    except (
+        Exception,
+        RecursionError,
+    ) as exc:  # Jinja's syntax / security / undefined errors, raise_exception
+        reason = " ".join(str(exc).split())[:300] or "no message"
+        raise ChatTemplateError(f"the chat template failed: {type(exc).__name__}: {reason}") from None
+    for messages, text in zip(conversations, texts):
+        _check_rendered(messages, text)
+    return list(texts)
+
+
+def _check_rendered(messages: Messages, text: Any) -> None:
+    if not isinstance(text, str):
+        raise ChatTemplateError(f"the chat template returned a {type(text).__name__}, not text")
+    if len(text) > MAX_RENDERED_CHARS:
+        raise ChatTemplateError(
+            f"the chat template rendered {len(text)} characters for one prompt (the limit is {MAX_RENDERED_CHARS})",
+            hint="check the template for loops that repeat text",
         )
+    users = [
+        m["content"].strip()
+        for m in messages
+        if m.get("role") == "user" and isinstance(m.get("content"), str) and m["content"].strip()
+    ]
+    missing = [content for content in users if content not in text]
+    if missing:
+        raise ChatTemplateError(
+            f"the chat template's output does not contain the user's text {missing[0]!r:.60}: the template "
+            f"ignores the messages (it rendered {text!r:.80})",
+            hint="use the model's own chat template (tokenizer_config.json chat_template or chat_template.jinja)",
+        )
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float) -> Iterator[None]:
+    """Raise :class:`_RenderTimeout` in the block after ``seconds`` (main thread only: signals are delivered
+    there; elsewhere the block runs unbounded)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum: int, frame: Any) -> None:
+        raise _RenderTimeout
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _image_markup(text: str) -> str:

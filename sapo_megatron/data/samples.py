@@ -11,11 +11,11 @@ TensorBoard as text (tag ``samples``). A resumed run drops the rows after its ch
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from sapo_megatron import jsonio
 from sapo_megatron.runtime.tracking import Tracker, truncate_metrics
 
 SAMPLES_FILE = "samples.jsonl"
@@ -70,7 +70,7 @@ class SampleLog:
             if group
         ]
         with self.path.open("a") as handle:
-            handle.writelines(json.dumps(row, default=str) + "\n" for row in rows)
+            handle.writelines(jsonio.dumps(row, default=str) + "\n" for row in rows)
         if self.tracker is not None:
             for row in rows[:TENSORBOARD_SAMPLES]:
                 self.tracker.text("rl", "samples", _as_markdown(row), step)

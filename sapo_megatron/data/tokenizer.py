@@ -185,11 +185,12 @@ class HFTokenizer:
             raise TokenizerError(
                 f"{directory} holds no tokenizer: none of {', '.join(HF_TOKENIZER_FILES[:4])}, ... is there"
             )
+        check_tokenizer_files(self.directory)
         try:
-            self._tok = AutoTokenizer.from_pretrained(str(directory))
+            # never run a tokenizer folder's own Python (auto_map); without the flag transformers asks on stdin
+            self._tok = AutoTokenizer.from_pretrained(str(directory), trust_remote_code=False)
         except (OSError, ValueError) as exc:  # transformers' ways of saying "no usable tokenizer here"
-            reason = " ".join(str(exc).split())  # its messages span several lines
-            raise TokenizerError(f"cannot load the HF tokenizer in {directory}: {reason}") from exc
+            raise _load_error(directory, exc) from exc
         self.eos_id = self._tok.eos_token_id
         self.pad_id = self._tok.pad_token_id if self._tok.pad_token_id is not None else self.eos_id
         self.bos_id = self._tok.bos_token_id
@@ -232,6 +233,36 @@ class HFTokenizer:
         if not copied:  # loaded through files of other names: let transformers write its own
             self._tok.save_pretrained(str(directory))
         return directory
+
+
+def check_tokenizer_files(directory: Path) -> None:
+    """Refuse a tokenizer folder whose JSON files do not parse, naming the file and the place."""
+    for name in HF_TOKENIZER_FILES:
+        path = directory / name
+        if not name.endswith(".json") or not path.is_file():
+            continue
+        try:
+            json.loads(path.read_bytes())
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            where = (
+                f" at line {exc.lineno} column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else ""
+            )
+            reason = exc.msg if isinstance(exc, json.JSONDecodeError) else type(exc).__name__
+            raise TokenizerError(
+                f"{path}: not valid JSON ({reason}{where})",
+                hint="restore the file from the model's repository",
+            ) from None
+
+
+def _load_error(directory: str | Path, exc: Exception) -> TokenizerError:
+    reason = " ".join(str(exc).split())  # its messages span several lines
+    if "custom code" in reason or "trust_remote_code" in reason:
+        return TokenizerError(
+            f"the tokenizer in {directory} needs its own Python code (auto_map in tokenizer_config.json); "
+            "sapo-megatron does not run code from a model folder",
+            hint="use a tokenizer that transformers loads by itself (a tokenizer.json, no auto_map)",
+        )
+    return TokenizerError(f"cannot load the HF tokenizer in {directory}: {reason}")
 
 
 def _digest(data: Any) -> str:

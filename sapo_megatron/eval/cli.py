@@ -55,6 +55,11 @@ def add_eval_parser(commands) -> None:
     )
     parser.add_argument("--output-dir", required=True, help="where eval.json and samples.jsonl go")
     parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into an --output-dir that holds a training run or another command's outputs",
+    )
+    parser.add_argument(
         "--urls", nargs="+", help="SGLang worker URLs serving the model (default: in-process)"
     )
     parser.add_argument(
@@ -93,6 +98,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
     from sapo_megatron.rollout.episodes import with_run_episodes
 
     out_dir = Path(args.output_dir)
+    check_eval_output_dir(args)
     hf_dir, run_config = resolve_model(args.model, out_dir) if args.model else (None, None)
     cfg = eval_config(args, hf_dir, run_config)
     seed = cfg.seed if args.seed is None else args.seed
@@ -119,6 +125,13 @@ def run_eval_command(args: argparse.Namespace) -> int:
     print(f"{len(result.samples)} samples in {result.seconds:.1f} s ({result.samples_per_s:.1f} samples/s)")
     print(f"wrote {summary} and {samples}")
     return 0
+
+
+def check_eval_output_dir(args: argparse.Namespace) -> None:
+    """Refuse an ``--output-dir`` that holds a run or another command's outputs (unless ``--overwrite``)."""
+    from sapo_megatron.runtime.run_dir import check_command_output_dir
+
+    check_command_output_dir(args.output_dir, command="eval", overwrite=getattr(args, "overwrite", False))
 
 
 def _run_with_bar(work, suite):

@@ -39,7 +39,12 @@ class EvalDefaults(DatasetKeys):
     """Settings of every eval dataset that does not set its own (and the dataset keys of ``data``, which unset
     keys take). Greedy (n 1, temperature 0) by default."""
 
-    n: int = Field(default=1, ge=1, description="samples per prompt (avg@n, pass@k for k up to n, maj@n)")
+    n: int = Field(
+        default=1,
+        ge=1,
+        le=4096,
+        description="samples per prompt (avg@n, pass@k for k up to n, maj@n); at most 4096",
+    )
     temperature: float = Field(default=0.0, ge=0.0, description="0: greedy")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=-1, description="-1: the whole vocabulary")
@@ -59,7 +64,7 @@ class EvalDatasetConfig(EvalDefaults):
 
     name: str = Field(pattern=NAME_PATTERN)
     path: str
-    n: int | None = Field(default=None, ge=1)
+    n: int | None = Field(default=None, ge=1, le=4096)  # rollout.n_samples' bound: 1e9 would run for ever
     temperature: float | None = Field(default=None, ge=0.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = None

@@ -15,7 +15,6 @@ metrics of :func:`~sapo_megatron.eval.metrics.dataset_metrics`, and ``samples.js
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 import zlib
@@ -23,6 +22,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from sapo_megatron import jsonio
 from sapo_megatron.data.prompts import PromptRow
 from sapo_megatron.eval.config import EvalDataset, resolve_datasets
 from sapo_megatron.eval.inputs import EvalPrompts, EvalReward, load_eval_rows
@@ -235,8 +235,8 @@ def write_outputs(out_dir: str | Path, model: str, seed: int, result: EvalResult
     """Write ``eval.json`` and ``samples.jsonl`` into ``out_dir``; returns both paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    summary = _write_atomic(out_dir / EVAL_FILE, [json.dumps(eval_json(model, seed, result), indent=2)])
-    samples = _write_atomic(out_dir / SAMPLES_FILE, (json.dumps(row) for row in result.samples))
+    summary = _write_atomic(out_dir / EVAL_FILE, [jsonio.dumps(eval_json(model, seed, result), indent=2)])
+    samples = _write_atomic(out_dir / SAMPLES_FILE, (jsonio.dumps(row) for row in result.samples))
     return summary, samples
 
 

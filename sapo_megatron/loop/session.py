@@ -113,11 +113,12 @@ def open_session(cfg: RunConfig, *, mode: str) -> Iterator[Session]:
     start = start_run(cfg.output_dir, mode=mode, is_main=info.is_main)
     with (
         cleanup_failed_start(start, enabled=info.is_main),
-        InterruptGuard(announce=print_line if info.is_main else None) as guard,
+        InterruptGuard(announce=print_line if info.is_main else None, exit_until_started=True) as guard,
     ):
         if data_error is not None:
             raise data_error
         session = build_session(cfg, info, start, guard, data)
+        guard.started()  # the first signal now asks for a checkpoint (before: it exits at once)
         try:
             yield session
         finally:

@@ -3,14 +3,15 @@ returns into :class:`RewardOutput` – the same code inline and in the pool's wo
 
 from __future__ import annotations
 
-import math
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from sapo_megatron.rewards.conventions import GROUP, TRL, VERL, call_trl, call_verl, detect_convention
+from sapo_megatron.rewards.limits import MAX_ABS_SCORE, leave_if_forked
 from sapo_megatron.rewards.loading import call_arguments, is_import_path, load_function
-from sapo_megatron.rewards.outputs import error_output, safe_output, to_output
+from sapo_megatron.rewards.outputs import error_output, safe_output
 from sapo_megatron.rewards.types import RewardInput, RewardOutput
 
 
@@ -48,25 +49,35 @@ class BoundReward:
 
     def run_one(self, item: RewardInput) -> RewardOutput:
         extra = {name: getattr(item, name) for name in self.optional} if self.optional else {}
+        pid = os.getpid()
         try:
             if self.convention == VERL:
                 value = call_verl(self.fn, item, self.kwargs)
             else:
                 value = self.fn(response=item.response, label=item.label, **extra, **self.kwargs)
-            if type(value) is float and math.isfinite(value):  # the common case, kept cheap
-                return RewardOutput(value)
-            return to_output(value)
-        except Exception as exc:
+        except (
+            Exception,
+            SystemExit,
+            KeyboardInterrupt,
+        ) as exc:  # an exit is this sample's error (limits.py)
+            leave_if_forked(pid)
             return error_output(exc)
+        leave_if_forked(pid)
+        if type(value) is float and abs(value) <= MAX_ABS_SCORE:  # the common case, kept cheap
+            return RewardOutput(value)
+        return safe_output(value)
 
     def _run_group(self, inputs: list[RewardInput]) -> list[RewardOutput]:
+        pid = os.getpid()
         try:
             if self.convention == TRL:
                 values = call_trl(self.fn, list(inputs), self.kwargs)
             else:
                 values = list(self.fn(list(inputs), **self.kwargs))
-        except Exception as exc:
+        except (Exception, SystemExit, KeyboardInterrupt) as exc:
+            leave_if_forked(pid)
             return [error_output(exc)] * len(inputs)
+        leave_if_forked(pid)
         if len(values) != len(inputs):
             message = f"group reward returned {len(values)} scores for {len(inputs)} samples"
             return [RewardOutput(0.0, {}, message)] * len(inputs)

@@ -51,7 +51,7 @@ def load_function(spec: str) -> Callable[..., Any]:
     else:
         try:
             module = importlib.import_module(module_part)
-        except Exception as exc:
+        except (Exception, SystemExit, KeyboardInterrupt) as exc:
             raise RewardSpecError(
                 f"cannot import module {module_part!r}: {type(exc).__name__}: {exc}"
             ) from None
@@ -77,9 +77,14 @@ def _load_file(path: Path) -> Any:
     sys.modules[name] = module
     try:
         module_spec.loader.exec_module(module)
-    except Exception as exc:
+    except (Exception, SystemExit, KeyboardInterrupt) as exc:  # a module that exits at import is broken too
         del sys.modules[name]
-        raise RewardSpecError(f"importing {path} raised {type(exc).__name__}: {exc}") from None
+        what = (
+            f"called sys.exit({exc.code!r})"
+            if isinstance(exc, SystemExit)
+            else f"raised {type(exc).__name__}"
+        )
+        raise RewardSpecError(f"importing {path} {what}: {exc}") from None
     return module
 
 

@@ -54,6 +54,7 @@ class _Worker:
         write_frame(self.process.stdin, message)
 
     def kill(self) -> None:
+        _kill_descendants(self.process.pid)  # what the reward forked, in another session too (worker.py)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
@@ -158,3 +159,15 @@ class WorkerPool:
         for worker in self._workers:
             worker.kill()
         self._workers = []
+
+
+def _kill_descendants(pid: int) -> None:
+    try:
+        import psutil
+
+        children = psutil.Process(pid).children(recursive=True)
+    except Exception:  # psutil missing or the worker already gone: its process group is killed next
+        return
+    for child in children:
+        with contextlib.suppress(Exception):
+            child.kill()

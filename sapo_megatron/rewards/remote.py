@@ -94,19 +94,78 @@ class RemoteReward:
                 time.sleep(min(self.backoff_s * 2 ** (attempt - 1), 10.0))
             request = urllib.request.Request(self.settings.url, data=data, headers=headers, method="POST")
             try:
-                with urllib.request.urlopen(request, timeout=self.settings.timeout_s) as reply:
-                    return json.loads(reply.read())["scores"]
+                return _scores(self._exchange(request))
             except urllib.error.HTTPError as exc:
-                last = f"HTTP {exc.code}: {_body(exc)}"
+                last = f"HTTP {exc.code}: {_body(exc)}{self._status_hint(exc.code, exc.headers)}"
                 if exc.code not in _RETRY_STATUS:
                     break
-            except (OSError, ValueError, KeyError) as exc:  # URLError, timeouts, resets, bad JSON
+            except _BadReply as exc:  # the server answered, wrongly: asking again gets the same answer
+                last = str(exc)
+                break
+            except (OSError, ValueError) as exc:  # URLError, timeouts, resets
                 last = f"{type(exc).__name__}: {exc}"
             logger.warning("reward server %s: %s (attempt %d)", self.settings.url, last, attempt + 1)
         raise RemoteRewardError(f"reward server {self.settings.url} failed: {last}")
 
+    def _exchange(self, request: urllib.request.Request) -> bytes:
+        """The reply body, read within ``timeout_s`` of wall-clock time in all (a server that drips a byte at a
+        time cannot stretch it) and at most :data:`MAX_REPLY_BYTES` long; redirects are not followed."""
+        deadline = time.monotonic() + self.settings.timeout_s
+        with _OPENER.open(request, timeout=self.settings.timeout_s) as reply:
+            chunks, total = [], 0
+            while chunk := reply.read1(1 << 16):
+                total += len(chunk)
+                if total > MAX_REPLY_BYTES:
+                    raise _BadReply(f"the reply is larger than {MAX_REPLY_BYTES} bytes (the limit)")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the reply took longer than timeout_s={self.settings.timeout_s:g} s")
+                chunks.append(chunk)
+            body = b"".join(chunks)
+            kind = reply.headers.get("Content-Type", "")
+        if "json" not in kind and not body.lstrip().startswith((b"{", b"[")):
+            raise _BadReply(f"HTTP 200 with {kind or 'no Content-Type'}, not JSON: {body[:80]!r}")
+        return body
+
+    def _status_hint(self, code: int, headers: Any) -> str:
+        if code in (301, 302, 303, 307, 308):
+            return f" (a redirect to {headers.get('Location')!r}: give that URL as algorithm.reward.url)"
+        if code in (401, 403):
+            env = self.settings.api_key_env
+            if not env:
+                return " (the server wants a key: set algorithm.reward.api_key_env to the variable that holds it)"
+            if not os.environ.get(env):
+                return f" (the key variable {env} is not set in this environment)"
+            return f" (the server refused the key in {env})"
+        return ""
+
     def close(self) -> None:
         pass
+
+
+MAX_REPLY_BYTES = 64 << 20
+"""The largest reply read from a reward server (a batch of 256 scores with fields is well under 1 MB)."""
+
+
+class _BadReply(ValueError):
+    """The server answered, but not with the protocol's reply."""
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None  # a 3xx reaches the caller as an HTTPError that names the new location
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
+
+
+def _scores(body: bytes) -> Any:
+    try:
+        reply = json.loads(body)
+    except (ValueError, RecursionError):
+        raise _BadReply(f"the reply is not valid JSON: {body[:80]!r}") from None
+    if not isinstance(reply, dict) or "scores" not in reply:
+        raise _BadReply(f"the reply has no 'scores' (protocol: {{\"scores\": [...]}}): {body[:80]!r}")
+    return reply["scores"]
 
 
 def _body(exc: urllib.error.HTTPError) -> str:

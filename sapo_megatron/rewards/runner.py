@@ -1,8 +1,8 @@
 """The reward runner the trainer and the evaluation use: one ``score(inputs)`` call per batch, inline, in a pool
 of worker processes, or on a remote server; it counts errors against ``algorithm.max_reward_error_frac``.
 
-``algorithm.reward_workers``: ``0`` scores inline in the calling process (no timeout: a hanging reward hangs the
-run), ``N >= 1`` in N worker processes with ``algorithm.reward_timeout_s`` per call, ``auto`` (the default) inline
+``algorithm.reward_workers``: ``0`` scores inline in the calling process (on the main thread under the same
+timeout and the run's signals, :func:`limits.inline_call`), ``N >= 1`` in N worker processes with ``algorithm.reward_timeout_s`` per call, ``auto`` (the default) inline
 for the cheap string rewards (``exact_match``, ``numeric_match``, ``dapo_math``) and a pool otherwise.
 """
 
@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 from sapo_megatron.rewards.calling import BoundReward
+from sapo_megatron.rewards.limits import inline_call
 from sapo_megatron.rewards.loading import RewardSpecError, absolute_spec, check_signature, is_import_path
 from sapo_megatron.rewards.pool import WorkerPool
 from sapo_megatron.rewards.registry import check_registered
@@ -37,11 +38,30 @@ class _Backend(Protocol):
 
 
 class _Inline:
-    def __init__(self, bound: BoundReward) -> None:
-        self.bound = bound
+    """Scores in this process, each call under the timeout and the run's signals (:func:`limits.inline_call`)."""
+
+    def __init__(self, bound: BoundReward, timeout_s: float | None = None) -> None:
+        self.bound, self.timeout_s = bound, timeout_s
 
     def run(self, units: list[list[RewardInput]]) -> list[list[RewardOutput]]:
-        return [self.bound.run(unit) for unit in units]
+        return self._limited(self.bound.run, units)
+
+    def run_each(self, items: list[RewardInput]) -> list[RewardOutput]:
+        return self._limited(self.bound.run_one, items)
+
+    def _limited(self, call: Any, work: list[Any]) -> list[Any]:
+        from sapo_megatron.runtime.interrupts import stop_requested
+
+        out = []
+        with inline_call(self.timeout_s, stop_requested) as clock:
+            for item in work:  # clock.running() inlined: this loop is the demo's hot path
+                clock.restart()
+                clock.active = True
+                try:
+                    out.append(call(item))
+                finally:
+                    clock.active = False
+        return out
 
     def close(self) -> None:
         pass
@@ -113,7 +133,10 @@ def build_reward_runner(
     count = default_workers(spec) if workers == "auto" else int(workers)
     bound = BoundReward.from_spec(spec, kwargs)
     backend: _Backend
-    backend = WorkerPool(spec, kwargs or {}, workers=count, timeout_s=timeout_s) if count else _Inline(bound)
+    if count:
+        backend = WorkerPool(spec, kwargs or {}, workers=count, timeout_s=timeout_s)
+    else:
+        backend = _Inline(bound, timeout_s)
     return RewardRunner(backend, name or spec, group=bound.group)
 
 
@@ -135,7 +158,7 @@ class RewardRunner:
             return []
         start = time.perf_counter()
         if isinstance(self.backend, _Inline) and not self.group:  # the demo's path: no per-sample wrapping
-            outputs = [self.backend.bound.run_one(item) for item in inputs]
+            outputs = self.backend.run_each(inputs)
         else:
             with self._backend_lock:
                 outputs = [out for unit in self.backend.run(self._units(inputs)) for out in unit]
@@ -201,8 +224,7 @@ class RewardRunner:
         raise RewardError(
             f"reward {self.name!r} failed on {errors} of {calls} samples this step ({errors / calls:.0%}), "
             f"more than algorithm.max_reward_error_frac={max_frac}; first error: {first}",
-            hint="fix the reward (or install what it needs, or raise algorithm.reward_timeout_s); those samples "
-            "would all score 0",
+            hint=_budget_hint(first),
         )
 
     def close(self) -> None:
@@ -213,3 +235,15 @@ class RewardRunner:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _budget_hint(first_error: str | None) -> str:
+    """What to do, by what the first error says (a timeout, a reward server, or the reward itself)."""
+    text = first_error or ""
+    if "timed out" in text:
+        what = "make the reward faster or raise algorithm.reward_timeout_s"
+    elif text.startswith("reward server"):
+        what = "check the reward server: its URL, algorithm.reward.api_key_env and the server's own log"
+    else:
+        what = "fix the reward (or install what it needs)"
+    return f"{what}; those samples would all score 0"

@@ -43,7 +43,13 @@ def score_sample_groups(
 ) -> list[list[float]]:
     """Scores ``[groups][n]`` of the samples; sets each sample's ``reward_fields`` (with ``reward_error`` when
     the reward failed on it)."""
-    outputs = iter(runner.score(reward_inputs(groups, prompts, decode)))
+    inputs = reward_inputs(groups, prompts, decode)
+    scored = runner.score(inputs)
+    if len(scored) != len(inputs):  # a reward backend lost track of its work: never pair scores wrongly
+        from sapo_megatron.rewards.types import RewardError
+
+        raise RewardError(f"reward {runner.name!r} returned {len(scored)} results for {len(inputs)} samples")
+    outputs = iter(scored)
     scores = []
     for group in groups:
         row_scores = []

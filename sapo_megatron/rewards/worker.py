@@ -32,14 +32,30 @@ def _die_with_parent() -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
+def _become_subreaper() -> None:
+    """Keep what the reward forks as this worker's descendants, even a daemon that calls ``setsid`` and whose
+    parent exits (Linux ``PR_SET_CHILD_SUBREAPER``): the pool then finds and kills them with the worker."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass  # not Linux: the process group is killed, a setsid daemon may outlive the run
+
+
 def main() -> None:
     _die_with_parent()
+    _become_subreaper()
     reply = os.fdopen(os.dup(1), "wb")  # the protocol's channel; fd 1 becomes stderr for the reward's prints
     os.dup2(2, 1)
     sys.stdout = sys.stderr
+    requests = os.dup(0)  # and fd 0 /dev/null: a reward that reads stdin must not eat the trainer's requests
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
     from sapo_megatron.rewards.calling import BoundReward
 
-    message = read_frame(0)
+    message = read_frame(requests)
     if message is None:
         return
     _, spec, kwargs = message
@@ -49,7 +65,7 @@ def main() -> None:
         write_frame(reply, ("init_error", f"{type(exc).__name__}: {exc}"))
         return
     write_frame(reply, ("ready",))
-    while (message := read_frame(0)) is not None:
+    while (message := read_frame(requests)) is not None:
         _, task_id, inputs = message
         write_frame(reply, ("done", task_id, bound.run(inputs)))
 

@@ -29,6 +29,9 @@ from __future__ import annotations
 import contextlib
 import datetime
 import inspect
+import secrets
+import socket
+import struct
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
@@ -88,6 +91,38 @@ def init_custom_process_group(
             "plus every server TP rank, that each server joins at its rank_offset and that the trainer joins as "
             "rank 0 while the servers wait"
         ) from exc
+
+
+_STORE_VALIDATE = struct.pack("<BI", 0, 0x3C85F7CE)
+"""torch's TCPStore client greeting: QueryType VALIDATE (0) and ``validationMagicNumber``
+(``torch/csrc/distributed/c10d/TCPStore.cpp``, ``TCPStoreBackend.hpp``); PING (13) then echoes a nonce."""
+_STORE_PING = 13
+
+
+def probe_store(address: str, port: int, timeout_s: float) -> str | None:
+    """Whether a torch TCP store answers at ``address:port`` within ``timeout_s`` (None), else why not.
+
+    torch's own client sends the same greeting and ping, but waits for the echo without a limit: against a peer
+    that accepts the connection and never answers (an HTTP port) it hangs for good, whatever its timeout says.
+    """
+    nonce = secrets.randbits(32)
+    try:
+        with socket.create_connection((address, port), timeout=timeout_s) as conn:
+            conn.settimeout(timeout_s)
+            conn.sendall(_STORE_VALIDATE + struct.pack("<BI", _STORE_PING, nonce))
+            echo = b""
+            while len(echo) < 4:
+                chunk = conn.recv(4 - len(echo))
+                if not chunk:
+                    return f"{address}:{port} closed the connection: it is not a torch TCP store"
+                echo += chunk
+    except TimeoutError:
+        return f"{address}:{port} did not answer as a torch TCP store within {timeout_s:g}s (is it another service?)"
+    except OSError as exc:
+        return f"cannot connect to {address}:{port} ({exc.strerror or exc})"
+    if struct.unpack("<I", echo)[0] != nonce:
+        return f"{address}:{port} answered, but not as a torch TCP store"
+    return None
 
 
 def check_backend(backend: str) -> None:

@@ -99,8 +99,10 @@ class InterruptGuard:
         announce: Callable[[str], None] | None = print_line,
         repeat_window_s: float = 1.0,
         exit_code: int = EXIT_NOW_CODE,
+        exit_until_started: bool = False,
     ) -> None:
         self.signals = tuple(_as_signal(sig) for sig in signals)
+        self._started = not exit_until_started
         self.announce = announce
         self.repeat_window_s = repeat_window_s
         self.exit_code = exit_code
@@ -152,6 +154,12 @@ class InterruptGuard:
         if stop and not local:
             self._peer_requested = True
         return stop
+
+    def started(self) -> None:
+        """The run has begun its steps: from now on the first signal asks for a checkpoint. Before this call
+        (with ``exit_until_started``) there is nothing to save, so the first signal exits at once instead of
+        waiting for a start-up that may never end (a dead router, a hung server)."""
+        self._started = True
 
     # -- installation ----------------------------------------------------------------------------------
 
@@ -210,6 +218,9 @@ class InterruptGuard:
             first = self._first
             if first is None:
                 self._first = (sig, arrived)
+        if first is None and not self._started:
+            self._say(f"sapo-megatron: {sig.name} during start-up: nothing to save yet, exiting now")
+            exit_now(self.exit_code)
         if first is None:
             _STOP_REQUESTED.set()
             self._say(

@@ -172,6 +172,8 @@ def check_run_dir(path: str | Path, *, mode: str) -> RunState:
             raise _nothing_to_resume(state)
     elif mode == "new" and state.holds_run:
         raise _refusal(state)
+    elif mode == "auto" and _damaged_checkpoints(run_dir / "checkpoints"):
+        raise _nothing_to_resume(state)  # never start over on top of checkpoints that might be restored
     elif mode == "auto" and state.finished:
         raise RunDirError(
             f"{run_dir} holds a finished run without a checkpoint ({state.describe()}); "
@@ -225,6 +227,13 @@ def _nothing_to_resume(state: RunState) -> RunDirError:
             hint="start a new run without --resume (--resume auto does either)",
         )
     detail = f" ({state.checkpoint_note})" if state.checkpoint_note else ""
+    damaged = _damaged_checkpoints(run_dir / "checkpoints")
+    if damaged:
+        return RunDirError(
+            f"no complete checkpoint in {run_dir}: all {len(damaged)} checkpoint(s) there are damaged "
+            f"({', '.join(damaged[:3])}{', ...' if len(damaged) > 3 else ''}){detail}",
+            hint="restore a checkpoint from a backup, or start the run again with --overwrite",
+        )
     if state.holds_run:
         return RunDirError(
             f"no checkpoint in {run_dir}{detail}: the run stopped before its first checkpoint; "
@@ -235,6 +244,21 @@ def _nothing_to_resume(state: RunState) -> RunDirError:
         f"no checkpoint in {run_dir}: the run stopped before its first step ({state.describe()})",
         hint="start it again without --resume",
     )
+
+
+def _damaged_checkpoints(root: Path) -> list[str]:
+    """Names of the checkpoint directories in ``root`` that a save finished writing (their marker is there)
+    but that fail the completeness check now (a truncated or missing file)."""
+    if not root.is_dir():
+        return []
+    damaged = []
+    for child in sorted(root.iterdir()):
+        if child.is_dir() and (child / atomic.MARKER).exists():
+            try:
+                atomic.read_marker(child)
+            except atomic.IncompleteCheckpointError:
+                damaged.append(child.name)
+    return damaged
 
 
 def _steps_text(steps: dict[str, int]) -> str:
@@ -435,3 +459,51 @@ def _broadcast_from_main(obj: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+# --------------------------------------------------------------------------------------------------------
+# Output directories of the other commands that write (eval)
+# --------------------------------------------------------------------------------------------------------
+
+COMMAND_OUTPUTS: dict[str, tuple[str, ...]] = {
+    "eval": ("eval.json", "samples.jsonl", "hf_model"),
+    "compare": ("report.json", "report.md", "plots", "warm_start"),
+}
+"""What each command other than ``train`` writes into its ``--output-dir`` (a marker file first)."""
+
+
+def check_command_output_dir(path: str | Path, *, command: str, overwrite: bool) -> None:
+    """Refuse ``path`` as ``command``'s ``--output-dir`` when it holds a run or another command's outputs.
+
+    ``command``'s own earlier outputs (its marker file, e.g. ``eval.json``, is there) are replaced: that is the
+    same command run again. Anything of a training run (``samples.jsonl`` of a run included) or of another
+    command is left alone unless ``overwrite`` says otherwise; files no command writes never count.
+    Call it before any work, so a refusal costs nothing.
+    """
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise RunDirError(f"--output-dir {out} is a file", hint="choose a directory")
+    if overwrite or not out.is_dir():
+        return
+    state = inspect_run_dir(out)
+    if state.entries:
+        raise RunDirError(
+            f"--output-dir {out} holds a training run ({state.describe()}); {command} would overwrite its files",
+            hint=f"choose another --output-dir (e.g. {out / command}), or pass --overwrite",
+        )
+    own = COMMAND_OUTPUTS[command]
+    names = {child.name for child in out.iterdir()}
+    foreign = sorted(
+        name
+        for other, outputs in COMMAND_OUTPUTS.items()
+        if other != command
+        for name in outputs
+        if name in names and name not in own
+    )
+    if own[0] not in names:
+        foreign += sorted(name for name in own[1:] if name in names)
+    if foreign:
+        raise RunDirError(
+            f"--output-dir {out} holds outputs that {command} did not write ({', '.join(foreign)})",
+            hint=f"choose another --output-dir (e.g. {out / command}), or pass --overwrite",
+        )

@@ -30,6 +30,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from sapo_megatron import jsonio
+
 CONSOLE_KEYS = {
     "reward/mean": "reward",
     "accuracy": "acc",
@@ -224,6 +226,6 @@ def write_json_atomic(path: str | Path, data: dict[str, Any]) -> Path:
     """Write JSON to a temporary sibling and rename it into place."""
     path = Path(path)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    tmp.write_text(jsonio.dumps(data, indent=2, sort_keys=True) + "\n")
     tmp.replace(path)
     return path

@@ -16,6 +16,7 @@ from sapo_megatron.cli import main
 from sapo_megatron.config import ConfigError, config_from_dict
 from tests.data.chat_fixtures import write_jsonl
 from tests.rl.test_trainer import train
+from tests.security.hostile import case  # hostile cases of issue 30 (docs/hardening.md)
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +50,8 @@ def read_samples(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (folder / "samples.jsonl").read_text().splitlines()]
 
 
-def test_eval_of_a_chat_template_run_gives_its_training_time_samples(chat_run, tmp_path):
+@pytest.mark.parametrize(("cls",), [case("eval/report", "eval --model RUN, chat run, string prompts", "OK")])
+def test_eval_of_a_chat_template_run_gives_its_training_time_samples(chat_run, tmp_path, cls):
     """Friction 6: ``eval --model RUN`` keeps the run's template; its samples are the run's own evaluation's."""
     assert (
         "apply_chat_template"
@@ -65,7 +67,8 @@ def test_eval_of_a_chat_template_run_gives_its_training_time_samples(chat_run, t
     assert [{k: s[k] for k in keys} for s in again] == [{k: s[k] for k in keys} for s in training]
 
 
-def test_eval_of_message_prompts_from_the_run_folder(chat_run, tmp_path):
+@pytest.mark.parametrize(("cls",), [case("eval/report", "eval --model RUN, chat run, message prompts", "OK")])
+def test_eval_of_message_prompts_from_the_run_folder(chat_run, tmp_path, cls):
     """Friction 6: message prompts no longer fail with 'set data.apply_chat_template: true'."""
     train_file = chat_run.parent / "train.jsonl"
     out = tmp_path / "m"

@@ -100,7 +100,9 @@ def test_batches_retries_and_recovery(server, monkeypatch):
         assert runner(server, max_retries=3).score(samples(1))[0].error.endswith('scripted failure"}')
         assert len(Scripted.seen) == 1
         Scripted.script[:] = ["garbage"] * 2
-        assert "KeyError" in runner(server, max_retries=1).score(samples(1))[0].error
+        Scripted.seen.clear()
+        assert "the reply has no 'scores'" in runner(server, max_retries=1).score(samples(1))[0].error
+        assert len(Scripted.seen) == 1  # a wrong answer is not asked again
 
 
 def test_remote_spec_builds_a_remote_runner(server):

@@ -142,7 +142,7 @@ def test_pool_contains_every_failure_and_keeps_order(reward_dir):
         assert errors["hang"] == "timed out after 2.5 s (worker killed)"
         assert errors["die"] == "its reward worker died (killed by signal SIGKILL)"
         assert errors["exit"] == "its reward worker died (exit code 3)"
-        assert errors["nan"] == "reward returned a non-finite score nan"
+        assert errors["nan"] == "reward returned a non-finite score nan; a score is a finite number"
         assert out[0].fields["answer"] == "ok" and out[0].fields["source"] == "src"
         assert out[8].fields == {}  # no torch in the workers (score 0.0 = not imported)
         assert elapsed < 20  # bounded by the timeout, not by the 60 s sleep

@@ -322,6 +322,9 @@ class CPUEngine(RolloutEngine):
         """Reload weights from an HF directory with the same architecture and shapes (strict), in the engine's
         precision (fp8 weights are quantised again from the checkpoint's values)."""
         new_model = _load_model(path)
+        mismatch = _state_mismatch(self.model.state_dict(), new_model.state_dict())
+        if mismatch:
+            raise ValueError(f"the checkpoint in {path} is not the served model's architecture: {mismatch}")
         with self._lock, torch.no_grad():
             try:
                 self.model.load_state_dict(new_model.state_dict(), strict=True)
@@ -665,3 +668,20 @@ def _row_routing(
     if (routed == np.iinfo(np.int32).min).any():
         raise AssertionError("routing of a finished row leaked into its routed_experts")
     return np.ascontiguousarray(routed, dtype=np.int32)
+
+
+def _state_mismatch(served: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> str | None:
+    """The first difference between two state dicts, in a few words (None when names and shapes agree)."""
+    missing = sorted(set(served) - set(loaded))
+    extra = sorted(set(loaded) - set(served))
+    if missing or extra:
+        return (
+            f"{len(missing)} tensors missing (e.g. {missing[:1]}), {len(extra)} unexpected (e.g. {extra[:1]})"
+        )
+    shapes = [
+        (n, tuple(loaded[n].shape), tuple(t.shape)) for n, t in served.items() if loaded[n].shape != t.shape
+    ]
+    if shapes:
+        name, got, want = shapes[0]
+        return f"{len(shapes)} tensors differ in shape, e.g. {name} is {list(got)}, the served model's {list(want)}"
+    return None

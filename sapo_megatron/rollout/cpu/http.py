@@ -93,6 +93,16 @@ class App(Protocol):
     ) -> Response: ...
 
 
+def check_framing(headers: Any) -> None:
+    """Refuse a request whose length is ambiguous (RFC 9112 §6.3): two ``Content-Length`` headers, or one with
+    ``Transfer-Encoding``. A proxy in front may read such a request differently (request smuggling)."""
+    lengths = headers.get_all("Content-Length") or []
+    if len(lengths) > 1:
+        raise ValueError(f"{len(lengths)} Content-Length headers; a request has at most one")
+    if lengths and headers.get_all("Transfer-Encoding"):
+        raise ValueError("Content-Length together with Transfer-Encoding; a request has one or the other")
+
+
 def json_response(status: int, payload: Any) -> Response:
     return int(status), json.dumps(payload).encode(), "application/json"
 
@@ -224,6 +234,7 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(*response)
 
     def _read_body(self) -> bytes:
+        check_framing(self.headers)
         if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
             return self._read_chunked()
         try:
@@ -250,6 +261,8 @@ class _Handler(BaseHTTPRequestHandler):
                 size = int(line.split(b";", 1)[0].strip(), 16)
             except ValueError:
                 raise ValueError(f"bad chunk size line {line[:40]!r}") from None
+            if size < 0:
+                raise ValueError(f"bad chunk size line {line[:40]!r}")
             if size == 0:
                 while self.rfile.readline(65537) not in (b"\r\n", b"\n", b""):
                     pass  # trailers

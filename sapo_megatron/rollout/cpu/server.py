@@ -500,6 +500,10 @@ def _json_body(raw: bytes) -> dict[str, Any]:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InvalidRequest(f"request body is not JSON: {exc}") from exc
+    except RecursionError:
+        raise InvalidRequest("request body is JSON nested too deeply") from None
+    except ValueError as exc:  # a number of more digits than Python converts
+        raise InvalidRequest(f"request body holds a value JSON cannot convert: {exc}") from None
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
     return body

@@ -68,6 +68,7 @@ from sapo_megatron.rollout.weight_group import (
     destroy_custom_process_group,
     init_custom_process_group,
     parse_dtype,
+    probe_store,
 )
 
 logger = logging.getLogger(__name__)
@@ -203,14 +204,32 @@ class WeightEndpoints:
 
     def _refused_dir(self, model_path: str) -> str | None:
         """Why ``model_path`` may not be loaded, or None (inside an allowed directory, symlinks resolved)."""
+        if "\x00" in model_path:
+            return "model_path holds a NUL character"
         resolved = Path(model_path).resolve()
-        if any(resolved == d or d in resolved.parents for d in self.allowed_weight_dirs):
-            return None
+        if self._allowed(resolved):
+            return self._file_outside(Path(model_path), resolved)
         allowed = ", ".join(str(d) for d in self.allowed_weight_dirs) or "none"
         return (
             f"{model_path} is outside the directories this server loads weights from ({allowed}); start the "
             "server with --allowed-weight-dir DIR for the trainer's weight_sync_dir"
         )
+
+    def _allowed(self, resolved: Path) -> bool:
+        return any(resolved == d or d in resolved.parents for d in self.allowed_weight_dirs)
+
+    def _file_outside(self, model_path: Path, resolved: Path) -> str | None:
+        """A file link in the checkpoint folder that leads outside the allowed directories (the loader would
+        follow it), named without a word about its target."""
+        if not resolved.is_dir():
+            return None
+        for entry in sorted(resolved.iterdir()):
+            if entry.is_symlink() and not self._allowed(entry.resolve()):
+                return (
+                    f"{model_path}/{entry.name} is a symbolic link that leads outside the directories this "
+                    "server loads weights from"
+                )
+        return None
 
     # ------------------------------------------------------------------ tensor
     def update_from_tensor(self, body: dict[str, Any], request: Request | None = None) -> Reply:
@@ -318,18 +337,23 @@ class WeightEndpoints:
             )
         if not 0 < port < 65536:
             return f"master_port {port} is not a TCP port"
-        deadline = time.monotonic() + self.guard.connect_timeout_s
-        while True:  # the trainer may still be starting its store: retry until the connect timeout
-            try:
-                with socket.create_connection((address, port), timeout=max(0.1, deadline - time.monotonic())):
-                    return None
-            except OSError:
-                if time.monotonic() >= deadline:
-                    return (
-                        f"nothing answered at {address}:{port} within {self.guard.connect_timeout_s:g}s "
-                        "(--weight-group-connect-timeout); the trainer must host the group's store there"
-                    )
-                time.sleep(0.1)
+        return self._unanswered_store(address, port)
+
+    def _unanswered_store(self, address: str, port: int) -> str | None:
+        """Why no torch TCP store answers at ``address:port`` within ``connect_timeout_s``, retried while the
+        trainer may still be starting it; a port that accepts and never answers (HTTP) ends at the deadline."""
+        timeout = self.guard.connect_timeout_s
+        deadline = time.monotonic() + timeout
+        while True:
+            problem = probe_store(address, port, max(0.1, min(timeout, deadline - time.monotonic())))
+            if problem is None:
+                return None
+            if time.monotonic() >= deadline:
+                return (
+                    f"no weight-update group store answered at {address}:{port} within {timeout:g}s "
+                    f"(--weight-group-connect-timeout): {problem}; the trainer must host the group's store there"
+                )
+            time.sleep(0.1)
 
     def destroy_group(self, body: dict[str, Any], request: Request | None = None) -> Reply:
         name = _fields(body, {"group_name": (str, "weight_update_group")})["group_name"]

@@ -32,6 +32,7 @@ from typing import Any
 import httpx
 
 from sapo_megatron.rollout.base import RolloutError
+from sapo_megatron.runtime.interrupts import WaitInterrupted, stop_requested
 
 Log = Callable[[str], None]
 _POLL_S = 1.0
@@ -206,11 +207,26 @@ def wait_healthy(http: httpx.Client, urls: Sequence[str], deadline: float, log: 
         time.sleep(_POLL_S)
 
 
+_NOT_SGLANG = (404, 405, 501)
+"""Answers to ``GET /health`` that no SGLang server, router or ``sapo-megatron serve`` gives, starting or not:
+the peer is another kind of server, and waiting for it would wait until the start-up timeout."""
+
+
 def _is_healthy(http: httpx.Client, url: str) -> bool:
+    if stop_requested():
+        raise WaitInterrupted(f"waiting for {url} to become healthy: interrupted by a signal")
     try:
-        return http.get(url + "/health").status_code == 200
+        status = http.get(url + "/health").status_code
     except httpx.TransportError:
         return False
+    if status in _NOT_SGLANG:
+        raise RolloutError(
+            f"{url} answers {status} to GET /health: it is no SGLang server, sglang-router or sapo-megatron "
+            "serve (they all answer /health); check the URL and its port",
+            server=url,
+            field="/health",
+        )
+    return status == 200
 
 
 def worker_tp_size(info: Any, url: str) -> int:
