@@ -148,3 +148,31 @@ def with_qwen3_vl_processor(directory: str | Path) -> Path:
         json.dumps({**VIDEO_PROCESSOR, "processor_class": "Qwen3VLProcessor"})
     )
     return directory
+
+
+def vl_prompts(directory: str | Path) -> tuple[Any, list[Any], Any]:
+    """The VL checkpoint's renderer (chat template, its image processor) and three prompt rows: one image, two images
+    of other sizes, text only; with the vision spec. Shared by the CPU-engine, trainer and real-SGLang VL tests."""
+    from sapo_megatron.data.datasets import DatasetKeys, read_dataset
+    from sapo_megatron.data.render import PromptRenderer
+    from sapo_megatron.data.tokenizer import load_tokenizer
+    from sapo_megatron.data.vision import load_image_processor, vision_spec
+    from tests.data.test_images import png, uri
+
+    directory = Path(directory)
+    tok = load_tokenizer(str(directory))
+    spec = vision_spec(tok, load_image_processor(directory), str(directory))
+    records = [
+        {"prompt": "What is in <image>?", "ground_truth": "a", "images": [uri(png(40, 40, (250, 0, 0)))]},
+        {
+            "prompt": "Compare <image> and <image>.",
+            "ground_truth": "b",
+            "images": [uri(png(48, 32, (0, 200, 0))), uri(png(16, 64, (0, 0, 90)))],
+        },
+        {"prompt": "Say something.", "ground_truth": "c"},
+    ]
+    path = directory / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    keys = DatasetKeys(apply_chat_template=True)
+    rows = read_dataset(path, keys, keys.image_policy(spec.factor, spec.min_pixels, spec.max_pixels)).rows
+    return PromptRenderer(tok, keys, spec), rows, spec

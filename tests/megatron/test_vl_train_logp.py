@@ -17,10 +17,7 @@ import torch
 from sapo_megatron.algo import AdvantageConfig
 from sapo_megatron.checkpoint.fused_experts import unfuse
 from sapo_megatron.config import config_from_dict
-from sapo_megatron.data.datasets import DatasetKeys, read_dataset
-from sapo_megatron.data.render import PromptRenderer
-from sapo_megatron.data.tokenizer import load_tokenizer
-from sapo_megatron.data.vision import load_image_processor, pixel_inputs, vision_spec
+from sapo_megatron.data.vision import pixel_inputs
 from sapo_megatron.megatron import dist_ckpt
 from sapo_megatron.megatron.model import BuildOptions, build_gpt_model
 from sapo_megatron.megatron.packed_seq import model_inputs
@@ -29,8 +26,7 @@ from sapo_megatron.model.batching import IMAGE_GRID_THW, TrainSequence, build_mi
 from sapo_megatron.rollout.collect import CollectSettings, generate_groups
 from sapo_megatron.rollout.cpu.engine import CPUEngine
 from sapo_megatron.rollout.types import SamplingParams
-from tests.data.test_images import png, uri
-from tests.vl_fixtures import build_tiny_vl_checkpoint
+from tests.vl_fixtures import build_tiny_vl_checkpoint, vl_prompts
 
 LOGP_ATOL = 1e-5
 """fp32 bound on |trainer logp - engine logp| per response token (the brief expects ~1e-6)."""
@@ -41,23 +37,7 @@ def rollouts(tmp_path_factory):
     """Eight samples per prompt from the CPU engine (one image; two images of other sizes; text only), as
     TrainSequences carrying the images the trainer computes, and the engine's checkpoint directory."""
     directory = build_tiny_vl_checkpoint(tmp_path_factory.mktemp("vl"))
-    tok = load_tokenizer(str(directory))
-    processor = load_image_processor(directory)
-    spec = vision_spec(tok, processor, str(directory))
-    records = [
-        {"prompt": "What is in <image>?", "ground_truth": "a", "images": [uri(png(40, 40, (250, 0, 0)))]},
-        {
-            "prompt": "Compare <image> and <image>.",
-            "ground_truth": "b",
-            "images": [uri(png(48, 32, (0, 200, 0))), uri(png(16, 64, (0, 0, 90)))],
-        },
-        {"prompt": "Say something.", "ground_truth": "c"},
-    ]
-    path = directory / "prompts.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    keys = DatasetKeys(apply_chat_template=True)
-    rows = read_dataset(path, keys, keys.image_policy(spec.factor, spec.min_pixels, spec.max_pixels)).rows
-    renderer = PromptRenderer(tok, keys, spec)
+    renderer, rows, spec = vl_prompts(directory)
     settings = CollectSettings(
         n_samples=8,
         sampling=SamplingParams(max_new_tokens=8, temperature=1.0, seed=5),
@@ -68,7 +48,7 @@ def rollouts(tmp_path_factory):
     groups = generate_groups(engine, rows, renderer.encode, settings, seed=3)
     sequences = []
     for row, group in zip(rows, groups):
-        images = pixel_inputs(processor, [image.load() for image in row.images]) if row.images else None
+        images = pixel_inputs(spec.processor, [image.load() for image in row.images]) if row.images else None
         for sample in group:
             sequences.append(
                 TrainSequence(

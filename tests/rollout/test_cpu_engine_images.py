@@ -6,24 +6,19 @@ alone, a mismatch stops naming the group, and samples.jsonl names the images."""
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import numpy as np
 import pytest
 import torch
 
 from sapo_megatron.algo import AdvantageConfig
-from sapo_megatron.data.datasets import DatasetKeys, read_dataset
-from sapo_megatron.data.render import PromptRenderer
 from sapo_megatron.data.samples import SampleLog
-from sapo_megatron.data.tokenizer import load_tokenizer
-from sapo_megatron.data.vision import load_image_processor, pixel_inputs, vision_spec
+from sapo_megatron.data.vision import pixel_inputs
 from sapo_megatron.rollout.base import RolloutError
 from sapo_megatron.rollout.collect import CollectSettings, RolloutBatch, generate_groups
 from sapo_megatron.rollout.cpu.engine import CPUEngine
 from sapo_megatron.rollout.types import GenerationRequest, ImageInputs, SamplingParams
-from tests.data.test_images import png, uri
-from tests.vl_fixtures import build_tiny_vl_checkpoint
+from tests.vl_fixtures import build_tiny_vl_checkpoint, vl_prompts
 
 GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
 
@@ -32,23 +27,9 @@ GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0)
 def vl(tmp_path_factory):
     """The checkpoint, its engine, renderer and three prompts: one image, two images of other sizes, text only."""
     directory = build_tiny_vl_checkpoint(tmp_path_factory.mktemp("vl"))
-    tok = load_tokenizer(str(directory))
-    spec = vision_spec(tok, load_image_processor(directory), str(directory))
-    records = [
-        {"prompt": "What is in <image>?", "ground_truth": "a", "images": [uri(png(40, 40, (250, 0, 0)))]},
-        {
-            "prompt": "Compare <image> and <image>.",
-            "ground_truth": "b",
-            "images": [uri(png(48, 32, (0, 200, 0))), uri(png(16, 64, (0, 0, 90)))],
-        },
-        {"prompt": "Say something.", "ground_truth": "c"},
-    ]
-    path = directory / "prompts.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    keys = DatasetKeys(apply_chat_template=True)
-    rows = read_dataset(path, keys, keys.image_policy(spec.factor, spec.min_pixels, spec.max_pixels)).rows
+    renderer, rows, spec = vl_prompts(directory)
     engine = CPUEngine.from_pretrained(directory, seed=0)
-    yield directory, engine, PromptRenderer(tok, keys, spec), rows, spec
+    yield directory, engine, renderer, rows, spec
     engine.close()
 
 

@@ -17,19 +17,14 @@ import pytest
 import torch
 
 from sapo_megatron.algo import AdvantageConfig
-from sapo_megatron.data.datasets import DatasetKeys, read_dataset
-from sapo_megatron.data.render import PromptRenderer
-from sapo_megatron.data.tokenizer import load_tokenizer
-from sapo_megatron.data.vision import load_image_processor, vision_spec
 from sapo_megatron.rollout.collect import CollectSettings, generate_groups
 from sapo_megatron.rollout.cpu.engine import CPUEngine
 from sapo_megatron.rollout.protocol import png_data_uri
 from sapo_megatron.rollout.sglang.client import SGLangClient
 from sapo_megatron.rollout.types import ImageInputs, SamplingParams
-from tests.data.test_images import png, uri
 from tests.rollout.test_cpu_engine_images import reference
 from tests.sglang_real.conftest import API_KEY, real_server_flags, sglang_process
-from tests.vl_fixtures import build_tiny_vl_checkpoint, with_qwen3_vl_processor
+from tests.vl_fixtures import build_tiny_vl_checkpoint, vl_prompts, with_qwen3_vl_processor
 
 VL_VENV = Path(os.environ.get("SAPO_SGLANG_VL_VENV", "/opt/sapo-sglang-vl-venv"))
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
@@ -60,22 +55,8 @@ def served_export(root: Path) -> Path:
 @pytest.fixture(scope="module")
 def vl(tmp_path_factory):
     directory = served_export(tmp_path_factory.mktemp("sglang_vl"))
-    tok = load_tokenizer(str(directory))
-    spec = vision_spec(tok, load_image_processor(directory), str(directory))
-    records = [
-        {"prompt": "What is in <image>?", "ground_truth": "a", "images": [uri(png(40, 40, (250, 0, 0)))]},
-        {
-            "prompt": "Compare <image> and <image>.",
-            "ground_truth": "b",
-            "images": [uri(png(48, 32, (0, 200, 0))), uri(png(16, 64, (0, 0, 90)))],
-        },
-        {"prompt": "Say something.", "ground_truth": "c"},
-    ]
-    path = directory / "prompts.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    keys = DatasetKeys(apply_chat_template=True)
-    rows = read_dataset(path, keys, keys.image_policy(spec.factor, spec.min_pixels, spec.max_pixels)).rows
-    return directory, PromptRenderer(tok, keys, spec), rows, spec
+    renderer, rows, spec = vl_prompts(directory)
+    return directory, renderer, rows, spec
 
 
 @pytest.fixture(scope="module")
