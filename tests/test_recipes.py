@@ -60,5 +60,5 @@ def test_the_vl_mixed_recipe_loads_with_the_sapo_papers_loss():
     assert cfg.model.arch.vision is not None  # Qwen3-VL: the vision tower is part of the model
     assert cfg.data.apply_chat_template
     names = [d.name for d in cfg.eval.datasets]
-    assert names == ["aime24", "livecodebench", "knights_knaves"]
+    assert names == ["aime24", "livecodebench", "knights_knaves", "mathvista"]
     assert cfg.eval.datasets[1].n == 8
