@@ -49,3 +49,16 @@ def test_the_retool_recipe_carries_slimes_tool_settings():
     loss = cfg.algorithm.loss
     assert (loss.name, loss.eps_low, loss.eps_high) == ("grpo", 0.2, 0.28)
     assert cfg.parallel.max_tokens_per_micro_batch >= mt.max_context_tokens
+
+
+def test_the_vl_mixed_recipe_loads_with_the_sapo_papers_loss():
+    cfg = load_config(RECIPES / "qwen3_vl_30b_a3b_sapo_mixed.yaml")
+    loss = cfg.algorithm.loss
+    assert (loss.name, loss.tau_pos, loss.tau_neg, loss.agg) == ("sapo", 1.0, 1.05, "seq-mean-token-mean")
+    assert (cfg.algorithm.routing_replay, cfg.trainer.mini_batches) == ("none", 4)
+    assert cfg.algorithm.reward == "mixed_tasks"
+    assert cfg.model.arch.vision is not None  # Qwen3-VL: the vision tower is part of the model
+    assert cfg.data.apply_chat_template
+    names = [d.name for d in cfg.eval.datasets]
+    assert names == ["aime24", "livecodebench", "knights_knaves", "mathvista"]
+    assert cfg.eval.datasets[1].n == 8

@@ -50,7 +50,7 @@ def build_run_data(
             continue
         started = time.perf_counter()
         rows, dataset = _rows(cfg, source, split, size, vision)
-        _check_model_takes_images(cfg, rows, f"data.{split}")
+        check_model_takes_images(cfg, rows, f"data.{split}")
         check_encodable(rows, tokenizer, source, template=data.prompt_template)
         read_s = time.perf_counter() - started
         rows, counts = apply_length_policy(rows, renderer, data, source, limit=limit, limit_reason=reason)
@@ -89,7 +89,7 @@ def build_vision(cfg: Any, tokenizer: Any) -> VisionSpec | None:
     return None if processor is None else vision_spec(tokenizer, processor, str(directory))
 
 
-def _check_model_takes_images(cfg: Any, rows: list[PromptRow], field_name: str) -> None:
+def check_model_takes_images(cfg: Any, rows: list[PromptRow], field_name: str) -> None:
     """Prompts with images need a VL model: a text model would train on image pads without their pixels."""
     from sapo_megatron.errors import ConfigError
 

@@ -137,11 +137,13 @@ class PromptRenderer:
         prompt_ids = self.encode(row)
         target = _target(row)
         if self._hf is not None:
+            # an image row is compared before its pads are expanded: the full render holds one pad per image
+            short = self.encode_text(self.text(row)) if row.images and row.prompt_ids is None else prompt_ids
             conversation = [*self.messages(row), {"role": "assistant", "content": target}]
             full = self._hf(self._render(conversation, add_generation_prompt=False), add_special_tokens=False)
             full_ids = full["input_ids"]
-            if full_ids[: len(prompt_ids)] == prompt_ids and len(full_ids) > len(prompt_ids):
-                return prompt_ids, full_ids[len(prompt_ids) :]
+            if full_ids[: len(short)] == short and len(full_ids) > len(short):
+                return prompt_ids, full_ids[len(short) :]
         return prompt_ids, self.tokenizer.encode(target, add_eos=True)
 
     def _render(self, messages: Messages, *, add_generation_prompt: bool) -> str:

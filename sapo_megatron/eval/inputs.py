@@ -20,13 +20,18 @@ from typing import Any
 from sapo_megatron.data.datasets import load_dataset
 from sapo_megatron.data.prompts import PromptRow, check_encodable
 from sapo_megatron.data.render import PromptRenderer, apply_length_policy
+from sapo_megatron.data.vision import VisionSpec
 from sapo_megatron.eval.config import SYNTHETIC_SIZE, EvalDataset
 from sapo_megatron.rewards.answers import extract_final_answer, extract_last_number
+from sapo_megatron.rollout.types import ImageInputs
 
 
-def load_eval_rows(dataset: EvalDataset, *, digits: int, seed: int) -> list[PromptRow]:
+def load_eval_rows(
+    dataset: EvalDataset, *, digits: int, seed: int, vision: VisionSpec | None = None
+) -> list[PromptRow]:
     """The dataset's prompt rows: a ``synthetic:`` task's held-out split (``size`` of them, default
-    :data:`SYNTHETIC_SIZE`), or a file's (directory's, glob's) first ``size`` rows (all by default)."""
+    :data:`SYNTHETIC_SIZE`), or a file's (directory's, glob's) first ``size`` rows (all by default); ``vision``
+    sizes the rows' images as for training (None: a row with images is refused)."""
     from sapo_megatron.data.synthetic import TASKS, make_mixed_rows
     from sapo_megatron.errors import ConfigError
 
@@ -41,7 +46,11 @@ def load_eval_rows(dataset: EvalDataset, *, digits: int, seed: int) -> list[Prom
         return make_mixed_rows(
             tasks, dataset.size or SYNTHETIC_SIZE, digits=digits, split="heldout", seed=seed
         )
-    rows = load_dataset(dataset.path, dataset.keys)
+    keys = dataset.keys
+    policy = (
+        None if vision is None else keys.image_policy(vision.factor, vision.min_pixels, vision.max_pixels)
+    )
+    rows = load_dataset(dataset.path, keys, policy)
     return rows[: dataset.size] if dataset.size else rows
 
 
@@ -50,11 +59,15 @@ class EvalPrompts:
     keys)."""
 
     def __init__(
-        self, tokenizer: Any, dataset: EvalDataset, tools: list[dict[str, Any]] | None = None
+        self,
+        tokenizer: Any,
+        dataset: EvalDataset,
+        tools: list[dict[str, Any]] | None = None,
+        vision: VisionSpec | None = None,
     ) -> None:
         self.dataset = dataset
         self.tokenizer = tokenizer
-        self.renderer = PromptRenderer(tokenizer, dataset.keys, tools=tools)
+        self.renderer = PromptRenderer(tokenizer, dataset.keys, vision, tools=tools)
 
     def check(self, rows: list[PromptRow], *, context: int | None) -> list[PromptRow]:
         """Refuse a row the tokenizer cannot encode (naming file and line), then apply the length policy
@@ -83,6 +96,12 @@ class EvalPrompts:
 
     def encode(self, row: PromptRow) -> list[int]:
         return self.renderer.encode(row)
+
+    def images(self, row: PromptRow) -> ImageInputs | None:
+        """The row's images as the rollout sends them (PNG bytes; the engine expands the pads)."""
+        if not row.images:
+            return None
+        return ImageInputs(png=tuple(image.png() for image in row.images), pad_id=self.renderer.vision.pad_id)
 
     def text(self, row: PromptRow) -> str:
         """The prompt as rendered for the model (chat template included)."""

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from sapo_megatron import jsonio
+from sapo_megatron.data.loading import build_vision, check_model_takes_images
 from sapo_megatron.data.prompts import PromptRow
 from sapo_megatron.eval.config import EvalDataset, resolve_datasets
 from sapo_megatron.eval.inputs import EvalPrompts, EvalReward, load_eval_rows
@@ -88,9 +89,12 @@ def build_suite(cfg: Any, tokenizer: Any, *, seed: int | None = None) -> EvalSui
     reward); ``seed`` (default ``cfg.seed``) draws the synthetic held-out sets."""
     rows, prompts, rewards, runners = {}, {}, {}, {}
     seed = cfg.seed if seed is None else seed
+    vision = build_vision(cfg, tokenizer)  # a VL model's tokenizer: the rows' images go to the engine
     for index, dataset in enumerate(resolve_datasets(cfg)):
-        prompts[dataset.name] = EvalPrompts(tokenizer, dataset, tools=tool_schemas(cfg.rollout.multi_turn))
-        loaded = load_eval_rows(dataset, digits=cfg.data.digits, seed=seed)
+        tools = tool_schemas(cfg.rollout.multi_turn)
+        prompts[dataset.name] = EvalPrompts(tokenizer, dataset, tools=tools, vision=vision)
+        loaded = load_eval_rows(dataset, digits=cfg.data.digits, seed=seed, vision=vision)
+        check_model_takes_images(cfg, loaded, f"eval dataset {dataset.name}")
         rows[dataset.name] = prompts[dataset.name].check(
             loaded, context=cfg.model.arch.max_position_embeddings
         )
@@ -164,6 +168,7 @@ def _run_dataset(engine, tokenizer, suite: EvalSuite, dataset: EvalDataset, seed
     requests = [
         GenerationRequest(
             prompt_ids=prompts.encode(row),
+            images=prompts.images(row),
             n=n,
             sampling=dataclasses.replace(sampling, seed=first_seed + index * n),
             group_id=index,

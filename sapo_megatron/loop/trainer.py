@@ -89,7 +89,10 @@ def run_sft(session: Session, state: LoopState) -> None:
 
 
 def _sft_micro_batches(session: Session, rows: list[PromptRow]):
-    sequences = [TrainSequence(*session.renderer.sft_ids(row)) for row in rows]  # loss on the target only
+    renderer = session.renderer
+    sequences = [  # loss on the target only; the prompt's images as the RL path passes them
+        TrainSequence(*renderer.sft_ids(row), images=renderer.image_inputs(row)) for row in rows
+    ]
     return add_global_normalisers(_micro_batches(session, sequences))
 
 
