@@ -1,11 +1,12 @@
 """Generated tokens/s of concurrent multi-turn episodes against single-turn generations on the same engine.
 
-    python bench/bench_multiturn.py [--episodes 64] [--turns 3] [--tokens-per-turn 16] [--tool-latency-s 0.2]
-                                    [--observation-tokens 8] [--engine http|cpu|both] [--hidden 128] [--rounds 2]
+    python bench/bench_multiturn.py [--episodes 64] [--turns 3] [--tokens-per-turn 16] [--tool-latency-s 0.2 ...]
+                                    [--observation-tokens 8] [--engine http|cpu|both|sglang] [--hidden 128]
+                                    [--rounds 2]
 
 Multi-turn arm: ``--episodes`` episodes at once through :class:`~sapo_megatron.rollout.episodes.EpisodeEngine`,
 each ``--turns`` engine turns of ``--tokens-per-turn`` tokens with a tool call between turns (an async tool that
-sleeps ``--tool-latency-s``, through the ToolSet's timeout and concurrency cap) whose observation appends
+sleeps ``--tool-latency-s``; one run per value given, through the ToolSet's timeout and concurrency cap) whose observation appends
 ``--observation-tokens`` ids. Single-turn arm: the same number of samples, each one response of
 ``turns × tokens-per-turn`` tokens, in one ``generate`` call. Both count the tokens the engine sampled (observations
 excluded) over the wall time of the call; the ratio multi / single is the headline (goal ≥ 0.8).
@@ -14,18 +15,25 @@ Engines: ``http`` is the CPU server (SGLang's API; static batches over a short w
 SGLang worker) behind :class:`~sapo_megatron.rollout.sglang.client.SGLangClient`, the path SGLang servers take;
 ``cpu`` is the in-process CPU engine, where the ready turns of all episodes go in one forward. The model is a
 random tiny Qwen3-MoE widened to ``--hidden`` whose end-of-sequence token is out of its reach, so every response
-runs to its limit. The arms alternate for ``--rounds`` rounds; medians are printed.
+runs to its limit. ``sglang`` is a real SGLang server on CPU (``tools/sglang_cpu/serve.sh`` from
+``$SAPO_SGLANG_VENV``, default /opt/sapo-sglang-venv, as tests/sglang_real starts it: float32, one thread) with
+continuous batching and its prefix cache, on the embedded demo's architecture and character tokenizer with the
+end-of-sequence token removed from model and tokenizer (so responses run to their limit there too); the server's
+start (1-3 minutes) is not timed. The arms alternate for ``--rounds`` rounds; medians are printed.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,6 +61,51 @@ def save_model(path: Path, hidden: int) -> Path:
     )
     transformers.Qwen3MoeForCausalLM(config).save_pretrained(path)
     return path
+
+
+def save_sglang_model(path: Path, hidden: int) -> Path:
+    """The demo's architecture widened to ``hidden``, with the character tokenizer SGLang loads; no EOS in the
+    config, generation config or tokenizer files, so SGLang (which stops at the tokenizer's EOS too) never stops
+    a response early."""
+    import torch
+    import transformers
+
+    from sapo_megatron.defaults import DEMO_MODEL, TOKENIZER
+
+    torch.manual_seed(0)
+    sizes = {"hidden_size": hidden, "intermediate_size": 2 * hidden, "moe_intermediate_size": hidden}
+    sizes |= {"head_dim": hidden // 4, "max_position_embeddings": 1024, "eos_token_id": None}
+    config = transformers.Qwen3MoeConfig(**{**DEMO_MODEL, **sizes})
+    transformers.Qwen3MoeForCausalLM(config).save_pretrained(path)
+    TOKENIZER.save(path)
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        data = json.loads((path / name).read_text())
+        data.pop("eos_token", None)
+        (path / name).write_text(json.dumps(data))
+    return path
+
+
+@contextlib.contextmanager
+def sglang_server(model: Path, log: Path) -> Iterator[str]:
+    """A real SGLang server on CPU, stopped (process group) on exit; tests/sglang_real's flags."""
+    from sapo_megatron.cli import free_port
+    from tests.servers import process
+
+    venv = Path(os.environ.get("SAPO_SGLANG_VENV", "/opt/sapo-sglang-venv"))
+    if not (venv / ".sapo-sglang-installed").is_file():
+        raise SystemExit(f"no real SGLang at {venv}; run tools/sglang_cpu/install.sh {venv}")
+    port = free_port()
+    flags = ["--dtype", "float32", "--random-seed", "0", "--log-level", "warning"]
+    command = [
+        str(REPO / "tools/sglang_cpu/serve.sh"),
+        "--model-path",
+        str(model),
+        "--port",
+        str(port),
+        *flags,
+    ]
+    with process(command, log, f"http://127.0.0.1:{port}", timeout=600) as url:
+        yield url
 
 
 def episode_fn(turns: int, tokens_per_turn: int, observation: list[int]):
@@ -124,7 +177,20 @@ def timed(engine, reqs) -> tuple[float, int]:
     return elapsed, sum(s.generated_tokens for g in groups for s in g)
 
 
-def bench_engine(name: str, engine, args, parallel_calls: int) -> dict:
+def bench_engine(name: str, engine, args, parallel_calls: int) -> list[dict]:
+    """One result per tool latency of ``args.tool_latency_s``."""
+    return [
+        {
+            "tool_latency_s": latency,
+            **bench_latency(
+                name, engine, argparse.Namespace(**{**vars(args), "tool_latency_s": latency}), parallel_calls
+            ),
+        }
+        for latency in args.tool_latency_s
+    ]
+
+
+def bench_latency(name: str, engine, args, parallel_calls: int) -> dict:
     episodes = build_episodes(engine, args, parallel_calls)
     total = args.turns * args.tokens_per_turn
     timed(engine, requests(args, 4, seed=0))  # warm-up
@@ -150,9 +216,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--episodes", type=int, default=64)
     parser.add_argument("--turns", type=int, default=3)
     parser.add_argument("--tokens-per-turn", type=int, default=16)
-    parser.add_argument("--tool-latency-s", type=float, default=0.2)
+    parser.add_argument(
+        "--tool-latency-s", type=float, nargs="+", default=[0.2], help="one run per value (one engine start)"
+    )
     parser.add_argument("--observation-tokens", type=int, default=8)
-    parser.add_argument("--engine", choices=("http", "cpu", "both"), default="both")
+    parser.add_argument("--engine", choices=("http", "cpu", "both", "sglang"), default="both")
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the engine")
@@ -173,15 +241,28 @@ def main(argv: list[str] | None = None) -> int:
 
     results = []
     with tempfile.TemporaryDirectory() as tmp:
+        if args.engine == "sglang":
+            model = save_sglang_model(Path(tmp) / "model", args.hidden)
+            with sglang_server(model, Path(tmp) / "sglang.log") as url:
+                client = SGLangClient([url], max_concurrency=args.episodes, timeout_s=300.0, max_retries=0)
+                results.extend(bench_engine("sglang (real, CPU)", client, args, args.episodes))
+                client.close()
+            print(json.dumps({"settings": settings(args), "results": results}, indent=1))
+            return 0
         model = save_model(Path(tmp) / "model", args.hidden)
         engine = CPUEngine.from_pretrained(model, seed=0, num_threads=args.threads)
         if args.engine in ("cpu", "both"):
-            results.append(bench_engine("cpu (in-process)", engine, args, parallel_calls=1))
+            results.extend(bench_engine("cpu (in-process)", engine, args, parallel_calls=1))
         if args.engine in ("http", "both"):
             with CPUServer(engine, batch_window_s=args.batch_window_s).start() as server:
                 client = SGLangClient([server.url], max_concurrency=args.episodes)
-                results.append(bench_engine("http (CPU server, SGLang API)", client, args, args.episodes))
+                results.extend(bench_engine("http (CPU server, SGLang API)", client, args, args.episodes))
                 client.close()
+    print(json.dumps({"settings": settings(args), "results": results}, indent=1))
+    return 0
+
+
+def settings(args: argparse.Namespace) -> dict:
     names = (
         "episodes",
         "turns",
@@ -191,9 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         "hidden",
         "batch_window_s",
     )
-    settings = {k: getattr(args, k) for k in names}
-    print(json.dumps({"settings": settings, "results": results}, indent=1))
-    return 0
+    return {k: getattr(args, k) for k in names}
 
 
 if __name__ == "__main__":

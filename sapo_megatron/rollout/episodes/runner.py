@@ -3,9 +3,11 @@ runs one episode per requested sample, so collection, dynamic sampling, evaluati
 scoring, weight sync and health go to the engine it wraps.
 
 Concurrency: every episode of a ``generate`` call is a coroutine of one event loop. A turn waits on the
-:class:`TurnBatcher`, which sends the turns that are ready together as one engine call (the CPU engine batches
-them into one forward; an SGLang client sends them at once and the servers batch them), while tool calls run in
-threads – so tools run while other episodes generate.
+:class:`TurnBatcher`: for the in-process CPU engine (one call at a time) the turns that are ready together go as
+one engine call, one forward; for servers (several calls in flight) each turn is its own call, so an episode goes
+on to its tools the moment its own turn is back, never waiting for the slowest turn that happened to be ready at
+the same moment (the servers batch continuously). Tool calls run meanwhile – so tools run while other episodes
+generate.
 """
 
 from __future__ import annotations
@@ -36,8 +38,10 @@ _TURN_SEED_STRIDE = 7919  # turn k of a sample samples with seed + k · stride: 
 
 
 class TurnBatcher:
-    """Turns waiting for the engine go out together: at most ``parallel_calls`` engine calls at a time, each
-    with every turn ready when it starts (the CPU engine computes one call at a time, a client many)."""
+    """Turns waiting for the engine: at most ``parallel_calls`` engine calls at a time. With one (the CPU
+    engine computes one call at a time) a call takes every turn ready when it starts; with several (a client)
+    a call is one turn, whose episode resumes when that turn alone is done – a call's results arrive together,
+    so batching turns there would make each wait for the slowest of its batch."""
 
     def __init__(self, engine: RolloutEngine, parallel_calls: int, executor: ThreadPoolExecutor) -> None:
         self.engine = engine
@@ -55,12 +59,14 @@ class TurnBatcher:
         return await future
 
     def _dispatch(self) -> None:
-        if not self._pending or self._running >= self.parallel_calls:
-            return
-        batch, self._pending = self._pending, []
-        self._running += 1
-        self.calls += 1
-        asyncio.get_running_loop().create_task(self._run(batch))
+        while self._pending and self._running < self.parallel_calls:
+            if self.parallel_calls == 1:
+                batch, self._pending = self._pending, []
+            else:
+                batch = [self._pending.pop(0)]
+            self._running += 1
+            self.calls += 1
+            asyncio.get_running_loop().create_task(self._run(batch))
 
     async def _run(self, batch: list[tuple[GenerationRequest, asyncio.Future]]) -> None:
         loop = asyncio.get_running_loop()

@@ -408,3 +408,39 @@ def test_tools_run_while_other_episodes_generate(hf):
     start, end = spans["slow"]
     during = [n for t, n in calls if start < t < end]
     assert sum(during) >= 2  # the hare's second and third turns, generated while the tortoise's tool ran
+
+
+def test_with_parallel_engine_calls_an_episode_does_not_wait_for_others_turns(hf):
+    """A server engine (several calls in flight): the hare's first turn is ready at the same moment as the
+    tortoise's slow one (0.8 s), yet the hare runs all three of its turns and both tools before that turn is
+    back – it never waits for a turn of another episode (batched together, it would wait 0.8 s per turn)."""
+    done: dict[str, float] = {}
+
+    class Timed(ScriptedEngine):
+        def generate(self, requests):
+            text = self.hf.decode(list(requests[0].prompt_ids))
+            time.sleep(0.8 if "tortoise" in text else 0.02)
+            groups = super().generate(requests)
+            for req in requests:
+                done["tortoise" if "tortoise" in self.hf.decode(list(req.prompt_ids)) else "hare"] = (
+                    time.perf_counter()
+                )
+            return groups
+
+    async def fast(**_: object) -> str:
+        return "ok"
+
+    tools = ToolSet(
+        [Tool({"type": "function", "function": {"name": "fast"}}, fast)],
+        timeout_s=5,
+        max_concurrent=8,
+        max_output_chars=10,
+    )
+    engine = Timed(hf, {"tortoise": ["done"], "hare": [call("fast"), call("fast"), "done"]})
+    episodes = episode_engine(engine, hf, tools=tools, parallel_engine_calls=4)
+    groups = episodes.generate(
+        [request(prompt_ids(hf, "tortoise")), request(prompt_ids(hf, "hare"), group_id=1)]
+    )
+    assert [g[0].episode.turns for g in groups] == [1, 3]
+    assert engine.calls == [1, 1, 1, 1]  # one turn per call
+    assert done["hare"] < done["tortoise"] - 0.5, done
