@@ -6,16 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-# Qwen3's template, reduced to what these tests exercise: <|im_start|>role\ncontent<|im_end|>\n per message, the
-# assistant header as generation prompt, and the empty think block when enable_thinking is false.
-QWEN_STYLE_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
-    "{%- endif %}"
-)
+from sapo_megatron.data.chat_tokenizer import QWEN_STYLE_TEMPLATE  # Qwen3's template, reduced (re-exported)
+
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
     "What is 12 plus 30? Put the final answer in \\boxed{}.",
