@@ -246,3 +246,25 @@ def test_the_launcher_stops_the_other_ranks_when_one_fails(loops):
     code, output = launched.finish(timeout=120)
     assert code == 7, output  # the status of the rank that failed first
     assert "rank 1 step 3" in output and "rank 1 step 4" not in output
+
+
+def test_print_line_writes_its_line_and_newline_in_one_write(monkeypatch):
+    """stderr is unbuffered: a line written in two pieces lets another thread's line (a rank's step line, on the
+    same pipe) land between them, glued to it (seen once in CI as a step line missing from the output)."""
+    from sapo_megatron.runtime.interrupts import print_line
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.writes: list[str] = []
+
+        def write(self, text: str) -> int:
+            self.writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    recorder = Recorder()
+    monkeypatch.setattr(sys, "stderr", recorder)
+    print_line("sapo-megatron: SIGTERM: stopping after the current step")
+    assert [w for w in recorder.writes if w] == ["sapo-megatron: SIGTERM: stopping after the current step\n"]

@@ -69,11 +69,13 @@ def wait_for(futures: Sequence[Future], what: str, poll_s: float = 0.1) -> None:
 
 
 def print_line(text: str) -> None:
-    """Write one line to stderr without breaking a progress bar that is being drawn."""
+    """Write one line to stderr without breaking a progress bar that is being drawn, in one write(2): stderr is
+    unbuffered, and ``tqdm.write(text)`` writes the text and its newline separately, so a line that another
+    thread writes to the same pipe in between (a rank's step line) ended up glued to this one."""
     try:
         from tqdm import tqdm
 
-        tqdm.write(text, file=sys.stderr)
+        tqdm.write(text + "\n", file=sys.stderr, end="")
     except Exception:  # the line must get out even if tqdm cannot write
         os.write(2, (text + "\n").encode())
 
