@@ -200,15 +200,7 @@ def test_tool_errors_and_timeouts_become_observations_and_are_counted(hf):
 def test_limits_end_an_episode_as_truncated_and_are_counted(
     hf, settings, max_new_tokens, truncated_by, turns, tool_calls
 ):
-    async def echo(**arguments: object) -> str:
-        return "ok"
-
-    tools = ToolSet(
-        [Tool({"type": "function", "function": {"name": "echo"}}, echo)],
-        timeout_s=1,
-        max_concurrent=4,
-        max_output_chars=100,
-    )
+    tools = echo_tools(max_concurrent=4, max_output_chars=100)
     script = [call("echo"), call("echo") + "\n" + call("echo")]  # the model never stops calling
     engine = ScriptedEngine(hf, {"loop": script})
     episodes = episode_engine(engine, hf, tools=tools, max_new_tokens=max_new_tokens, **settings)
@@ -233,15 +225,7 @@ def test_routes_are_spliced_across_turns(hf):
     """Rows of earlier tokens come from the turn that decoded them; a turn's last sampled token gets its row from
     the next turn's prefill, and so does the observation."""
 
-    async def echo(**_: object) -> str:
-        return "ok"
-
-    tools = ToolSet(
-        [Tool({"type": "function", "function": {"name": "echo"}}, echo)],
-        timeout_s=1,
-        max_concurrent=1,
-        max_output_chars=100,
-    )
+    tools = echo_tools(max_concurrent=1, max_output_chars=100)
     engine = ScriptedEngine(hf, {"splice": [call("echo"), call("echo"), "done"]})
     prompt = prompt_ids(hf, "splice the routes")
     [[sample]] = episode_engine(engine, hf, tools=tools).generate([request(prompt, routed=True)])
@@ -349,15 +333,7 @@ def test_turn_seeds_differ_per_turn_and_sample(hf):
 
     engine.generate = record
 
-    async def echo(**_: object) -> str:
-        return "ok"
-
-    tools = ToolSet(
-        [Tool({"type": "function", "function": {"name": "echo"}}, echo)],
-        timeout_s=1,
-        max_concurrent=1,
-        max_output_chars=10,
-    )
+    tools = echo_tools(max_concurrent=1, max_output_chars=10)
     episode_engine(engine, hf, tools=tools).generate([request(prompt_ids(hf, "seed"), n=2)])
     assert sorted(seen) == [5, 6, 5 + 7919, 6 + 7919]
 
@@ -444,3 +420,13 @@ def test_with_parallel_engine_calls_an_episode_does_not_wait_for_others_turns(hf
     assert [g[0].episode.turns for g in groups] == [1, 3]
     assert engine.calls == [1, 1, 1, 1]  # one turn per call
     assert done["hare"] < done["tortoise"] - 0.5, done
+
+
+def echo_tools(*, max_concurrent: int, max_output_chars: int) -> ToolSet:
+    """One tool, ``echo``, that answers "ok" within a 1 s timeout (three tests above)."""
+
+    async def echo(**_: object) -> str:
+        return "ok"
+
+    tools = [Tool({"type": "function", "function": {"name": "echo"}}, echo)]
+    return ToolSet(tools, timeout_s=1, max_concurrent=max_concurrent, max_output_chars=max_output_chars)
