@@ -26,14 +26,17 @@ PROCESSOR = {
 }
 
 
-def make_vl_tokenizer(directory: str | Path) -> Path:
+def make_vl_tokenizer(directory: str | Path, *, vocab_multiple: int = 1) -> Path:
     """The chat tokenizer with ``<|vision_start|>``, ``<|image_pad|>``, ``<|vision_end|>`` as special tokens, and
-    the image processor's config beside it (as in a VL model's directory)."""
+    the image processor's config beside it (as in a VL model's directory). ``vocab_multiple``: unused special
+    tokens appended until the vocabulary is a multiple of it (tensor parallelism splits the vocabulary evenly;
+    padding the model's vocabulary instead would let the engine sample ids the tokenizer cannot decode)."""
     from transformers import AutoTokenizer
 
     directory = make_chat_tokenizer(directory)
     tok = AutoTokenizer.from_pretrained(str(directory))
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", *VISION_TOKENS]})
+    tok.add_tokens([f"<|spare_{i}|>" for i in range(-len(tok) % vocab_multiple)], special_tokens=True)
     tok.save_pretrained(str(directory))
     (directory / "preprocessor_config.json").write_text(json.dumps(PROCESSOR))
     return directory
@@ -95,13 +98,16 @@ def tiny_vl_config(tokenizer_dir: str | Path, *, lm_layers: int = 3) -> dict[str
     }
 
 
-def build_tiny_vl_checkpoint(directory: str | Path, *, seed: int = 0) -> Path:
-    """An HF checkpoint directory: the tiny VL-MoE's seeded random weights, its tokenizer and image processor."""
+def build_tiny_vl_checkpoint(
+    directory: str | Path, *, seed: int = 0, lm_layers: int = 3, vocab_multiple: int = 1
+) -> Path:
+    """An HF checkpoint directory: the tiny VL-MoE's seeded random weights, its tokenizer and image processor
+    (``lm_layers`` / ``vocab_multiple``: what pipeline and tensor parallel layouts need, see above)."""
     import torch
     import transformers
 
-    directory = make_vl_tokenizer(directory)
-    config = transformers.AutoConfig.for_model(**tiny_vl_config(directory))
+    directory = make_vl_tokenizer(directory, vocab_multiple=vocab_multiple)
+    config = transformers.AutoConfig.for_model(**tiny_vl_config(directory, lm_layers=lm_layers))
     torch.manual_seed(seed)
     model = transformers.Qwen3VLMoeForConditionalGeneration(config).float().eval()
     model.save_pretrained(str(directory))

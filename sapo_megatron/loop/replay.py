@@ -11,7 +11,9 @@ Metrics, when the engine returns routes (``rollout.routed_experts``): ``routing/
 against the trainer's live routing at the rollout's weights (the old-log-prob pass; under R3 one extra recording
 forward-only pass), over response token-layers; ``routing/agreement_layer{i}`` per MoE layer;
 ``routing/agreement_used`` – the routing the updates actually used against the engine's (1.0 under R3 by
-construction); ``time/replay_s`` – route handling. The mismatch metrics (k3, |δ|, ratio fractions) come from
+construction); for a vision-language model ``routing/agreement_image`` and ``routing/agreement_used_image``, the
+same two over the prompts' image tokens (the engine's routes cover the expanded prompt, image pads included, and
+must land on the trainer's image positions); ``time/replay_s`` – route handling. The mismatch metrics (k3, |δ|, ratio fractions) come from
 ``old_logp``, so they see the arm's routing in effect.
 """
 
@@ -20,13 +22,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import torch
+
 from sapo_megatron.megatron.loss_hook import LogprobOutput
 from sapo_megatron.megatron.routing_replay import ENGINE_ROUTES, RECORDED_ROUTES, USED_ROUTES
 from sapo_megatron.megatron.train_step import StepResult, TrainEngine
-from sapo_megatron.model.batching import UNIT_TEMPERATURE_LOGP, RouteLayout
+from sapo_megatron.model.batching import IMAGE_MASK, UNIT_TEMPERATURE_LOGP, RouteLayout
 
 REPLAY_SOURCES = {"none": None, "r2": RECORDED_ROUTES, "r3": ENGINE_ROUTES}
 Updates = list[list[dict]]
+IMAGE_TOKENS = "image_token_mask"
+"""Micro-batch key of the routing metrics: 1 on input positions that are image tokens (prompt image pads)."""
 
 
 def needs_route_capture(cfg) -> bool:
@@ -53,6 +59,8 @@ class RoutingStep:
         # Distilling at a rollout temperature ≠ 1: A_opd needs the student's log-prob at 1, as teachers score.
         self.unit_logp = bool(cfg.teachers) and self.temperature != 1.0
         self.have_engine_routes = engine.routes is not None and route_layout(cfg) is not None
+        arch = cfg.model.arch
+        self.image_token_id = arch.image_token_id if arch.is_vl and self.have_engine_routes else None
         self._updates: Updates = []
         self._metrics: dict[str, float] = {}
         engine.take_route_seconds()  # start this step's clock
@@ -79,6 +87,7 @@ class RoutingStep:
         self._metrics.update(
             {f"routing/agreement_layer{i}": v for i, v in enumerate(per_layer) if not math.isnan(v)}
         )
+        self._image_agreement("routing/agreement_image", RECORDED_ROUTES)
 
     def train_step(self, update: list[dict], loss_fn: Callable) -> StepResult:
         """One policy update with the arm's routes replayed (or live), recording what it used."""
@@ -92,9 +101,24 @@ class RoutingStep:
         if self.have_engine_routes:
             used = self.engine.routing_agreement(_flat(self._updates), USED_ROUTES, ENGINE_ROUTES)[0]
             metrics["routing/agreement_used"] = used
+            self._image_agreement("routing/agreement_used_image", USED_ROUTES, metrics)
         if self.engine.routes is not None:
             metrics["time/replay_s"] = self.engine.take_route_seconds()
         return metrics
+
+    def _image_agreement(self, name: str, key: str, out: dict[str, float] | None = None) -> None:
+        """Collective: ``key``'s routes against the engine's over the image tokens (logged when there are any)."""
+        if self.image_token_id is None:
+            return
+        batches = _flat(self._updates)
+        for batch in batches:  # every micro-batch, text-only ones too: the metric is reduced over all ranks
+            is_pad = batch["input_ids"] == self.image_token_id  # a pad sampled in a response is text
+            batch[IMAGE_TOKENS] = (
+                is_pad & batch[IMAGE_MASK].bool() if IMAGE_MASK in batch else torch.zeros_like(is_pad)
+            )
+        overall = self.engine.routing_agreement(batches, ENGINE_ROUTES, key, mask_key=IMAGE_TOKENS)[0]
+        if not math.isnan(overall):
+            (self._metrics if out is None else out)[name] = overall
 
 
 def _attach(engine: TrainEngine, updates: Updates, key: str, output_fn, record: bool, mode: str) -> None:
