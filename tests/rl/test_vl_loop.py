@@ -137,7 +137,10 @@ def test_parallel_layout_repeats_the_single_process_run(vl_runs, name):
         assert row["reward/mean"] == ref["reward/mean"]  # the same rollouts
         assert row["response/length_mean"] == ref["response/length_mean"]
         for key in COMPARED:
-            print(f"{name} step {row['step']} {key}: {row[key]:.8g} vs {ref[key]:.8g} (single process)")
+            rel = abs(row[key] - ref[key]) / max(abs(ref[key]), 1e-12)
+            print(
+                f"{name} step {row['step']} {key}: {row[key]:.8g}, single process {ref[key]:.8g} ({rel:.1e})"
+            )
             assert row[key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), key
 
 
