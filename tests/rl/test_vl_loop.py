@@ -91,7 +91,10 @@ def _two_steps(tmp_path, vl_data, procs: int, parallel: dict, replay: str) -> li
     cfg["sft"]["steps"] = 0
     cfg["trainer"].update(steps=2, prompts_per_step=4, mini_batches=2, save_every=0, log_samples_every=1)
     cfg["parallel"] = parallel
-    cfg["launch"] = {"procs_per_node": procs}
+    cfg["launch"] = {
+        "procs_per_node": procs,
+        "cpu_threads": 1,
+    }  # tiny model: more threads are slower (7 s a step)
     cfg["rollout"].update(n_samples=2, max_new_tokens=4, temperature=1.0, routed_experts=True)
     cfg["algorithm"].update(reward=f"{train_file.parent / 'reward.py'}:reward", routing_replay=replay)
     config = tmp_path / "run.yaml"
@@ -159,6 +162,7 @@ def test_sft_warm_start_on_image_rows(tmp_path, vl_data):
         eval={"datasets": []},
     )
     cfg["sft"].update(steps=6, global_batch=len(lines), lr=1e-2, log_every=1)
+    cfg["launch"] = {"cpu_threads": 1}
     cfg["trainer"].update(steps=1, prompts_per_step=2, mini_batches=1, save_every=0)
     cfg["rollout"].update(n_samples=2, max_new_tokens=4, temperature=1.0)
     cfg["algorithm"]["reward"] = "exact_match"
