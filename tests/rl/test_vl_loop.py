@@ -89,14 +89,18 @@ def _two_steps(tmp_path, vl_data, procs: int, parallel: dict, replay: str) -> li
         eval={"datasets": []},
     )
     cfg["sft"]["steps"] = 0
-    cfg["trainer"].update(steps=2, prompts_per_step=4, mini_batches=2, save_every=0, log_samples_every=1)
+    cfg["trainer"].update(
+        steps=2, prompts_per_step=4, mini_batches=2, save_every=0, log_samples_every=1, export_hf=False
+    )
     cfg["parallel"] = parallel
     cfg["launch"] = {
         "procs_per_node": procs,
         "cpu_threads": 1,
     }  # tiny model: more threads are slower (7 s a step)
     cfg["rollout"].update(n_samples=2, max_new_tokens=4, temperature=1.0, routed_experts=True)
-    cfg["algorithm"].update(reward=f"{train_file.parent / 'reward.py'}:reward", routing_replay=replay)
+    cfg["algorithm"].update(
+        reward=f"{train_file.parent / 'reward.py'}:reward", reward_workers=0, routing_replay=replay
+    )  # inline: no worker processes to start
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(cfg))
     train(config)
