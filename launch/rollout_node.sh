@@ -16,6 +16,10 @@ set -euo pipefail
 NODE=${SLURMD_NODENAME:-$(hostname -s)}
 ADDR=$(sapo_node_addr)
 read -r -a SERVER_CMD <<< "${SAPO_SERVER_CMD:-python -m sglang.launch_server}"
+# SGLang 0.5.23 keeps each image's vision-tower output (mm_schedule.embedding_cache, SGLANG_VLM_CACHE_SIZE_MB) across
+# weight updates – neither flush_cache nor update_weights_* clears it – so a trained vision tower would be served
+# stale for every image seen before (docs/multimodal_rl.md). Off unless set; a text model never uses it.
+export SGLANG_VLM_CACHE_SIZE_MB="${SGLANG_VLM_CACHE_SIZE_MB:-0}"
 API_KEY=""
 [ -z "${SAPO_ROLLOUT_KEY_FILE:-}" ] || API_KEY=$(< "$SAPO_ROLLOUT_KEY_FILE")
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from sapo_megatron.algo import AdvantageConfig
+from sapo_megatron.config import config_from_dict
 from sapo_megatron.rollout.collect import CollectSettings, generate_groups
 from sapo_megatron.rollout.cpu.engine import CPUEngine
 from sapo_megatron.rollout.protocol import png_data_uri
@@ -125,3 +126,100 @@ def test_text_with_image_data_and_expanded_ids(vl, vl_url):
     }
     answer = httpx.post(f"{vl_url}/generate", json=expanded, headers=headers, timeout=300)
     assert answer.status_code >= 400
+
+
+def _before_pad(response: list[int], pad_id: int) -> list[int]:
+    """The response up to a sampled ``<|image_pad|>`` (a forward with images would take it for an image)."""
+    return response[: response.index(pad_id)] if pad_id in response else list(response)
+
+
+def _trainer_model(directory: Path):
+    """The Megatron VL model (the trainer's) holding the served checkpoint's weights; the config it was built
+    from. Call inside ``dist_ckpt.parallel_context(cfg)``."""
+    import transformers
+
+    from sapo_megatron.checkpoint.fused_experts import unfuse
+    from sapo_megatron.megatron.model import BuildOptions, build_gpt_model
+    from sapo_megatron.megatron.weights import load_hf_weights
+
+    hf = transformers.AutoModelForImageTextToText.from_pretrained(str(directory)).float()
+    weights = unfuse(hf.state_dict())
+    cfg = config_from_dict(
+        {
+            "model": {"hf_config": json.loads((directory / "config.json").read_text())},
+            "launch": {"procs_per_node": 1},
+        }
+    )
+
+    def build():
+        module = build_gpt_model(BuildOptions(cfg.model, cfg.parallel, cfg.precision))
+        load_hf_weights(module, weights.__getitem__, cfg.model.arch)
+        return module.eval()
+
+    return cfg, build
+
+
+def test_a_weight_update_of_the_vision_tower_reaches_the_server(vl, vl_url, tmp_path):
+    """Only the trainer's vision tower changes; the project's disk weight sync (``DiskSync``: the trainer's HF
+    export, ``update_weights_from_disk``) pushes it to the running server. Image prompts' greedy log-probs then
+    equal a transformers forward at the new weights and differ from the old ones; the text-only prompt's stay."""
+    import sapo_megatron.megatron  # noqa: F401 - megatron-core's stand-ins before it is imported
+    from sapo_megatron.data.tokenizer import load_tokenizer
+    from sapo_megatron.megatron import dist_ckpt
+    from sapo_megatron.megatron.weights import VISION_PREFIX
+    from sapo_megatron.weight_sync import DiskSync
+
+    directory, renderer, rows, spec = vl
+    settings = CollectSettings(
+        n_samples=1, sampling=GREEDY, advantage=AdvantageConfig(), image_pad_id=spec.pad_id
+    )
+    ids = [renderer.encode(row) for row in rows]
+    images = [ImageInputs(png=tuple(i.png() for i in row.images), pad_id=spec.pad_id) for row in rows]
+    client = SGLangClient([vl_url], api_key=API_KEY, num_layers=3, top_k=2, timeout_s=300, max_retries=0)
+    cfg, build = _trainer_model(directory)
+    try:
+        old = generate_groups(client, rows, renderer.encode, settings, seed=0)
+        # scored: each prompt with its old greedy response, up to a sampled <|image_pad|> (SGLang would take
+        # it for an image placeholder), before and after the update
+        scored = [i + _before_pad(s.response_ids, spec.pad_id) for i, (s,) in zip(ids, old)]
+        scored_old = client.score(scored, 1, images=images)  # every target from position 1 on
+        with dist_ckpt.parallel_context(cfg):
+            module = build()
+            generator = torch.Generator().manual_seed(11)
+            with torch.no_grad():
+                vision = [p for name, p in module.named_parameters() if name.startswith(VISION_PREFIX)]
+                for param in vision:
+                    param.add_(
+                        0.2 * param.std().clamp_min(0.02) * torch.randn(param.shape, generator=generator)
+                    )
+            sync = DiskSync(
+                client,
+                cfg.model.arch,
+                staging_dir=tmp_path / "sync",
+                tokenizer=load_tokenizer(str(directory)),
+            )
+            pushed = sync.push(module)
+        new = generate_groups(client, rows, renderer.encode, settings, seed=0)
+        scored_new = client.score(scored, 1, images=images)
+        engine = CPUEngine.from_pretrained(sync.version_dir(1), seed=0)  # transformers at the pushed weights
+        worst, moved = 0.0, []
+        for row, (sample,), before, after in zip(rows, new, scored_old, scored_new):
+            response = sample.response_ids
+            cut = len(_before_pad(response, spec.pad_id))
+            logp, _ = reference(engine, row, sample.prompt_ids + response[:cut], spec)
+            start = len(sample.prompt_ids) - 1
+            worst = max(worst, float((torch.tensor(sample.rollout_logp[:cut]) - logp[start:]).abs().max()))
+            moved.append(float(np.abs(np.subtract(after, before)).max()))
+        engine.close()
+    finally:
+        client.update_weights_from_disk(str(directory))  # the module's other tests see the original weights
+        client.close()
+    print(
+        f"vision-tower update via DiskSync ({len(vision)} tensors, {pushed['weight_sync/bytes']:.0f} bytes): "
+        f"served vs transformers at the new weights max |dlogp| {worst:.2e}; "
+        f"change of the scored log-probs per prompt (1 image, 2 images, text) {moved}"
+    )
+    assert len(vision) >= 10 and pushed["weight_sync/bytes"] > 0
+    assert worst < 1e-4
+    assert moved[0] > 1e-3 and moved[1] > 1e-3  # the image prompts see the new tower
+    assert moved[2] < 1e-5  # the text-only prompt never runs the vision tower (batching noise only)

@@ -18,6 +18,8 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
 fi
 export PYTHONPATH="$here/shim${PYTHONPATH:+:$PYTHONPATH}"
 export SGLANG_USE_CPU_ENGINE=1
+# As launch/rollout_node.sh: SGLang keeps images' vision embeddings across weight updates unless this cache is off.
+export SGLANG_VLM_CACHE_SIZE_MB="${SGLANG_VLM_CACHE_SIZE_MB:-0}"
 # One thread per process: the test machines have 2 cores, shared with the trainer under test.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 exec "$python" -m sglang.launch_server --host 127.0.0.1 --device cpu --attention-backend torch_native \
