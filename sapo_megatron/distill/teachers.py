@@ -12,6 +12,12 @@ A teacher over HTTP has the rollout client's retries and failover; a teacher tha
 
 MOPD: each prompt goes to the teacher of its ``domain`` (one teacher per sample, no averaging); prompts of a
 domain no teacher lists go to the default teacher.
+
+Images: a sample of a prompt with images is scored with them (the engines' ``score(..., images=)``: the prompt's
+PNGs, the image-pad targets masked, which are prompt positions and never trained). A response in which the policy
+sampled ``<|image_pad|>`` itself is scored up to that token only: SGLang takes every pad id of ``input_ids`` for an
+image placeholder (HTTP 500 when there are more pads than images), so no teacher can score the rest; those tokens
+get the rollout's own log-prob (a distillation advantage of ~0) and are counted in ``teacher/unscored_tokens``.
 """
 
 from __future__ import annotations
@@ -30,8 +36,8 @@ from sapo_megatron.distill.config import TeacherConfig, default_teacher, domain_
 from sapo_megatron.errors import UserError
 from sapo_megatron.model.batching import TrainSequence
 from sapo_megatron.rollout.base import RolloutEngine, RolloutError
-from sapo_megatron.rollout.collect import RolloutBatch
-from sapo_megatron.rollout.types import Sample
+from sapo_megatron.rollout.collect import RolloutBatch, prompt_images
+from sapo_megatron.rollout.types import ImageInputs, Sample
 
 Log = Callable[[str], None]
 _CLIENT_COUNTERS = ("rollout/transient_errors", "rollout/retries", "rollout/failovers")
@@ -57,19 +63,31 @@ class Teacher:
     def name(self) -> str:
         return self.cfg.name
 
-    def score(self, samples: Sequence[Sample]) -> list[list[float]]:
-        """Teacher log-probs of each sample's response tokens (``len(response_ids)`` values, all finite)."""
+    def score(
+        self, samples: Sequence[Sample], images: Sequence[ImageInputs | None] | None = None
+    ) -> list[list[float]]:
+        """Teacher log-probs of each sample's response tokens (``len(response_ids)`` values, all finite);
+        ``images[i]``: the images of sample ``i``'s prompt. Tokens from a sampled image pad on get the rollout's
+        log-prob (see the module docstring)."""
         if not samples:
             return []
-        ids = [[*s.prompt_ids, *s.response_ids] for s in samples]
+        images = list(images) if images is not None else [None] * len(samples)
+        cuts = [scorable_tokens(s, image) for s, image in zip(samples, images, strict=True)]
+        ids = [[*s.prompt_ids, *s.response_ids[:cut]] for s, cut in zip(samples, cuts)]
         try:
-            values = self.engine.score(ids, [len(s.prompt_ids) for s in samples])
+            starts = [len(s.prompt_ids) for s in samples]
+            with_images = {"images": images} if any(i is not None for i in images) else {}
+            scored = self.engine.score(ids, starts, **with_images)
         except RolloutError as exc:
             raise TeacherError(
                 f"teacher {self.name!r} failed to score {len(samples)} samples: {exc}",
                 hint=f"check the teacher's servers, or raise teachers[{self.name}].max_retries / timeout_s; "
                 "no sample is trained without its teacher log-probs, so the run stops here",
             ) from exc
+        values = [
+            [*logp, *s.rollout_logp[cut:]] if len(logp) == cut else logp
+            for s, logp, cut in zip(samples, scored, cuts, strict=True)
+        ]
         for sample, logp in zip(samples, values, strict=True):
             if len(logp) != len(sample.response_ids) or not all(math.isfinite(v) for v in logp):
                 raise TeacherError(
@@ -88,6 +106,15 @@ class Teacher:
         self.engine.close()
         if self.server is not None:
             self.server.stop()
+
+
+def scorable_tokens(sample: Sample, images: ImageInputs | None) -> int:
+    """How many of the sample's response tokens a teacher can score: all, unless the prompt has images and the
+    policy sampled an image pad (then those before it)."""
+    response = sample.response_ids
+    if images is None or images.pad_id not in response:
+        return len(response)
+    return response.index(images.pad_id)
 
 
 class Teachers:
@@ -262,31 +289,43 @@ class TeacherScoring:
     :meth:`attach` waits for it and puts the log-probs and domains into the training sequences. Without
     teachers both are no-ops."""
 
-    def __init__(self, teachers: Teachers | None, domains: Sequence[str]) -> None:
+    def __init__(
+        self, teachers: Teachers | None, domains: Sequence[str], *, image_pad_id: int | None = None
+    ) -> None:
         self.teachers = teachers
+        self.image_pad_id = (
+            image_pad_id  # the tokenizer's <|image_pad|>: prompts with images are scored with them
+        )
         self._domain_ids = {domain: index for index, domain in enumerate(domains)}
         self._jobs: list[Future] = []
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="teacher") if teachers is not None else None
         self._busy_s = 0.0
+        self._unscored = 0
         self._counters_before = teachers.counters() if teachers is not None else {}
 
     def submit(self, prompts: Sequence[PromptRow], groups: Sequence[Sequence[Sample]]) -> None:
         """Start scoring the samples of the groups that nothing aborted (aborted groups are never trained)."""
         if self._pool is None:
             return
-        by_teacher: dict[str, list[Sample]] = {}
+        by_teacher: dict[str, list[tuple[Sample, ImageInputs | None]]] = {}
         for row, group in zip(prompts, groups):
             if any(s.finish_reason == "abort" for s in group):
                 continue
-            by_teacher.setdefault(self.teachers.teacher_for(row.domain).name, []).extend(group)
+            images = prompt_images(row, self.image_pad_id)
+            name = self.teachers.teacher_for(row.domain).name
+            by_teacher.setdefault(name, []).extend((sample, images) for sample in group)
         self._jobs.append(self._pool.submit(self._score, by_teacher))
 
-    def _score(self, by_teacher: dict[str, list[Sample]]) -> dict[int, tuple[Sample, str, list[float]]]:
+    def _score(
+        self, by_teacher: dict[str, list[tuple[Sample, ImageInputs | None]]]
+    ) -> dict[int, tuple[Sample, str, list[float]]]:
         started = time.perf_counter()
         scored: dict[int, tuple[Sample, str, list[float]]] = {}
-        for name, samples in by_teacher.items():
-            for sample, logp in zip(samples, self.teachers.teachers[name].score(samples)):
+        for name, pairs in by_teacher.items():
+            samples, images = [s for s, _ in pairs], [i for _, i in pairs]
+            for sample, logp in zip(samples, self.teachers.teachers[name].score(samples, images)):
                 scored[id(sample)] = (sample, name, logp)  # holding the sample keeps its id unique
+            self._unscored += sum(len(s.response_ids) - scorable_tokens(s, i) for s, i in pairs)
         self._busy_s += time.perf_counter() - started
         return scored
 
@@ -326,6 +365,7 @@ class TeacherScoring:
             "teacher/errors": errors["rollout/transient_errors"],
             "teacher/retries": errors["rollout/retries"],
             "teacher/failovers": errors["rollout/failovers"],
+            "teacher/unscored_tokens": float(self._unscored),
         }
         metrics.update({f"teacher/{name}/sequences": float(n) for name, n in per_teacher.items()})
         return metrics

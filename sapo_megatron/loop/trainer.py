@@ -250,7 +250,9 @@ def _rollout(session: Session, prompts: PromptIterator, step: int):
         return_routed_experts=cfg.rollout.routed_experts,
         image_pad_id=session.renderer.vision.pad_id if session.renderer and session.renderer.vision else None,
     )
-    teacher = TeacherScoring(session.teachers, session.distill.domain_names)  # no-op without teachers
+    teacher = TeacherScoring(  # no-op without teachers; scores with each prompt's images
+        session.teachers, session.distill.domain_names, image_pad_id=settings.image_pad_id
+    )
     batch = collect(
         session.rollout,
         rows,

@@ -84,11 +84,16 @@ def generate_groups(
 
 
 def _images(row: PromptRow, settings: CollectSettings) -> ImageInputs | None:
+    return prompt_images(row, settings.image_pad_id)
+
+
+def prompt_images(row: PromptRow, image_pad_id: int | None) -> ImageInputs | None:
+    """What an engine receives with ``row``'s prompt: its resized images as PNGs (None without images)."""
     if not row.images:
         return None
-    if settings.image_pad_id is None:
+    if image_pad_id is None:
         raise RolloutError("a prompt has images and the rollout settings name no image-pad token")
-    return ImageInputs(png=tuple(image.png() for image in row.images), pad_id=settings.image_pad_id)
+    return ImageInputs(png=tuple(image.png() for image in row.images), pad_id=image_pad_id)
 
 
 def per_sample(score: Score) -> BatchScore:

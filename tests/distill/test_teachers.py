@@ -204,3 +204,69 @@ def test_a_teacher_whose_servers_are_all_dead_stops_with_a_clear_error(teacher_d
     ) as err:
         teacher.score(samples)
     assert "no sample is trained without its teacher log-probs" in err.value.hint
+
+
+def vl_teacher_logp(engine: RolloutEngine, directory, renderer, rows, spec) -> tuple[list, dict, list]:
+    """OPD's teacher scoring of samples of prompts with images (``TeacherScoring`` with the image-pad id, as the
+    RL step makes it): the scored sequences, the step's teacher metrics, and per sequence the transformers
+    reference log-probs of the response tokens a teacher can score. The samples are the CPU engine's, plus one
+    whose response holds a sampled ``<|image_pad|>``, scored up to it."""
+    from sapo_megatron.algo import AdvantageConfig
+    from sapo_megatron.rollout.collect import CollectSettings, generate_groups
+    from tests.rollout.test_cpu_engine_images import reference
+
+    local = CPUEngine.from_pretrained(directory, seed=0)
+    settings = CollectSettings(
+        n_samples=2,
+        sampling=SamplingParams(max_new_tokens=6, temperature=1.0),
+        advantage=AdvantageConfig(),
+        image_pad_id=spec.pad_id,
+    )
+    groups = generate_groups(local, rows, renderer.encode, settings, seed=1)
+    first = groups[1][0]  # two images
+    groups[1].append(
+        Sample(
+            group_id=1,
+            sample_index=2,
+            prompt_ids=list(first.prompt_ids),
+            response_ids=[*first.response_ids[:2], spec.pad_id, first.response_ids[0]],
+            rollout_logp=[*first.rollout_logp[:2], -0.5, -0.25],
+            finish_reason="stop",
+        )
+    )
+    teachers = Teachers([Teacher(TeacherConfig(name="vl", model_path=str(directory)), engine)])
+    scoring = TeacherScoring(teachers, [], image_pad_id=spec.pad_id)
+    scoring.submit(rows, groups)
+    batch = RolloutBatch(rows, groups, rewards=None, advantages=None)
+    sequences = [TrainSequence(s.prompt_ids, s.response_ids) for g in groups for s in g]
+    scored = scoring.attach(sequences, batch)
+    references = []
+    for row, group in zip(rows, groups):
+        for sample in group:
+            response = sample.response_ids
+            cut = response.index(spec.pad_id) if spec.pad_id in response else len(response)
+            logp, _ = reference(local, row, sample.prompt_ids + response[:cut], spec)
+            references.append(logp[len(sample.prompt_ids) - 1 :].tolist())
+    local.close()
+    return scored, batch.metrics, references
+
+
+@pytest.mark.slow
+def test_a_vl_teacher_scores_with_the_prompts_images(tmp_path):
+    """A VL teacher served over HTTP (the CPU server: SGLang's wire format, one pad per image + data URIs)
+    scores the response tokens of image prompts as transformers does with the images."""
+    from tests.vl_fixtures import build_tiny_vl_checkpoint, vl_prompts
+
+    directory = build_tiny_vl_checkpoint(tmp_path / "vl")
+    renderer, rows, spec = vl_prompts(directory)
+    with CPUServer(CPUEngine.from_pretrained(directory, seed=0)) as server:
+        scored, metrics, references = vl_teacher_logp(
+            SGLangClient([server.url]), directory, renderer, rows, spec
+        )
+    worst = max(abs(a - b) for seq, ref in zip(scored, references) for a, b in zip(seq.teacher_logp, ref))
+    print(f"VL teacher (CPU server) vs transformers with the images: max |dlogp| {worst:.2e}")
+    assert worst < 1e-5
+    assert all(len(seq.teacher_logp) == len(seq.response_ids) for seq in scored)
+    padded = next(seq for seq in scored if spec.pad_id in seq.response_ids)
+    assert padded.teacher_logp[2:] == [-0.5, -0.25]  # from the sampled pad on: the rollout's own log-probs
+    assert metrics["teacher/unscored_tokens"] >= 2 and metrics["teacher/sequences"] == 7

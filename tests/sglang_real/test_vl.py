@@ -223,3 +223,27 @@ def test_a_weight_update_of_the_vision_tower_reaches_the_server(vl, vl_url, tmp_
     assert worst < 1e-4
     assert moved[0] > 1e-3 and moved[1] > 1e-3  # the image prompts see the new tower
     assert moved[2] < 1e-5  # the text-only prompt never runs the vision tower (batching noise only)
+
+
+def test_opd_teacher_scoring_with_images_on_real_sglang(vl, vl_url):
+    """OPD's teacher scoring (``TeacherScoring`` with the image-pad id, as the RL step builds it) with the real
+    SGLang VL server as the teacher: the response tokens of image prompts get transformers' log-probs with the
+    images, and the CPU engine's as teacher; a sampled ``<|image_pad|>`` ends what is scored."""
+    from tests.distill.test_teachers import vl_teacher_logp
+
+    directory, renderer, rows, spec = vl
+    with SGLangClient(
+        [vl_url], api_key=API_KEY, num_layers=3, top_k=2, timeout_s=300, max_retries=0
+    ) as client:
+        served, metrics, references = vl_teacher_logp(client, directory, renderer, rows, spec)
+    engine = CPUEngine.from_pretrained(directory, seed=0)
+    local, _, _ = vl_teacher_logp(engine, directory, renderer, rows, spec)
+    engine.close()
+    pairs = list(zip(served, references, local))
+    worst_tf = max(abs(a - b) for s, ref, _ in pairs for a, b in zip(s.teacher_logp, ref))
+    worst_cpu = max(abs(a - b) for s, _, c in pairs for a, b in zip(s.teacher_logp, c.teacher_logp))
+    print(
+        f"real SGLang VL teacher: vs transformers {worst_tf:.2e}, vs the CPU engine as teacher {worst_cpu:.2e}"
+    )
+    assert worst_tf < 1e-4 and worst_cpu < 1e-4
+    assert metrics["teacher/errors"] == 0 and metrics["teacher/unscored_tokens"] >= 2
