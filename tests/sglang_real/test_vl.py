@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import httpx
@@ -247,3 +248,118 @@ def test_opd_teacher_scoring_with_images_on_real_sglang(vl, vl_url):
     )
     assert worst_tf < 1e-4 and worst_cpu < 1e-4
     assert metrics["teacher/errors"] == 0 and metrics["teacher/unscored_tokens"] >= 2
+
+
+def test_three_rl_steps_with_r3_on_real_sglang_with_images(vl, vl_url, tmp_path, monkeypatch):
+    """``sapo-megatron train`` on the tiny VL-MoE with rollouts from the real SGLang VL server: R3 replays the
+    server's routes (prompt + response - 1 rows, image tokens included), weights (vision tower included) go to
+    the server over ``update_weights_from_distributed`` after every step, and the trainer's log-probs equal the
+    served ones. The same server scores every step's samples as an OPD teacher (``fusion: rl`` measures only):
+    it holds the policy that sampled them, so the reverse KL is the trainer/engine mismatch, not a teacher gap."""
+    import yaml
+
+    from sapo_megatron.defaults import embedded_default_dict
+    from tests.data.test_images import png, uri
+    from tests.rl.test_trainer import metrics, train
+
+    directory = vl[0]
+    colours = [(250, 0, 0), (0, 200, 0), (0, 0, 90), (120, 120, 0)]
+    records = [
+        {"prompt": f"Which colour is <image>? {i}", "ground_truth": str(i), "images": [uri(png(32, 48, c))]}
+        for i, c in enumerate(colours)
+    ]
+    records.append(
+        {
+            "prompt": "Compare <image> and <image>.",
+            "ground_truth": "4",
+            "images": [uri(png(16, 64, colours[0])), uri(png(40, 40, colours[1]))],
+        }
+    )
+    train_file = tmp_path / "train.jsonl"
+    train_file.write_text("".join(json.dumps(r) + "\n" for r in records))
+    # a reward the random policy's samples differ in (exact_match is 0 for all: no gradient, no update to sync)
+    (tmp_path / "reward.py").write_text(
+        "def spread(response, label):\n    return float(sum(map(ord, response)) % 7)\n"
+    )
+    monkeypatch.setenv("SAPO_TEST_SGLANG_KEY", API_KEY)
+    cfg = embedded_default_dict()
+    cfg.update(
+        output_dir=str(tmp_path / "run"),
+        model={"hf_config": str(directory), "init": "hf", "init_path": str(directory)},
+        data={"train": str(train_file), "tokenizer": str(directory), "apply_chat_template": True},
+        eval={"datasets": []},
+        teachers=[
+            {"name": "served", "engine": "sglang", "urls": [vl_url], "api_key_env": "SAPO_TEST_SGLANG_KEY"}
+        ],
+    )
+    cfg["sft"]["steps"] = 0
+    cfg["trainer"].update(steps=3, prompts_per_step=2, mini_batches=1, save_every=0)
+    cfg["optimizer"]["lr"] = 1e-3  # steps that move the weights (vision tower included) well past fp32 noise
+    cfg["rollout"].update(
+        n_samples=2,
+        max_new_tokens=4,
+        temperature=1.0,
+        engine="sglang",
+        urls=[vl_url],
+        weight_sync="distributed",
+        api_key_env="SAPO_TEST_SGLANG_KEY",
+        routed_experts=True,
+    )
+    cfg["algorithm"].update(reward=f"{tmp_path}/reward.py:spread", routing_replay="r3", fusion={"mode": "rl"})
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    try:
+        train(config)
+        final = _served_vs_final_weights(vl, vl_url, tmp_path / "run" / "hf")
+    finally:
+        reply = httpx.post(
+            vl_url + "/update_weights_from_disk",
+            json={"model_path": str(directory)},
+            headers={"Authorization": f"Bearer {API_KEY}"},
+            timeout=300,
+        )
+        assert reply.json()["success"] is True
+    rl = metrics(tmp_path / "run", "rl")
+    assert [row["step"] for row in rl] == [1, 2, 3]
+    deltas = [row["mismatch/abs_delta_mean"] for row in rl]
+    kl = [row["opd/reverse_kl"] for row in rl]
+    print(f"VL RL on real SGLang, R3: mismatch/abs_delta_mean per step {deltas}; teacher reverse KL {kl}")
+    assert all(delta < 1e-5 for delta in deltas), deltas
+    assert all(row["grad_norm"] > 0 for row in rl[:2])  # steps 2 and 3 sample from updated, synced weights
+    assert all(row["routing/agreement_used"] == 1.0 for row in rl)
+    assert all(row["weight_sync/bytes"] > 0 for row in rl)
+    assert all(abs(k) < 1e-5 and row["teacher/errors"] == 0 for k, row in zip(kl, rl))
+    # after the last sync the server holds the trained weights, the vision tower's included
+    print(
+        f"after the run: served vs the trained export {final[0]:.2e}, vs it with the initial tower {final[1]:.2e}"
+    )
+    assert final[0] < 1e-4 and final[1] > 1e-3
+
+
+def _served_vs_final_weights(vl, url: str, trained: Path) -> tuple[float, float]:
+    """Image prompts scored by the server against the CPU engine at the run's exported (trained) weights, and at
+    those weights with the initial vision tower put back: max |dlogp| each. The first gap is small and the second
+    large only if the server's vision tower is the trained one."""
+    from safetensors.torch import load_file, save_file
+
+    directory, renderer, rows, spec = vl
+    old_tower = trained.parent / "hf_initial_tower"
+    shutil.copytree(trained, old_tower)
+    (shard,) = trained.glob("*.safetensors")
+    tuned, initial = load_file(str(shard)), load_file(str(next(directory.glob("*.safetensors"))))
+    moved = [n for n in tuned if n.startswith("model.visual.") and not torch.equal(tuned[n], initial[n])]
+    assert len(moved) >= 10  # training changed the tower
+    save_file(
+        {**tuned, **{n: initial[n] for n in moved}}, str(old_tower / shard.name), metadata={"format": "pt"}
+    )
+    ids = [renderer.encode(row) for row in rows[:2]]
+    images = [ImageInputs(png=tuple(i.png() for i in row.images), pad_id=spec.pad_id) for row in rows[:2]]
+    with SGLangClient([url], api_key=API_KEY, timeout_s=300, max_retries=0) as client:
+        served = client.score(ids, 1, images=images)
+    gaps = []
+    for path in (trained, old_tower):
+        engine = CPUEngine.from_pretrained(path, seed=0)
+        local = engine.score(ids, 1, images=images)
+        engine.close()
+        gaps.append(max(float(np.abs(np.subtract(a, b)).max()) for a, b in zip(served, local)))
+    return gaps[0], gaps[1]
