@@ -83,3 +83,57 @@ def test_a_pipeline_parallel_run_logs_the_same_reverse_kl(tmp_path, data_files, 
     assert pp2[0]["opd/reverse_kl"] == pytest.approx(single[0]["opd/reverse_kl"], rel=1e-5)
     assert pp2[0]["opd/adv_abs_mean"] == pytest.approx(single[0]["opd/adv_abs_mean"], rel=1e-5)
     assert pp2[1]["opd/reverse_kl"] == pytest.approx(single[1]["opd/reverse_kl"], rel=1e-3)  # after an update
+
+
+@pytest.mark.slow
+def test_opd_with_a_vl_teacher_scores_the_image_prompts_with_their_images(tmp_path):
+    """An OPD run on prompts with images whose teacher (over HTTP: the CPU server, SGLang's wire format) is the
+    student's initial checkpoint: at step 1 the teacher scores the sampled responses as the policy that sampled
+    them did, so the reverse KL is ~0 – which it is only when the teacher gets each prompt's images (without them
+    its log-probs are of other inputs); after an update the student has moved away from it."""
+    import json
+
+    import yaml
+
+    from sapo_megatron.defaults import embedded_default_dict
+    from tests.data.test_images import png, uri
+    from tests.vl_fixtures import build_tiny_vl_checkpoint
+
+    model = build_tiny_vl_checkpoint(tmp_path / "model", seed=3)
+    colours = [(250, 0, 0), (0, 200, 0), (0, 0, 90)]
+    records = [
+        {"prompt": f"Which colour is <image>? {i}", "ground_truth": str(i), "images": [uri(png(32, 48, c))]}
+        for i, c in enumerate(colours)
+    ]
+    records.append(
+        {
+            "prompt": "Compare <image> and <image>.",
+            "ground_truth": "3",
+            "images": [uri(png(16, 64, colours[0])), uri(png(40, 40, colours[1]))],
+        }
+    )
+    train_file = tmp_path / "train.jsonl"
+    train_file.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = embedded_default_dict()
+    cfg.update(
+        output_dir=str(tmp_path / "run"),
+        model={"hf_config": str(model), "init": "hf", "init_path": str(model)},
+        data={"train": str(train_file), "tokenizer": str(model), "apply_chat_template": True},
+        eval={"datasets": []},
+        teachers=[{"name": "vl", "model_path": str(model), "cpu_http": True}],
+    )
+    cfg["sft"]["steps"] = 0
+    cfg["optimizer"]["lr"] = 1e-2
+    cfg["trainer"].update(steps=2, prompts_per_step=4, mini_batches=1, save_every=0, export_hf=False)
+    cfg["rollout"].update(n_samples=2, max_new_tokens=4, temperature=1.0)
+    cfg["algorithm"].update(reward="exact_match", fusion={"mode": "opd"})
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    train(config)
+    rl = metrics(tmp_path / "run", "rl")
+    kl = [row["opd/reverse_kl"] for row in rl]
+    print(f"OPD with a VL teacher (= the initial student): reverse KL per step {kl}")
+    assert [row["teacher/sequences"] for row in rl] == [8.0, 8.0]
+    assert all(row["teacher/errors"] == 0 for row in rl)
+    assert abs(kl[0]) < 1e-5  # teacher = policy, images included
+    assert abs(kl[1]) > 1e-4  # the update moved the student: the teacher's scores are not the rollout's
