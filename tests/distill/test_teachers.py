@@ -16,7 +16,7 @@ from sapo_megatron.distill.teachers import (
     build_teachers,
 )
 from sapo_megatron.model.batching import TrainSequence
-from sapo_megatron.rollout.base import RolloutEngine
+from sapo_megatron.rollout.base import RolloutEngine, RolloutError
 from sapo_megatron.rollout.collect import RolloutBatch
 from sapo_megatron.rollout.cpu.engine import CPUEngine
 from sapo_megatron.rollout.cpu.server import CPUServer
@@ -270,3 +270,15 @@ def test_a_vl_teacher_scores_with_the_prompts_images(tmp_path):
     padded = next(seq for seq in scored if spec.pad_id in seq.response_ids)
     assert padded.teacher_logp[2:] == [-0.5, -0.25]  # from the sampled pad on: the rollout's own log-probs
     assert metrics["teacher/unscored_tokens"] >= 2 and metrics["teacher/sequences"] == 7
+
+
+def test_scoring_a_sampled_image_pad_over_http_is_refused_before_sending():
+    """SGLang takes every image-pad id for an image placeholder: the client refuses such a sequence, naming it,
+    without a request (the dead URL is never contacted). Teachers score up to the pad instead."""
+    from sapo_megatron.rollout.types import ImageInputs
+
+    images = ImageInputs(png=(b"png",), pad_id=9)
+    client = SGLangClient([_dead_url()], max_retries=0)
+    with pytest.raises(RolloutError, match=r"sequence 0 holds 2 runs of the image-pad token 9 for 1 images"):
+        client.score([[1, 9, 9, 2, 5, 9, 3]], 4, images=[images])
+    client.close()

@@ -283,6 +283,7 @@ class SGLangClient(RolloutEngine):
         starts = normalize_response_starts(token_ids_list, response_start)
         self._require_memory(MEMORY_TAGS, "score")
         images = list(images) if images is not None else [None] * len(token_ids_list)
+        _check_image_pads(token_ids_list, images)
         call_id = uuid.uuid4().hex[:12]
         results: list[list[float] | None] = [None] * len(token_ids_list)
 
@@ -924,6 +925,22 @@ def _wire_prompt(req: GenerationRequest) -> tuple[list[int], list[str] | None]:
     """The ids and images a request is sent with: with images, one pad per image and PNG data URIs (SGLang expands
     the pads with its own processor; its ``prompt_tokens`` must then equal the trainer's expanded prompt)."""
     return _wire_ids(req.prompt_ids, req.images)
+
+
+def _check_image_pads(token_ids_list: Sequence[Sequence[int]], images: Sequence[ImageInputs | None]) -> None:
+    """One run of image pads per image, before anything is sent: SGLang takes every pad id of ``input_ids`` for an
+    image placeholder (more pads than images: HTTP 500 from ``base_processor.build_input_ids``)."""
+    for i, (ids, image) in enumerate(zip(token_ids_list, images, strict=True)):
+        if image is None:
+            continue
+        runs = collapse_image_pads(ids, image.pad_id).count(image.pad_id)
+        if runs != len(image.png):
+            raise RolloutError(
+                f"score: sequence {i} holds {runs} runs of the image-pad token {image.pad_id} for "
+                f"{len(image.png)} images; SGLang would take each for an image (a sampled <|image_pad|> cannot be "
+                "scored: score up to it)",
+                field="input_ids",
+            )
 
 
 def _wire_ids(ids: Sequence[int], images: ImageInputs | None) -> tuple[list[int], list[str] | None]:
