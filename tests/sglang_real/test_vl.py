@@ -329,7 +329,9 @@ def test_three_rl_steps_with_r3_on_real_sglang_with_images(vl, vl_url, tmp_path,
     assert all(delta < 1e-5 for delta in deltas), deltas
     assert all(row["grad_norm"] > 0 for row in rl[:2])  # steps 2 and 3 sample from updated, synced weights
     assert all(row["routing/agreement_used"] == 1.0 for row in rl)
-    assert all(row["routing/agreement_used_image"] == 1.0 for row in rl)  # the server's routes of the image pads
+    assert all(
+        row["routing/agreement_used_image"] == 1.0 for row in rl
+    )  # the server's routes of the image pads
     assert all(row["weight_sync/bytes"] > 0 for row in rl)
     assert all(abs(k) < 1e-5 and row["teacher/errors"] == 0 for k, row in zip(kl, rl))
     # after the last sync the server holds the trained weights, the vision tower's included
