@@ -76,7 +76,7 @@ def _eval_plots(results: Sequence[ArmResult]) -> list[tuple[str, str, tuple[str,
         title = f"eval dataset {name}: {curve.metric}" + (
             f" and {curve.pass_metric}" if curve.pass_metric else ""
         )
-        plots.append((f"eval_{name}", title, panels))
+        plots.append((f"eval_{name.replace('/', '_')}", title, panels))  # a source: heldout/colour
     return plots
 
 

@@ -25,7 +25,8 @@ Definitions (``report.json`` → ``arms[i].final``):
 
 ``arms[i].eval`` → per eval dataset (the run's ``eval`` section, rows of phase ``eval``): ``metric`` (its
 headline, ``avg@n``), ``before`` (at RL step 0) and ``after`` (its last evaluation), ``pass_metric`` (``pass@n``)
-and ``pass_after``.
+and ``pass_after``; a dataset of several sources also has one entry per source, ``<name>/<source>`` (its
+``avg@n``, no pass metric).
 """
 
 from __future__ import annotations
@@ -127,18 +128,23 @@ def read_phase_rows(path: Path, phase: str) -> dict[int, dict[str, Any]]:
 
 
 def read_eval_curves(path: Path) -> dict[str, EvalCurve]:
-    """Each eval dataset's ``eval/<name>/avg@n`` and largest ``eval/<name>/pass@k`` over the eval rows (per-source
-    keys ``eval/<name>/<source>/...`` are not the dataset's)."""
+    """Each eval dataset's ``eval/<name>/avg@n`` and largest ``eval/<name>/pass@k`` over the eval rows; and, for a
+    dataset of several sources, each source's ``eval/<name>/<source>/avg@n`` as the curve ``<name>/<source>``
+    (its avg@n only: a pass@k column per source would crowd the table)."""
     rows = read_phase_rows(path, "eval")
     steps = sorted(rows)
     metrics: dict[str, dict[str, int]] = {}  # dataset → {"avg": n, "pass": k}
+    sources: dict[str, set[str]] = {}  # dataset → its sources
     for row in rows.values():
         for key in row:
             parts = key.split("/")
-            if len(parts) != 3 or parts[0] != "eval" or "@" not in parts[2]:
+            if len(parts) not in (3, 4) or parts[0] != "eval" or "@" not in parts[-1]:
                 continue
-            kind, _, k = parts[2].partition("@")
-            if kind in ("avg", "pass") and k.isdigit():
+            kind, _, k = parts[-1].partition("@")
+            if len(parts) == 4:
+                if kind == "avg":
+                    sources.setdefault(parts[1], set()).add(parts[2])
+            elif kind in ("avg", "pass") and k.isdigit():
                 best = metrics.setdefault(parts[1], {})
                 best[kind] = max(best.get(kind, 0), int(k))
     curves = {}
@@ -147,17 +153,28 @@ def read_eval_curves(path: Path) -> dict[str, EvalCurve]:
             continue
         metric = f"avg@{best['avg']}"
         pass_metric = f"pass@{best['pass']}" if "pass" in best else None
-        mine = [step for step in steps if f"eval/{name}/{metric}" in rows[step]]
-        curves[name] = EvalCurve(
-            metric,
-            pass_metric,
-            tuple(mine),
-            tuple(_number(rows[step][f"eval/{name}/{metric}"]) for step in mine),
-            tuple(_number(rows[step].get(f"eval/{name}/{pass_metric}")) for step in mine)
-            if pass_metric
-            else (),
-        )
+        curves[name] = _curve(rows, steps, f"eval/{name}", metric, pass_metric)
+        if len(sources.get(name, ())) > 1:
+            for source in sorted(sources[name]):
+                curves[f"{name}/{source}"] = _curve(rows, steps, f"eval/{name}/{source}", metric, None)
     return curves
+
+
+def _curve(
+    rows: Mapping[int, Mapping[str, Any]],
+    steps: Sequence[int],
+    prefix: str,
+    metric: str,
+    pass_metric: str | None,
+) -> EvalCurve:
+    mine = [step for step in steps if f"{prefix}/{metric}" in rows[step]]
+    return EvalCurve(
+        metric,
+        pass_metric,
+        tuple(mine),
+        tuple(_number(rows[step][f"{prefix}/{metric}"]) for step in mine),
+        tuple(_number(rows[step].get(f"{prefix}/{pass_metric}")) for step in mine) if pass_metric else (),
+    )
 
 
 def read_rl_series(path: Path) -> tuple[list[int], dict[str, list[float | None]]]:

@@ -389,3 +389,44 @@ def test_diagnostics_eval_datasets_and_the_table_by_configuration(tmp_path):
     assert {"eval_heldout.png", "eval_sampled.png"} <= {path.name for path in files.plots}
     sampled_png = tmp_path / "plots" / "eval_sampled.png"
     assert has_colour(sampled_png, SAPO_BLUE) and not has_colour(sampled_png, GRPO_ORANGE)
+
+
+def test_a_dataset_of_several_sources_reports_each_sources_avg(tmp_path):
+    """Mixed tasks: the table, report.json and the plots carry each source's avg@n beside the dataset's."""
+
+    def row(step: int, colour: float, logic: float) -> str:
+        return json.dumps(
+            {
+                "phase": "eval",
+                "step": step,
+                "eval/heldout/avg@4": (colour + logic) / 2,
+                "eval/heldout/pass@4": 1.0,
+                "eval/heldout/name_colour/avg@4": colour,
+                "eval/heldout/name_colour/pass@4": 1.0,
+                "eval/heldout/knights_knaves/avg@4": logic,
+            }
+        )
+
+    write_run(tmp_path, SAPO, healthy(4), summary={}, extra_lines=(row(0, 0.2, 0.0), row(4, 0.6, 0.1)))
+    result = load_arm_result(SAPO, tmp_path / SAPO.name)
+    assert list(result.evals) == ["heldout", "heldout/knights_knaves", "heldout/name_colour"]
+    colour = result.evals["heldout/name_colour"]
+    assert (colour.metric, colour.pass_metric, colour.steps, colour.values) == (
+        "avg@4",
+        None,
+        (0, 4),
+        (0.2, 0.6),
+    )
+    assert result.evals["heldout"].values == (0.1, 0.35)
+    files = write_report(tmp_path, [SAPO])
+    arm = json.loads(files.json.read_text())["arms"][0]
+    assert arm["eval"]["heldout/knights_knaves"]["before"] == 0.0
+    assert arm["eval"]["heldout/knights_knaves"]["after"] == 0.1
+    md = files.markdown.read_text()
+    assert (
+        "| heldout avg@4 | heldout pass@4 | heldout/knights_knaves avg@4 | heldout/name_colour avg@4 |" in md
+    )
+    assert "| 0.1 → 0.35 | 1 | 0 → 0.1 | 0.2 → 0.6 |" in md
+    assert {"eval_heldout_name_colour.png", "eval_heldout_knights_knaves.png"} <= {
+        p.name for p in files.plots
+    }
