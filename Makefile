@@ -59,7 +59,7 @@ distill-evidence: $(STAMP)
 	    --output-dir runs/distill_mopd
 
 # docs/multimodal.md, "Evidence in miniature": SAPO / GSPO / GRPO-R2 on the tiny VL-MoE, mixed visual, logic and
-# math tasks, 3 seeds (about 50 min on 2 shared cores)
+# math tasks, 3 seeds (35 min on 2 shared cores)
 VL_EVIDENCE := configs/vl_evidence
 vl-evidence: $(STAMP)
 	$(BIN)/python -m sapo_megatron.data.vl_demo runs/vl_evidence_data --train 2000 --heldout 200 \
