@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(BIN)/sapo-megatron train --output-dir runs/demo --resume auto
 
 # The CPU VL demo (docs/multimodal.md): writes a tokenizer with image tokens and a seeded visual dataset, then trains
-# a tiny Qwen3-VL-MoE from random weights (SFT warm start, SAPO RL) with held-out avg@4 (about 4 min on 2 cores)
+# a tiny Qwen3-VL-MoE from random weights (SFT warm start, SAPO RL) with held-out avg@4 (2 min on 2 idle cores)
 demo-vl: $(STAMP)
 	$(BIN)/python -m sapo_megatron.data.vl_demo runs/demo_vl_data --train 2000 --heldout 200 --tasks name_colour
 	$(BIN)/sapo-megatron train configs/demo_tiny_vl_moe_cpu.yaml --output-dir runs/demo_vl --resume auto
