@@ -44,6 +44,15 @@ def _become_subreaper() -> None:
 
 
 def main() -> None:
+    try:
+        _serve()
+    except (
+        BrokenPipeError
+    ):  # the trainer closed its end (it finished or stopped): nothing to answer, no traceback
+        os._exit(0)  # not sys.exit: the interpreter's final flush of the closed pipe would print one
+
+
+def _serve() -> None:
     _die_with_parent()
     _become_subreaper()
     reply = os.fdopen(os.dup(1), "wb")  # the protocol's channel; fd 1 becomes stderr for the reward's prints
