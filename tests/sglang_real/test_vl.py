@@ -261,24 +261,10 @@ def test_three_rl_steps_with_r3_on_real_sglang_with_images(vl, vl_url, tmp_path,
     import yaml
 
     from sapo_megatron.defaults import embedded_default_dict
-    from tests.data.test_images import png, uri
     from tests.rl.test_trainer import metrics, train
 
     directory = vl[0]
-    colours = [(250, 0, 0), (0, 200, 0), (0, 0, 90), (120, 120, 0)]
-    records = [
-        {"prompt": f"Which colour is <image>? {i}", "ground_truth": str(i), "images": [uri(png(32, 48, c))]}
-        for i, c in enumerate(colours)
-    ]
-    records.append(
-        {
-            "prompt": "Compare <image> and <image>.",
-            "ground_truth": "4",
-            "images": [uri(png(16, 64, colours[0])), uri(png(40, 40, colours[1]))],
-        }
-    )
-    train_file = tmp_path / "train.jsonl"
-    train_file.write_text("".join(json.dumps(r) + "\n" for r in records))
+    train_file = _image_prompts(tmp_path / "train.jsonl")
     # a reward the random policy's samples differ in (exact_match is 0 for all: no gradient, no update to sync)
     (tmp_path / "reward.py").write_text(
         "def spread(response, label):\n    return float(sum(map(ord, response)) % 7)\n"
@@ -339,6 +325,80 @@ def test_three_rl_steps_with_r3_on_real_sglang_with_images(vl, vl_url, tmp_path,
         f"after the run: served vs the trained export {final[0]:.2e}, vs it with the initial tower {final[1]:.2e}"
     )
     assert final[0] < 1e-4 and final[1] > 1e-3
+
+
+def test_opd_run_with_the_real_sglang_vl_server_as_teacher(vl, vl_url, tmp_path, monkeypatch):
+    """``sapo-megatron train`` with ``fusion: opd`` on image prompts: the student samples with the in-process CPU
+    engine, the real SGLang VL server is the teacher and serves the initial weights (the module's other tests put
+    them back when they end; this run never syncs to it). At step 1 the teacher scores the samples as the policy
+    that drew them did, so the reverse KL is ~0, which it is only when the server gets each prompt's images
+    (without them its log-probs are of other inputs); after an update the student has moved away from it and the
+    OPD advantage is the gap. The same run with a CPU teacher: tests/distill/test_loop.py."""
+    import time
+
+    import yaml
+
+    from sapo_megatron.defaults import embedded_default_dict
+    from tests.rl.test_trainer import metrics, train
+
+    directory = vl[0]
+    monkeypatch.setenv("SAPO_TEST_SGLANG_KEY", API_KEY)
+    cfg = embedded_default_dict()
+    cfg.update(
+        output_dir=str(tmp_path / "run"),
+        model={"hf_config": str(directory), "init": "hf", "init_path": str(directory)},
+        data={
+            "train": str(_image_prompts(tmp_path / "train.jsonl")),
+            "tokenizer": str(directory),
+            "apply_chat_template": True,
+        },
+        eval={"datasets": []},
+        teachers=[
+            {"name": "served", "engine": "sglang", "urls": [vl_url], "api_key_env": "SAPO_TEST_SGLANG_KEY"}
+        ],
+    )
+    cfg["sft"]["steps"] = 0
+    cfg["optimizer"]["lr"] = 1e-2
+    cfg["trainer"].update(steps=2, prompts_per_step=4, mini_batches=1, save_every=0, export_hf=False)
+    cfg["rollout"].update(engine="cpu", n_samples=2, max_new_tokens=4, temperature=1.0)
+    cfg["algorithm"].update(reward="exact_match", fusion={"mode": "opd"})
+    config = tmp_path / "run.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    start = time.monotonic()
+    train(config)
+    wall = time.monotonic() - start
+    rl = metrics(tmp_path / "run", "rl")
+    kl = [row["opd/reverse_kl"] for row in rl]
+    adv = [row["opd/adv_abs_mean"] for row in rl]
+    print(
+        f"OPD with the real SGLang VL server as teacher: reverse KL per step {kl}, |A_opd| mean {adv}, "
+        f"train {wall:.1f} s"
+    )
+    assert [row["step"] for row in rl] == [1, 2]
+    assert [row["teacher/sequences"] for row in rl] == [8.0, 8.0]
+    assert all(row["teacher/errors"] == 0 for row in rl)
+    assert abs(kl[0]) < 1e-5 and adv[0] < 1e-5  # teacher = the sampling policy, images included
+    assert kl[1] > 1e-4 and adv[1] > 1e-4  # the update moved the student; the teacher stayed
+
+
+def _image_prompts(path: Path) -> Path:
+    """Four one-image prompts and a two-image one (images of other sizes), as a training jsonl."""
+    from tests.data.test_images import png, uri
+
+    colours = [(250, 0, 0), (0, 200, 0), (0, 0, 90), (120, 120, 0)]
+    records = [
+        {"prompt": f"Which colour is <image>? {i}", "ground_truth": str(i), "images": [uri(png(32, 48, c))]}
+        for i, c in enumerate(colours)
+    ]
+    records.append(
+        {
+            "prompt": "Compare <image> and <image>.",
+            "ground_truth": "4",
+            "images": [uri(png(16, 64, colours[0])), uri(png(40, 40, colours[1]))],
+        }
+    )
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
 
 
 def _served_vs_final_weights(vl, url: str, trained: Path) -> tuple[float, float]:
