@@ -4,8 +4,8 @@ image pad per image and PNG data URIs) gives the trainer's expanded prompt lengt
 transformers' full forward, the CPU engine's greedy tokens, and routed experts that agree with transformers'
 routers on every token, image tokens included. The model has 3 DeepStack levels and 3 LM layers, as SGLang's
 ``range(3)`` needs. Then, on the same server: a vision-tower update pushed by the trainer's disk sync, OPD's
-teacher scoring with images, and 3 RL steps of ``sapo-megatron train`` with R3 and distributed weight sync (the
-last puts the original weights back)."""
+teacher scoring with images, 3 RL steps of ``sapo-megatron train`` with R3 and distributed weight sync (the tests
+that change the served weights put the original ones back), and a ``fusion: opd`` run with the server as teacher."""
 
 from __future__ import annotations
 
