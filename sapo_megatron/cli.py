@@ -24,6 +24,7 @@ from sapo_megatron import __version__
 from sapo_megatron.errors import RunInterrupted, UserError
 from sapo_megatron.runtime import logs
 from sapo_megatron.runtime.interrupts import EXIT_NOW_CODE
+from sapo_megatron.runtime.local_launch import note_failure
 
 if TYPE_CHECKING:
     from sapo_megatron.config import RunConfig
@@ -52,17 +53,25 @@ def main(argv: list[str] | None = None) -> int:
     is_main = os.environ.get("RANK", "0") == "0"
     with logs.console(is_main=is_main, debug=debug, verbose=verbose):
         logs.filter_known_warnings()
-        try:
-            return int(args.handler(args) or 0)
-        except UserError as err:
-            return _report_user_error(err, argv, is_main=is_main, debug=debug)
-        except KeyboardInterrupt as err:  # a signal before (or without) the trainer's interrupt guard
-            logs.record_exception(err)
-            if is_main:
-                print("sapo-megatron: interrupted", file=sys.stderr)
-            return EXIT_NOW_CODE
-        except Exception as err:
-            return _report_crash(err, is_main=is_main, debug=debug)
+        code = _run(args, argv, is_main=is_main, debug=debug)
+    if code:
+        note_failure()  # for a local launcher: this rank's failure time, before teardown makes its peers fail
+    return code
+
+
+def _run(args: argparse.Namespace, argv: list[str], *, is_main: bool, debug: bool) -> int:
+    """The command's handler; an error becomes its exit status, reported as the module docstring says."""
+    try:
+        return int(args.handler(args) or 0)
+    except UserError as err:
+        return _report_user_error(err, argv, is_main=is_main, debug=debug)
+    except KeyboardInterrupt as err:  # a signal before (or without) the trainer's interrupt guard
+        logs.record_exception(err)
+        if is_main:
+            print("sapo-megatron: interrupted", file=sys.stderr)
+        return EXIT_NOW_CODE
+    except Exception as err:
+        return _report_crash(err, is_main=is_main, debug=debug)
 
 
 PEER_GONE = (

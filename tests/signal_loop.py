@@ -14,6 +14,7 @@ import sys
 import time
 
 from sapo_megatron.runtime.interrupts import InterruptGuard, print_line
+from sapo_megatron.runtime.local_launch import note_failure
 
 
 def say(line: str) -> None:
@@ -47,6 +48,7 @@ def main() -> int:
             time.sleep(args.step_s)
             say(f"rank {rank} step {step}")
             if step == args.fail_after and rank == args.fail_rank:
+                note_failure()  # as sapo-megatron's command line does on a non-zero status
                 return 7
             if step == args.stall_after and rank == args.stall_rank:
                 time.sleep(120)  # a long call; the other ranks wait for this one in should_stop's all-reduce

@@ -248,6 +248,25 @@ def test_the_launcher_stops_the_other_ranks_when_one_fails(loops):
     assert "rank 1 step 3" in output and "rank 1 step 4" not in output
 
 
+def test_the_launcher_reports_the_rank_that_failed_first_not_the_one_that_ended_first():
+    """A failing rank's teardown can take longer than the failure it causes in a peer (CI saw rank 0's gloo error
+    end first, and its status 1 win over rank 1's 7): the launcher goes by when each rank noted its failure, and
+    by when it ended where it noted nothing."""
+    from sapo_megatron.runtime.local_launch import launch_local
+
+    cause_ends_last = (
+        "import os, sys, time\n"
+        "from sapo_megatron.runtime.local_launch import note_failure\n"
+        "rank = int(os.environ['RANK'])\n"
+        "time.sleep(0.5 * (1 - rank)); NOTE\n"  # rank 1 fails at once, rank 0 half a second later
+        "time.sleep(1.5 * rank); sys.exit(7 if rank else 1)\n"  # but rank 1 ends a second after rank 0
+    )
+    with_notes = cause_ends_last.replace("NOTE", "note_failure()")
+    assert launch_local([sys.executable, "-c", with_notes], 2, port=0) == 7  # port 0: no process group here
+    without_notes = cause_ends_last.replace("NOTE", "pass")
+    assert launch_local([sys.executable, "-c", without_notes], 2, port=0) == 1
+
+
 def test_print_line_writes_its_line_and_newline_in_one_write(monkeypatch):
     """stderr is unbuffered: a line written in two pieces lets another thread's line (a rank's step line, on the
     same pipe) land between them, glued to it (seen once in CI as a step line missing from the output)."""

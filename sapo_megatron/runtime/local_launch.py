@@ -13,6 +13,12 @@ after a Ctrl-C, leaving the workers running on their own. Multi-node jobs still 
 The ranks run in their own sessions, so a terminal's Ctrl-C reaches only this process, which forwards it: every
 rank sees each signal exactly once. When a rank fails, the others get ``settle_s`` to finish on their own (they
 usually fail too, or print nothing), then SIGTERM, and SIGKILL after ``grace_s``.
+
+Which rank failed first is decided by when each rank *failed*, not when its process ended: a failing rank's
+interpreter teardown closes its gloo sockets before the process is gone, so a peer can fail on that, and end,
+before the rank that caused it. Each rank's command line calls :func:`note_failure` as it returns a non-zero status
+(the time goes to a file in the launcher's temporary folder, as torchrun's error files carry theirs); a rank that
+left no note counts from its process's end.
 """
 
 from __future__ import annotations
@@ -22,17 +28,35 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from types import FrameType
 
 FORWARDED: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
+FAILURE_DIR_ENV = "SAPO_LAUNCH_FAILURE_DIR"
+"""Where a rank started by :func:`launch_local` notes when it failed (:func:`note_failure`)."""
 
 
-def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
-    """The environment of local rank ``rank`` (what torchrun sets, for one node)."""
+def note_failure() -> None:
+    """Record when this rank failed, for the launcher that started it (a no-op otherwise); call it as the failure
+    is known, before the interpreter's teardown closes the rank's connections to its peers."""
+    directory, rank = os.environ.get(FAILURE_DIR_ENV), os.environ.get("RANK", "")
+    if not directory or not rank.isdigit():
+        return
+    with contextlib.suppress(OSError):
+        (Path(directory) / f"rank{rank}").write_text(
+            repr(time.monotonic())
+        )  # CLOCK_MONOTONIC: one per machine
+
+
+def rank_env(rank: int, world_size: int, port: int, failure_dir: str | None = None) -> dict[str, str]:
+    """The environment of local rank ``rank`` (what torchrun sets, for one node), and where it notes a failure."""
     env = dict(os.environ)
+    if failure_dir is not None:
+        env[FAILURE_DIR_ENV] = failure_dir
     env.setdefault(
         "OMP_NUM_THREADS", "1"
     )  # torchrun's default too: N processes must not each take every core
@@ -53,8 +77,17 @@ def launch_local(
 ) -> int:
     """Run ``command`` as ``nprocs`` ranks; returns the exit status of the rank that failed first (the root
     cause; a rank killed by signal N counts as 128 + N), or 0 when all succeed."""
+    with tempfile.TemporaryDirectory(prefix="sapo-launch-") as failure_dir:
+        return _launch(
+            command, nprocs, port=port, settle_s=settle_s, grace_s=grace_s, failure_dir=failure_dir
+        )
+
+
+def _launch(
+    command: Sequence[str], nprocs: int, *, port: int, settle_s: float, grace_s: float, failure_dir: str
+) -> int:
     procs = [
-        subprocess.Popen(list(command), env=rank_env(rank, nprocs, port), start_new_session=True)
+        subprocess.Popen(list(command), env=rank_env(rank, nprocs, port, failure_dir), start_new_session=True)
         for rank in range(nprocs)
     ]
 
@@ -66,7 +99,9 @@ def launch_local(
 
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
     try:
-        first_failed, stopped = _wait(procs, settle_s=settle_s, grace_s=grace_s)
+        first_failed, stopped = _wait(
+            procs, settle_s=settle_s, grace_s=grace_s, failure_dir=Path(failure_dir)
+        )
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -77,7 +112,9 @@ def launch_local(
     return _exit_status([proc.returncode for proc in procs], first_failed, stopped)
 
 
-def _wait(procs: list[subprocess.Popen], *, settle_s: float, grace_s: float) -> tuple[int | None, set[int]]:
+def _wait(
+    procs: list[subprocess.Popen], *, settle_s: float, grace_s: float, failure_dir: Path
+) -> tuple[int | None, set[int]]:
     """Wait for every rank; stop the others when one fails. Returns (the rank that failed first, or ``None``;
     the ranks this function signalled)."""
     ended: dict[int, float] = {}  # rank -> when its process ended, taken by a thread blocked in wait()
@@ -101,8 +138,21 @@ def _wait(procs: list[subprocess.Popen], *, settle_s: float, grace_s: float) -> 
         if terminated_at is not None and now - terminated_at > grace_s:
             stopped |= _signal_alive(procs, signal.SIGKILL)
         time.sleep(0.05)
-    failed = sorted((when, rank) for rank, when in ended.items() if procs[rank].returncode)
+    failed = sorted(
+        (_noted_failure(failure_dir, rank, when), rank)
+        for rank, when in ended.items()
+        if procs[rank].returncode
+    )
     return (failed[0][1] if failed else None), stopped
+
+
+def _noted_failure(failure_dir: Path, rank: int, ended_at: float) -> float:
+    """When ``rank`` noted its failure (:func:`note_failure`), else when its process ended."""
+    try:
+        noted = float((failure_dir / f"rank{rank}").read_text()[:64])
+    except (OSError, ValueError):
+        return ended_at
+    return min(noted, ended_at)
 
 
 def _signal_alive(procs: list[subprocess.Popen], sig: signal.Signals) -> set[int]:
