@@ -182,3 +182,42 @@ def vl_prompts(directory: str | Path) -> tuple[Any, list[Any], Any]:
     keys = DatasetKeys(apply_chat_template=True)
     rows = read_dataset(path, keys, keys.image_policy(spec.factor, spec.min_pixels, spec.max_pixels)).rows
     return PromptRenderer(tok, keys, spec), rows, spec
+
+
+COLOURS = [(250, 0, 0), (0, 200, 0), (0, 0, 90), (120, 120, 0)]
+
+
+def image_prompt_records(colours: int = 4) -> list[dict[str, Any]]:
+    """``colours`` one-image prompts ("Which colour is <image>? i", answer i, 32x48 images) and a two-image one
+    (images of two other sizes, answer ``colours``), as training rows in the plain jsonl layout."""
+    from tests.data.test_images import png, uri
+
+    records = [
+        {"prompt": f"Which colour is <image>? {i}", "ground_truth": str(i), "images": [uri(png(32, 48, c))]}
+        for i, c in enumerate(COLOURS[:colours])
+    ]
+    pair = [uri(png(16, 64, COLOURS[0])), uri(png(40, 40, COLOURS[1]))]
+    records.append({"prompt": "Compare <image> and <image>.", "ground_truth": str(colours), "images": pair})
+    return records
+
+
+def write_jsonl(path: Path, records: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def vl_run_config(model: Path, train_file: Path, output_dir: Path, **top: Any) -> dict[str, Any]:
+    """The embedded default run on a tiny VL checkpoint: its weights, tokenizer and chat template, ``train_file``,
+    no evaluation and no SFT; ``top`` adds top-level sections (e.g. ``teachers``)."""
+    from sapo_megatron.defaults import embedded_default_dict
+
+    cfg = embedded_default_dict()
+    cfg.update(
+        output_dir=str(output_dir),
+        model={"hf_config": str(model), "init": "hf", "init_path": str(model)},
+        data={"train": str(train_file), "tokenizer": str(model), "apply_chat_template": True},
+        eval={"datasets": []},
+        **top,
+    )
+    cfg["sft"]["steps"] = 0
+    return cfg

@@ -91,38 +91,15 @@ def test_opd_with_a_vl_teacher_scores_the_image_prompts_with_their_images(tmp_pa
     student's initial checkpoint: at step 1 the teacher scores the sampled responses as the policy that sampled
     them did, so the reverse KL is ~0 – which it is only when the teacher gets each prompt's images (without them
     its log-probs are of other inputs); after an update the student has moved away from it."""
-    import json
 
     import yaml
 
-    from sapo_megatron.defaults import embedded_default_dict
-    from tests.data.test_images import png, uri
-    from tests.vl_fixtures import build_tiny_vl_checkpoint
+    from tests.vl_fixtures import build_tiny_vl_checkpoint, image_prompt_records, vl_run_config, write_jsonl
 
     model = build_tiny_vl_checkpoint(tmp_path / "model", seed=3)
-    colours = [(250, 0, 0), (0, 200, 0), (0, 0, 90)]
-    records = [
-        {"prompt": f"Which colour is <image>? {i}", "ground_truth": str(i), "images": [uri(png(32, 48, c))]}
-        for i, c in enumerate(colours)
-    ]
-    records.append(
-        {
-            "prompt": "Compare <image> and <image>.",
-            "ground_truth": "3",
-            "images": [uri(png(16, 64, colours[0])), uri(png(40, 40, colours[1]))],
-        }
-    )
-    train_file = tmp_path / "train.jsonl"
-    train_file.write_text("".join(json.dumps(r) + "\n" for r in records))
-    cfg = embedded_default_dict()
-    cfg.update(
-        output_dir=str(tmp_path / "run"),
-        model={"hf_config": str(model), "init": "hf", "init_path": str(model)},
-        data={"train": str(train_file), "tokenizer": str(model), "apply_chat_template": True},
-        eval={"datasets": []},
-        teachers=[{"name": "vl", "model_path": str(model), "cpu_http": True}],
-    )
-    cfg["sft"]["steps"] = 0
+    train_file = write_jsonl(tmp_path / "train.jsonl", image_prompt_records(colours=3))
+    teacher = {"name": "vl", "model_path": str(model), "cpu_http": True}
+    cfg = vl_run_config(model, train_file, tmp_path / "run", teachers=[teacher])
     cfg["optimizer"]["lr"] = 1e-2
     cfg["trainer"].update(steps=2, prompts_per_step=4, mini_batches=1, save_every=0, export_hf=False)
     cfg["rollout"].update(n_samples=2, max_new_tokens=4, temperature=1.0)

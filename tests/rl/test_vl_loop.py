@@ -12,10 +12,8 @@ import json
 import pytest
 import yaml
 
-from sapo_megatron.defaults import embedded_default_dict
-from tests.data.test_images import png, uri
 from tests.rl.test_trainer import train
-from tests.vl_fixtures import build_tiny_vl_checkpoint
+from tests.vl_fixtures import build_tiny_vl_checkpoint, image_prompt_records, vl_run_config, write_jsonl
 
 pytestmark = pytest.mark.slow
 
@@ -33,21 +31,8 @@ def vl_data(tmp_path_factory):
     root = tmp_path_factory.mktemp("vl")
     # 6 LM layers: PP2 keeps the 3 DeepStack layers on the first stage; an even vocabulary for TP2
     model = build_tiny_vl_checkpoint(root / "model", seed=3, lm_layers=6, vocab_multiple=2)
-    colours = [(250, 0, 0), (0, 200, 0), (0, 0, 90), (120, 120, 0)]
-    records = [
-        {"prompt": f"Which colour is <image>? {i}", "ground_truth": str(i), "images": [uri(png(32, 48, c))]}
-        for i, c in enumerate(colours)
-    ]
-    records += [
-        {
-            "prompt": "Compare <image> and <image>.",
-            "ground_truth": "4",
-            "images": [uri(png(16, 64, colours[0])), uri(png(40, 40, colours[1]))],
-        }
-    ]
-    records += [{"prompt": f"Say {i}.", "ground_truth": str(i)} for i in range(3)]
-    train_file = root / "train.jsonl"
-    train_file.write_text("".join(json.dumps(r) + "\n" for r in records))
+    records = image_prompt_records() + [{"prompt": f"Say {i}.", "ground_truth": str(i)} for i in range(3)]
+    train_file = write_jsonl(root / "train.jsonl", records)
     (root / "reward.py").write_text(REWARD)
     return model, train_file
 
@@ -81,14 +66,7 @@ def vl_runs(tmp_path_factory, vl_data):
 
 def _two_steps(tmp_path, vl_data, procs: int, parallel: dict, replay: str) -> list[dict]:
     model, train_file = vl_data
-    cfg = embedded_default_dict()
-    cfg.update(
-        output_dir=str(tmp_path / "run"),
-        model={"hf_config": str(model), "init": "hf", "init_path": str(model)},
-        data={"train": str(train_file), "tokenizer": str(model), "apply_chat_template": True},
-        eval={"datasets": []},
-    )
-    cfg["sft"]["steps"] = 0
+    cfg = vl_run_config(model, train_file, tmp_path / "run")
     cfg["trainer"].update(
         steps=2, prompts_per_step=4, mini_batches=2, save_every=0, log_samples_every=1, export_hf=False
     )
@@ -158,13 +136,7 @@ def test_sft_warm_start_on_image_rows(tmp_path, vl_data):
     images_only = tmp_path / "images.jsonl"
     lines = [line for line in train_file.read_text().splitlines() if '"images"' in line]
     images_only.write_text("".join(line + "\n" for line in lines))
-    cfg = embedded_default_dict()
-    cfg.update(
-        output_dir=str(tmp_path / "run"),
-        model={"hf_config": str(model), "init": "hf", "init_path": str(model)},
-        data={"train": str(images_only), "tokenizer": str(model), "apply_chat_template": True},
-        eval={"datasets": []},
-    )
+    cfg = vl_run_config(model, images_only, tmp_path / "run")
     cfg["sft"].update(steps=6, global_batch=len(lines), lr=1e-2, log_every=1)
     cfg["launch"] = {"cpu_threads": 1}
     cfg["trainer"].update(steps=1, prompts_per_step=2, mini_batches=1, save_every=0)

@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -28,7 +29,14 @@ from sapo_megatron.rollout.sglang.client import SGLangClient
 from sapo_megatron.rollout.types import ImageInputs, SamplingParams
 from tests.rollout.test_cpu_engine_images import reference
 from tests.sglang_real.conftest import API_KEY, real_server_flags, sglang_process
-from tests.vl_fixtures import build_tiny_vl_checkpoint, vl_prompts, with_qwen3_vl_processor
+from tests.vl_fixtures import (
+    build_tiny_vl_checkpoint,
+    image_prompt_records,
+    vl_prompts,
+    vl_run_config,
+    with_qwen3_vl_processor,
+    write_jsonl,
+)
 
 VL_VENV = Path(os.environ.get("SAPO_SGLANG_VL_VENV", "/opt/sapo-sglang-vl-venv"))
 GREEDY = SamplingParams(max_new_tokens=8, temperature=0.0)
@@ -260,27 +268,16 @@ def test_three_rl_steps_with_r3_on_real_sglang_with_images(vl, vl_url, tmp_path,
     it holds the policy that sampled them, so the reverse KL is the trainer/engine mismatch, not a teacher gap."""
     import yaml
 
-    from sapo_megatron.defaults import embedded_default_dict
     from tests.rl.test_trainer import metrics, train
 
     directory = vl[0]
-    train_file = _image_prompts(tmp_path / "train.jsonl")
+    train_file = write_jsonl(tmp_path / "train.jsonl", image_prompt_records())
     # a reward the random policy's samples differ in (exact_match is 0 for all: no gradient, no update to sync)
     (tmp_path / "reward.py").write_text(
         "def spread(response, label):\n    return float(sum(map(ord, response)) % 7)\n"
     )
     monkeypatch.setenv("SAPO_TEST_SGLANG_KEY", API_KEY)
-    cfg = embedded_default_dict()
-    cfg.update(
-        output_dir=str(tmp_path / "run"),
-        model={"hf_config": str(directory), "init": "hf", "init_path": str(directory)},
-        data={"train": str(train_file), "tokenizer": str(directory), "apply_chat_template": True},
-        eval={"datasets": []},
-        teachers=[
-            {"name": "served", "engine": "sglang", "urls": [vl_url], "api_key_env": "SAPO_TEST_SGLANG_KEY"}
-        ],
-    )
-    cfg["sft"]["steps"] = 0
+    cfg = vl_run_config(directory, train_file, tmp_path / "run", teachers=[served_teacher(vl_url)])
     cfg["trainer"].update(steps=3, prompts_per_step=2, mini_batches=1, save_every=0)
     cfg["optimizer"]["lr"] = 1e-3  # steps that move the weights (vision tower included) well past fp32 noise
     cfg["rollout"].update(
@@ -338,26 +335,12 @@ def test_opd_run_with_the_real_sglang_vl_server_as_teacher(vl, vl_url, tmp_path,
 
     import yaml
 
-    from sapo_megatron.defaults import embedded_default_dict
     from tests.rl.test_trainer import metrics, train
 
     directory = vl[0]
     monkeypatch.setenv("SAPO_TEST_SGLANG_KEY", API_KEY)
-    cfg = embedded_default_dict()
-    cfg.update(
-        output_dir=str(tmp_path / "run"),
-        model={"hf_config": str(directory), "init": "hf", "init_path": str(directory)},
-        data={
-            "train": str(_image_prompts(tmp_path / "train.jsonl")),
-            "tokenizer": str(directory),
-            "apply_chat_template": True,
-        },
-        eval={"datasets": []},
-        teachers=[
-            {"name": "served", "engine": "sglang", "urls": [vl_url], "api_key_env": "SAPO_TEST_SGLANG_KEY"}
-        ],
-    )
-    cfg["sft"]["steps"] = 0
+    train_file = write_jsonl(tmp_path / "train.jsonl", image_prompt_records())
+    cfg = vl_run_config(directory, train_file, tmp_path / "run", teachers=[served_teacher(vl_url)])
     cfg["optimizer"]["lr"] = 1e-2
     cfg["trainer"].update(steps=2, prompts_per_step=4, mini_batches=1, save_every=0, export_hf=False)
     cfg["rollout"].update(engine="cpu", n_samples=2, max_new_tokens=4, temperature=1.0)
@@ -379,26 +362,6 @@ def test_opd_run_with_the_real_sglang_vl_server_as_teacher(vl, vl_url, tmp_path,
     assert all(row["teacher/errors"] == 0 for row in rl)
     assert abs(kl[0]) < 1e-5 and adv[0] < 1e-5  # teacher = the sampling policy, images included
     assert kl[1] > 1e-4 and adv[1] > 1e-4  # the update moved the student; the teacher stayed
-
-
-def _image_prompts(path: Path) -> Path:
-    """Four one-image prompts and a two-image one (images of other sizes), as a training jsonl."""
-    from tests.data.test_images import png, uri
-
-    colours = [(250, 0, 0), (0, 200, 0), (0, 0, 90), (120, 120, 0)]
-    records = [
-        {"prompt": f"Which colour is <image>? {i}", "ground_truth": str(i), "images": [uri(png(32, 48, c))]}
-        for i, c in enumerate(colours)
-    ]
-    records.append(
-        {
-            "prompt": "Compare <image> and <image>.",
-            "ground_truth": "4",
-            "images": [uri(png(16, 64, colours[0])), uri(png(40, 40, colours[1]))],
-        }
-    )
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
 
 
 def _served_vs_final_weights(vl, url: str, trained: Path) -> tuple[float, float]:
@@ -428,3 +391,8 @@ def _served_vs_final_weights(vl, url: str, trained: Path) -> tuple[float, float]
         engine.close()
         gaps.append(max(float(np.abs(np.subtract(a, b)).max()) for a, b in zip(served, local)))
     return gaps[0], gaps[1]
+
+
+def served_teacher(url: str) -> dict[str, Any]:
+    """The VL server as a teacher of the run (its key from the environment the tests set)."""
+    return {"name": "served", "engine": "sglang", "urls": [url], "api_key_env": "SAPO_TEST_SGLANG_KEY"}
