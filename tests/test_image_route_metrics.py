@@ -77,12 +77,7 @@ def test_image_agreement_counts_the_prompts_image_pads_only():
     ):  # pads that are text
         _moved(batch[RECORDED_ROUTES], row, pos)
         _moved(batch[USED_ROUTES], row, pos)
-    cfg = SimpleNamespace(
-        algorithm=SimpleNamespace(routing_replay="r2"),
-        rollout=SimpleNamespace(temperature=1.0, routed_experts=True),
-        teachers=[],
-        model=SimpleNamespace(arch=ARCH),
-    )
+    cfg = _r2_config(ARCH)
     step = RoutingStep(OneRankEngine(), cfg)
     step.old_logp([[with_images], [text_only]])
     metrics = step.metrics()
@@ -92,15 +87,20 @@ def test_image_agreement_counts_the_prompts_image_pads_only():
 
 
 def test_no_image_metrics_without_images_or_for_a_text_model():
-    cfg = SimpleNamespace(
-        algorithm=SimpleNamespace(routing_replay="r2"),
-        rollout=SimpleNamespace(temperature=1.0, routed_experts=True),
-        teachers=[],
-        model=SimpleNamespace(arch=ARCH),
-    )
+    cfg = _r2_config(ARCH)
     step = RoutingStep(OneRankEngine(), cfg)
     step.old_logp([[_batch([[5, PAD, 7, 8]], None)]])
     assert not {"routing/agreement_image", "routing/agreement_used_image"} & set(step.metrics())
     text = QwenArch.from_hf_dict(tiny_hf_config("moe"))
     cfg.model = SimpleNamespace(arch=text)
     assert RoutingStep(OneRankEngine(), cfg).image_token_id is None
+
+
+def _r2_config(arch: QwenArch) -> SimpleNamespace:
+    """What RoutingStep reads of a run's config: R2 with the engine's routes, no teachers."""
+    return SimpleNamespace(
+        algorithm=SimpleNamespace(routing_replay="r2"),
+        rollout=SimpleNamespace(temperature=1.0, routed_experts=True),
+        teachers=[],
+        model=SimpleNamespace(arch=arch),
+    )

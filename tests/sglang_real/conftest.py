@@ -15,6 +15,7 @@ import contextlib
 import os
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 import transformers
@@ -121,3 +122,15 @@ def client(sglang_url):
     )
     yield engine
     engine.close()
+
+
+def restore_weights(url: str, model_dir: Path, headers: dict[str, str] | None = None) -> None:
+    """Load ``model_dir`` back into the server at ``url`` (``update_weights_from_disk``), so that the tests after a
+    training run see the weights they expect."""
+    reply = httpx.post(
+        url + "/update_weights_from_disk",
+        json={"model_path": str(model_dir)},
+        headers=headers or {"Authorization": f"Bearer {API_KEY}"},
+        timeout=300,
+    )
+    assert reply.json()["success"] is True, (url, reply.text[:500])

@@ -9,11 +9,10 @@ over the response tokens) below ``TOLERANCE`` (both float32 here), and R3 replay
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
 from tests.rl.test_trainer import data_files, metrics, train, write_config  # noqa: F401 - fixture reused
-from tests.sglang_real.conftest import API_KEY
+from tests.sglang_real.conftest import API_KEY, restore_weights
 
 TOLERANCE = 1e-5  # float32 trainer vs float32 server; measured 9e-8 (docs/cluster.md)
 
@@ -42,13 +41,7 @@ def test_rl_steps_against_real_sglang_with_r3(
     try:
         train(config)
     finally:
-        reply = httpx.post(
-            sglang_url + "/update_weights_from_disk",
-            json={"model_path": str(model_dir)},
-            headers={"Authorization": f"Bearer {API_KEY}"},
-            timeout=120,
-        )
-        assert reply.json()["success"] is True
+        restore_weights(sglang_url, model_dir)
     rl = metrics(tmp_path / "run", "rl")
     assert len(rl) == 3
     deltas = [row["mismatch/abs_delta_mean"] for row in rl]

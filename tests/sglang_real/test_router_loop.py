@@ -15,13 +15,12 @@ their original weights back afterwards (the first is the tier's shared server).
 
 from __future__ import annotations
 
-import httpx
 import numpy as np
 import pytest
 
 from tests.rl.test_trainer import SHORT_TP2, data_files, metrics, train, write_config  # noqa: F401 - fixture reused
 from tests.servers import local_logprobs, router, served_logprobs
-from tests.sglang_real.conftest import API_KEY, real_server_flags, sglang_process
+from tests.sglang_real.conftest import API_KEY, real_server_flags, restore_weights, sglang_process
 
 TOLERANCE = 1e-5  # float32 trainer vs float32 servers (the one-server loop measured 9e-8)
 PROBE = [1, 14, 15, 12, 16, 17, 13]  # a tokenized prompt + answer of the character tokenizer
@@ -71,13 +70,7 @@ def test_two_rank_trainer_two_real_servers_behind_the_real_router(
         }
     finally:
         for worker in cluster["workers"]:
-            reply = httpx.post(
-                worker + "/update_weights_from_disk",
-                json={"model_path": str(model_dir)},
-                headers=HEADERS,
-                timeout=120,
-            )
-            assert reply.json()["success"] is True, worker
+            restore_weights(worker, model_dir, HEADERS)
     assert "drops return_routed_experts" in proc.stdout + proc.stderr  # routes come from the workers
     rl = metrics(run, "rl")
     assert len(rl) == 3

@@ -28,7 +28,7 @@ from sapo_megatron.rollout.protocol import png_data_uri
 from sapo_megatron.rollout.sglang.client import SGLangClient
 from sapo_megatron.rollout.types import ImageInputs, SamplingParams
 from tests.rollout.test_cpu_engine_images import reference
-from tests.sglang_real.conftest import API_KEY, real_server_flags, sglang_process
+from tests.sglang_real.conftest import API_KEY, real_server_flags, restore_weights, sglang_process
 from tests.vl_fixtures import (
     build_tiny_vl_checkpoint,
     image_prompt_records,
@@ -297,13 +297,7 @@ def test_three_rl_steps_with_r3_on_real_sglang_with_images(vl, vl_url, tmp_path,
         train(config)
         final = _served_vs_final_weights(vl, vl_url, tmp_path / "run" / "hf")
     finally:
-        reply = httpx.post(
-            vl_url + "/update_weights_from_disk",
-            json={"model_path": str(directory)},
-            headers={"Authorization": f"Bearer {API_KEY}"},
-            timeout=300,
-        )
-        assert reply.json()["success"] is True
+        restore_weights(vl_url, directory)
     rl = metrics(tmp_path / "run", "rl")
     assert [row["step"] for row in rl] == [1, 2, 3]
     deltas = [row["mismatch/abs_delta_mean"] for row in rl]
