@@ -293,9 +293,8 @@ class TeacherScoring:
         self, teachers: Teachers | None, domains: Sequence[str], *, image_pad_id: int | None = None
     ) -> None:
         self.teachers = teachers
-        self.image_pad_id = (
-            image_pad_id  # the tokenizer's <|image_pad|>: prompts with images are scored with them
-        )
+        # the tokenizer's <|image_pad|>: prompts with images are scored with them
+        self.image_pad_id = image_pad_id
         self._domain_ids = {domain: index for index, domain in enumerate(domains)}
         self._jobs: list[Future] = []
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="teacher") if teachers is not None else None

@@ -112,6 +112,8 @@ class RoutingStep:
             return
         batches = _flat(self._updates)
         for batch in batches:  # every micro-batch, text-only ones too: the metric is reduced over all ranks
+            if IMAGE_TOKENS in batch:  # set by the step's first call (old_logp), for the same batches
+                continue
             is_pad = batch["input_ids"] == self.image_token_id  # a pad sampled in a response is text
             batch[IMAGE_TOKENS] = (
                 is_pad & batch[IMAGE_MASK].bool() if IMAGE_MASK in batch else torch.zeros_like(is_pad)

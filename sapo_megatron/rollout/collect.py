@@ -76,15 +76,11 @@ def generate_groups(
             sampling=dataclasses.replace(settings.sampling, seed=seed * 100_003 + index * settings.n_samples),
             return_routed_experts=settings.return_routed_experts,
             group_id=index,
-            images=_images(row, settings),
+            images=prompt_images(row, settings.image_pad_id),
         )
         for index, row in enumerate(prompts)
     ]
     return engine.generate(requests)
-
-
-def _images(row: PromptRow, settings: CollectSettings) -> ImageInputs | None:
-    return prompt_images(row, settings.image_pad_id)
 
 
 def prompt_images(row: PromptRow, image_pad_id: int | None) -> ImageInputs | None:
