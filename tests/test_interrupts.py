@@ -248,21 +248,33 @@ def test_the_launcher_stops_the_other_ranks_when_one_fails(loops):
     assert "rank 1 step 3" in output and "rank 1 step 4" not in output
 
 
-def test_the_launcher_reports_the_rank_that_failed_first_not_the_one_that_ended_first():
+def test_the_launcher_reports_the_rank_that_failed_first_not_the_one_that_ended_first(tmp_path):
     """A failing rank's teardown can take longer than the failure it causes in a peer (CI saw rank 0's gloo error
     end first, and its status 1 win over rank 1's 7): the launcher goes by when each rank noted its failure, and
-    by when it ended where it noted nothing."""
+    by when it ended where it noted nothing. The ranks order themselves by files, not by sleeps alone: rank 1
+    fails (notes) first, rank 0 then fails and ends, and rank 1 ends 3 s after that."""
     from sapo_megatron.runtime.local_launch import launch_local
 
-    cause_ends_last = (
-        "import os, sys, time\n"
-        "from sapo_megatron.runtime.local_launch import note_failure\n"
-        "rank = int(os.environ['RANK'])\n"
-        "time.sleep(0.5 * (1 - rank)); NOTE\n"  # rank 1 fails at once, rank 0 half a second later
-        "time.sleep(1.5 * rank); sys.exit(7 if rank else 1)\n"  # but rank 1 ends a second after rank 0
-    )
+    cause_ends_last = f"""
+import os, sys, time
+from pathlib import Path
+from sapo_megatron.runtime.local_launch import note_failure
+done = Path({str(tmp_path)!r}) / "rank0-done"
+def wait_for(path):
+    while not path.exists():
+        time.sleep(0.02)
+if os.environ["RANK"] == "1":
+    NOTE
+    Path({str(tmp_path)!r}, "rank1-failed").touch()
+    wait_for(done); time.sleep(3.0); sys.exit(7)
+wait_for(Path({str(tmp_path)!r}, "rank1-failed"))
+NOTE
+done.touch(); sys.exit(1)
+"""
     with_notes = cause_ends_last.replace("NOTE", "note_failure()")
     assert launch_local([sys.executable, "-c", with_notes], 2, port=0) == 7  # port 0: no process group here
+    for marker in tmp_path.iterdir():
+        marker.unlink()
     without_notes = cause_ends_last.replace("NOTE", "pass")
     assert launch_local([sys.executable, "-c", without_notes], 2, port=0) == 1
 
