@@ -1,6 +1,6 @@
 """Per-phase times of a colocated CPU step against the disaggregated one: the embedded demo (tiny Qwen3-MoE, the
 CPU server in the trainer's process over HTTP, tensor sync), the same run twice, with and without
-``rollout.colocate`` (trainer offloaded, weights checked), printing the median of each ``time/*`` and
+``rollout.colocation: time_shared`` (trainer offloaded, weights checked), printing the median of each ``time/*`` and
 ``colocate/*`` metric over the RL steps.
 
     python bench/bench_colocate.py [--steps 4]
@@ -32,9 +32,9 @@ def run(root: Path, steps: int, colocate: dict | None) -> list[dict]:
     cfg["sft"]["steps"] = 5
     cfg["trainer"].update(steps=steps, save_every=0)
     cfg["eval"] = {"datasets": []}
-    cfg["rollout"].update(cpu_http=True, weight_sync="tensor")
+    cfg["rollout"].update(engine="cpu_http", weight_sync="tensor")
     if colocate is not None:
-        cfg["rollout"]["colocate"] = colocate
+        cfg["rollout"]["colocation"] = {"name": "time_shared", **colocate}
     config = root / "run.yaml"
     config.write_text(yaml.safe_dump(cfg))
     subprocess.run(

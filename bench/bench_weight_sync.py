@@ -6,7 +6,7 @@ process (the stand-in for an SGLang worker), measured in the same run on a Qwen3
 ``disk`` writes an HF checkpoint (safetensors) into a new version directory and the server loads it;
 ``distributed`` broadcasts the same tensors bucket by bucket over a gloo group the server joined (NCCL on GPUs).
 ``tensor`` hands the buckets (``--bucket-mb``) to the server as named shared-memory files, ``tensor-flat`` as one
-flattened tensor per dtype (what a colocated sync sends, ``rollout.colocate``). All include the server's
+flattened tensor per dtype (what a colocated sync sends, ``rollout.colocation: time_shared``). All include the server's
 loading. Prints seconds per sync (median), bytes, MB/s and the ratios to disk (lower is better).
 """
 
@@ -60,7 +60,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=16384)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
-        "--bucket-mb", type=int, default=512, help="tensor arm: bucket size (rollout.colocate)"
+        "--bucket-mb", type=int, default=512, help="tensor arm: bucket size (rollout.colocation.bucket_mb)"
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -99,7 +99,7 @@ def main() -> None:
             dist_sync.close()
             tensor = TensorSync(client, cfg.model.arch, bucket_bytes=args.bucket_mb * 1024**2)
             tensor_s, tensor_bytes = timed_pushes(tensor, module, args.repeats)
-            client.flatten_buckets = True  # rollout.colocate's form: one flattened bucket per dtype
+            client.flatten_buckets = True  # rollout.colocation time_shared's form: one flattened bucket per dtype
             flat_s, flat_bytes = timed_pushes(tensor, module, args.repeats)
     print(
         f"Qwen3-MoE {args.layers} layers, hidden {args.hidden}, {args.experts} experts: {model_mb:.0f} MB fp32"

@@ -401,7 +401,7 @@ def _add_plan_options(parser: argparse.ArgumentParser, prefix: str = "") -> None
         "--rollout-mem-fraction",
         type=float,
         help=prefix + "share of each GPU the colocated SGLang engine keeps (its --mem-fraction-static; "
-        "needs rollout.colocated) (default: 0.5 when colocated)",
+        "needs rollout.colocation split or time_shared) (default: 0.5 when colocated)",
     )
     parser.add_argument(
         "--spec",
@@ -473,11 +473,9 @@ def run_mode(args: argparse.Namespace) -> str:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from sapo_megatron.loop.inputs import check_input_files
+    from sapo_megatron.loop.preflight import check_training_precision, preflight
     from sapo_megatron.plan.gate import check_layout_fits
-    from sapo_megatron.rewards.runner import check_reward_available
     from sapo_megatron.runtime.run_dir import check_run_dir
-    from sapo_megatron.runtime.wandb_tracking import check_trackers
 
     cfg = resolve_config(args, world_size=args.world_size if args.dry_run else None)
     if args.launch_info:
@@ -487,11 +485,9 @@ def _train(args: argparse.Namespace) -> int:
     if args.dry_run:
         return _dry_run(cfg, args)
     mode = run_mode(args)
-    check_input_files(cfg)  # before any process starts; each rank checks again when the session opens
+    preflight(cfg)  # before any process starts; each rank's session runs it again, the dry run too
     if "WORLD_SIZE" not in os.environ:  # the command the user typed (not a rank it started): before torch
         check_run_dir(cfg.output_dir, mode=mode)
-    check_reward_available(cfg.algorithm.reward, kwargs=cfg.algorithm.reward_kwargs)
-    check_trackers(cfg)  # tracking.wandb without the package: stop now, not after the warm start
     check_training_precision(cfg)
     check_layout_fits(cfg, force=args.force)  # the planner's verdict (runs that name launch.gpu_type)
     if cfg.launch.world_size > 1 and "WORLD_SIZE" not in os.environ:
@@ -512,34 +508,29 @@ def _run_training(cfg: RunConfig, mode: str) -> None:
 
 
 def _dry_run(cfg: RunConfig, args: argparse.Namespace) -> int:
-    """Validate the layout for ``--world-size`` (else ``launch.*``), print the plan, check the inputs and every
-    row of the data. Exits 1 when the planner's verdict is does-not-fit (like ``plan``)."""
+    """Validate the layout for ``--world-size`` (else ``launch.*``), print the plan, run the start-up checks
+    (:func:`~sapo_megatron.loop.preflight.preflight`, as ``train`` does) and check every row of the data. Exits
+    1 when the planner's verdict is does-not-fit (like ``plan``)."""
     from sapo_megatron.config import ConfigError, validate_layout
-    from sapo_megatron.loop.inputs import check_input_files
+    from sapo_megatron.loop.evaluation import describe_training_suite
+    from sapo_megatron.loop.preflight import check_run_data, preflight
     from sapo_megatron.plan import build_plan, format_plan
+    from sapo_megatron.plan.cli import plan_settings
     from sapo_megatron.plan.gate import unfit_summary
-    from sapo_megatron.rewards.runner import check_reward_available
 
     world = args.world_size or cfg.launch.world_size
     validate_layout(cfg, world)
-    check_reward_available(cfg.algorithm.reward, kwargs=cfg.algorithm.reward_kwargs)
     print(f"layout OK: {cfg.name} -> {cfg.output_dir}")
     plan = build_plan(cfg, plan_settings(cfg, args, world))
     print(format_plan(plan))
     try:
-        check_input_files(cfg)
+        preflight(cfg)
     except ConfigError as err:
-        err.hint = "the layout above is valid; these paths must exist on the machine where the job runs"
+        err.hint = "the layout above is valid; what these checks read must exist where the job runs"
         raise
-    print("inputs OK: every input file exists")
-    from sapo_megatron.data.loading import build_run_data
-    from sapo_megatron.rewards.registry import check_labels
-    from sapo_megatron.rollout.episodes import tool_schemas
-
+    print("inputs OK: every input file exists, the reward and the trackers load")
     # every row's schema, the prompt lengths (with the tools the prompts show); prints counts and times
-    data = build_run_data(cfg, verbose=True, tools=tool_schemas(cfg.rollout.multi_turn))
-    check_labels(cfg.algorithm.reward, data.train_rows, cfg.data.train)
-    from sapo_megatron.loop.evaluation import describe_training_suite
+    data = check_run_data(cfg, verbose=True)
 
     print("\n".join(describe_training_suite(cfg, data.tokenizer)))  # the eval datasets, read and checked
     print("data OK: every row of the prompt data is usable")
@@ -549,90 +540,10 @@ def _dry_run(cfg: RunConfig, args: argparse.Namespace) -> int:
     return 0
 
 
-def plan_settings(cfg: RunConfig, args: argparse.Namespace, world: int):
-    """The planner's settings from the command line (``plan`` and ``train --dry-run`` share the options)."""
-    from sapo_megatron.errors import ConfigError
-    from sapo_megatron.plan import PlanSettings
-
-    fraction = args.rollout_mem_fraction
-    if fraction is not None and not cfg.rollout.colocated:
-        raise ConfigError(
-            "--rollout-mem-fraction is the share a colocated rollout engine keeps, and rollout.colocated is false",
-            hint="drop the option, or set rollout.colocated: true (--set rollout.colocated=true)",
-        )
-    if fraction is not None and not 0 <= fraction < 1:
-        raise ConfigError(f"--rollout-mem-fraction={fraction}: expected a fraction in [0, 1)")
-    for name, value in (("--gpu-memory-gb", args.gpu_memory_gb), ("--prompt-tokens", args.prompt_tokens)):
-        if value is not None and value <= 0:
-            raise ConfigError(f"{name}={value}: expected a positive number")
-    patches = getattr(args, "image_patches", 0)
-    if patches < 0:
-        raise ConfigError(f"--image-patches={patches}: expected a count >= 0")
-    if patches and not cfg.model.arch.is_vl:
-        raise ConfigError(f"--image-patches: the model ({cfg.model.arch.model_type}) has no vision tower")
-    return PlanSettings(
-        world_size=world,
-        gpu_memory_gib=args.gpu_memory_gb,
-        prompt_tokens=args.prompt_tokens,
-        rollout_mem_fraction=fraction,
-        spec=args.spec,
-        image_patches=patches,
-    )
-
-
 def _plan(args: argparse.Namespace) -> int:
-    """Print the plan (text or JSON); exit 0 when every rank fits, 1 when not. With ``--suggest``, a layout that
-    is invalid on this world size is reported and the suggestions still printed."""
-    from sapo_megatron.config import ConfigError, validate_layout
-    from sapo_megatron.plan import suggest_layouts
+    from sapo_megatron.plan.cli import run_plan
 
-    cfg = resolve_config(args, world_size=args.world_size, check_layout=not args.suggest)
-    world = args.world_size or cfg.launch.world_size
-    settings = plan_settings(cfg, args, world)
-    try:
-        validate_layout(cfg, world)
-    except ConfigError as err:
-        if not args.suggest:
-            raise
-        invalid = str(err)
-    else:
-        invalid = None
-    suggestions = suggest_layouts(cfg, settings, args.suggest) if args.suggest else None
-    fits = _print_plan(cfg, settings, suggestions, invalid, as_json=args.json)
-    return 0 if fits else 1
-
-
-def _print_plan(cfg: RunConfig, settings, suggestions, invalid: str | None, *, as_json: bool) -> bool:
-    import json
-
-    from sapo_megatron.plan import PLAN_SCHEMA, build_plan, format_plan, format_suggestions, plan_to_json
-
-    plan = None if invalid else build_plan(cfg, settings)
-    if as_json:
-        out = (
-            plan_to_json(plan) if plan else {"schema": PLAN_SCHEMA, "invalid_layout": invalid, "fits": False}
-        )
-        if suggestions is not None:
-            out["suggestions"] = [s.to_json() for s in suggestions]
-        print(json.dumps(out, indent=2))
-    else:
-        print(format_plan(plan) if plan else f"the config's layout on {settings.world_size} GPUs: {invalid}")
-        if suggestions is not None:
-            print("\n" + format_suggestions(suggestions, settings))
-    return plan is not None and plan.fits
-
-
-def check_training_precision(cfg: RunConfig) -> None:
-    """FP8 training needs Transformer Engine and a GPU that runs the recipe: refuse before any rank starts."""
-    from sapo_megatron.errors import ConfigError
-    from sapo_megatron.model.precision import fp8_runtime_problem
-
-    if cfg.precision.dtype == "fp8":
-        problem = fp8_runtime_problem(cfg.precision.fp8_recipe)
-        if problem:
-            raise ConfigError(
-                problem, hint="`sapo-megatron plan CONFIG` and `train --dry-run` work without it"
-            )
+    return run_plan(resolve_config(args, world_size=args.world_size, check_layout=not args.suggest), args)
 
 
 def _launch_ranks(cfg: RunConfig, argv: list[str]) -> int:

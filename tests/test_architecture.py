@@ -15,12 +15,26 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "sapo_megatron"
 
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("commands", ("cli", "compare", "conversion.cli", "eval.cli", "eval.report")),
+    ("commands", ("cli", "compare", "conversion.cli", "eval.cli", "eval.report", "plan.cli")),
     ("loop", ("loop",)),
     ("features", ("distill", "eval", "weight_sync", "conversion", "plan")),
     ("engines", ("rollout", "rewards")),
     ("megatron", ("megatron",)),
-    ("config", ("config", "defaults", "distill.config", "eval.config")),
+    (
+        "config",
+        (
+            "config",
+            "defaults",
+            "algo.config",
+            "data.config",
+            "distill.config",
+            "eval.config",
+            "loop.config",
+            "model.config",
+            "rollout.config",
+            "runtime.config",
+        ),
+    ),
     ("data", ("data",)),
     ("runtime", ("runtime", "checkpoint")),
     ("base", ("model", "algo", "errors", "_moved", "")),

@@ -21,18 +21,30 @@ def error_of(**rollout) -> str:
 def test_weight_sync_defaults_follow_the_engine():
     assert cfg().rollout.weight_sync == "tensor"  # the in-process CPU engine shares the trainer's memory
     assert cfg(engine="sglang", router_url="http://r:31000").rollout.weight_sync == "distributed"
-    assert cfg(engine="cpu", cpu_http=True).rollout.weight_sync == "tensor"  # the server runs in-process
+    assert cfg(engine="cpu_http").rollout.weight_sync == "tensor"  # the server runs in-process
+
+
+def test_the_engine_is_one_choice_of_three():
+    assert [cfg(engine=kind).rollout.engine for kind in ("cpu", "cpu_http")] == ["cpu", "cpu_http"]
+    message = error_of(engine="vllm")
+    assert "rollout.engine" in message and "'cpu', 'cpu_http' or 'sglang'" in message and "'vllm'" in message
+    assert "only used with rollout.engine=sglang" in error_of(engine="cpu_http", urls=["http://w:30000"])
 
 
 def test_tensor_sync_to_remote_sglang_is_refused_with_the_reason():
     message = error_of(engine="sglang", urls=["http://w:30000"], weight_sync="tensor")
-    assert "CUDA IPC" in message and "weight_sync: distributed" in message and "rollout.colocated" in message
-    assert cfg(engine="sglang", urls=["http://w:30000"], weight_sync="tensor", colocated=True)
+    assert (
+        "CUDA IPC" in message
+        and "weight_sync: distributed" in message
+        and "rollout.colocation: split" in message
+    )
+    split = cfg(engine="sglang", urls=["http://w:30000"], weight_sync="tensor", colocation="split").rollout
+    assert split.colocation.name == "split" and split.shares_devices and split.time_shared is None
 
 
 def test_distributed_sync_needs_servers_in_other_processes():
-    for in_process in ({}, {"cpu_http": True}):
-        assert "servers in other processes" in error_of(engine="cpu", weight_sync="distributed", **in_process)
+    for engine in ("cpu", "cpu_http"):
+        assert "servers in other processes" in error_of(engine=engine, weight_sync="distributed")
 
 
 def test_sglang_needs_somewhere_to_find_its_servers():
@@ -49,7 +61,7 @@ def test_endpoints_file_excludes_explicit_urls():
 
 
 def test_async_rollouts_need_servers_on_their_own_gpus():
-    sglang = {"engine": "sglang", "urls": ["http://w:30000"], "weight_sync": "tensor", "colocated": True}
+    sglang = {"engine": "sglang", "urls": ["http://w:30000"], "weight_sync": "tensor", "colocation": "split"}
     with pytest.raises(ConfigError) as info:
         config_from_dict(
             {
@@ -59,34 +71,49 @@ def test_async_rollouts_need_servers_on_their_own_gpus():
             }
         )
     message = str(info.value)
-    assert "trainer.async_rollout" in message and "rollout.colocated: false" in message
+    assert "trainer.async_rollout" in message and "rollout.colocation: none" in message
     assert not cfg(**sglang).trainer.async_rollout  # off by default
-    remote = {**sglang, "colocated": False, "weight_sync": "distributed"}
+    remote = {**sglang, "colocation": "none", "weight_sync": "distributed"}
     tiny = {"hf_config": tiny_hf_config("moe")}
     assert config_from_dict(
         {"model": tiny, "rollout": remote, "trainer": {"async_rollout": True}}
     ).trainer.async_rollout
 
 
-def test_colocate_needs_an_engine_it_can_release_and_names_the_fix():
-    assert "set rollout.colocated: true" in error_of(engine="sglang", urls=["http://w:30000"], colocate={})
-    assert "set rollout.cpu_http: true" in error_of(colocate={})
-    colocated = {"engine": "sglang", "urls": ["http://w:30000"], "colocated": True, "weight_sync": "tensor"}
-    section = cfg(**colocated, colocate={}).rollout.colocate
+def test_time_sharing_needs_an_engine_it_can_release_and_names_the_fix():
+    assert "set rollout.engine: cpu_http" in error_of(colocation="time_shared")
+    shared = {"engine": "sglang", "urls": ["http://w:30000"], "weight_sync": "tensor"}
+    section = cfg(**shared, colocation={"name": "time_shared"}).rollout.time_shared
     assert (section.offload_trainer, section.bucket_mb, section.check_weights) == (True, 512, False)
     assert "needs weight_sync: tensor" in error_of(
-        cpu_http=True, weight_sync="disk", colocate={"check_weights": True}
+        engine="cpu_http", weight_sync="disk", colocation={"name": "time_shared", "check_weights": True}
     )
-    assert "fp8" in error_of(cpu_http=True, precision="fp8", colocate={"check_weights": True})
-    assert "bucket_mb" in error_of(cpu_http=True, colocate={"bucket_mb": 0})
+    assert "fp8" in error_of(
+        engine="cpu_http", precision="fp8", colocation={"name": "time_shared", "check_weights": True}
+    )
+    assert "bucket_mb" in error_of(engine="cpu_http", colocation={"name": "time_shared", "bucket_mb": 0})
 
 
-def test_colocate_refuses_async_rollout():
+def test_colocation_is_one_choice_that_names_its_variants():
+    message = error_of(colocation="shared")
+    assert "rollout.colocation: unknown name 'shared'" in message
+    assert (
+        "none (no settings); split (no settings); time_shared (offload_trainer, bucket_mb, check_weights)"
+        in message
+    )
+    message = error_of(engine="cpu_http", colocation={"name": "split", "bucket_mb": 1})
+    assert (
+        "rollout.colocation.split.bucket_mb: unknown key" in message
+        and "--set rollout.colocation.name=time_shared" in message
+    )
+
+
+def test_time_sharing_refuses_async_rollout():
     with pytest.raises(ConfigError, match=r"trainer\.async_rollout"):
         config_from_dict(
             {
                 "model": {"hf_config": tiny_hf_config("moe")},
-                "rollout": {"cpu_http": True, "colocate": {}},
+                "rollout": {"engine": "cpu_http", "colocation": "time_shared"},
                 "trainer": {"async_rollout": True},
             }
         )

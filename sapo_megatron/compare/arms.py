@@ -468,7 +468,7 @@ def _teachers_pointed_at(cfg: RunConfig, made: Mapping[str, Path]) -> list[dict[
     out = []
     for teacher in cfg.teachers:
         entry = teacher.model_dump(mode="json")
-        if teacher.name in made and teacher.engine == "cpu":
+        if teacher.name in made and teacher.engine != "sglang":
             entry["model_path"] = str(made[teacher.name])
         out.append(entry)
     return out

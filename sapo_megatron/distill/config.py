@@ -3,7 +3,7 @@ group exists; :class:`~sapo_megatron.config.RunConfig` calls :func:`check_distil
 
 A teacher scores the student's own samples (teacher log-probs of the sampled tokens, at temperature 1). It is a
 rollout server of the same kind as the rollout engine: ``engine: cpu`` loads an HF checkpoint into the CPU engine
-(in-process, or behind its SGLang-compatible HTTP server with ``cpu_http: true``); ``engine: sglang`` talks to
+in process, ``engine: cpu_http`` serves it behind its SGLang-compatible HTTP server; ``engine: sglang`` talks to
 SGLang workers (``urls``, a ``router_url`` or an ``endpoints_file``, as ``rollout`` does). Each teacher serves the
 prompt ``domains`` it lists; the one marked ``default`` (or the only teacher) serves every other prompt.
 """
@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sapo_megatron.algo import Fusion, PolicyLoss, check_fusion_loss
 from sapo_megatron.errors import UserError
+from sapo_megatron.rollout.config import CPU_ENGINES, EngineKind
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]*$"
 """Teacher names: they appear in metric names (``teacher/<name>/...``) and directory names."""
@@ -35,14 +35,14 @@ class TeacherConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     name: str = Field(pattern=NAME_PATTERN, description="names the teacher in metrics and errors")
-    engine: Literal["cpu", "sglang"] = "cpu"
-    model_path: str | None = Field(
-        default=None, description="engine cpu: the teacher's HF checkpoint directory (config + safetensors)"
+    engine: EngineKind = Field(
+        default="cpu",
+        description="cpu (the CPU engine in process), cpu_http (served from an in-process CPU server and scored "
+        "over HTTP, exactly as an SGLang teacher would be) or sglang (SGLang servers)",
     )
-    cpu_http: bool = Field(
-        default=False,
-        description="engine cpu: serve the teacher from an in-process CPU server and score over HTTP, exactly "
-        "as an SGLang teacher would be",
+    model_path: str | None = Field(
+        default=None,
+        description="engine cpu / cpu_http: the teacher's HF checkpoint directory (config + safetensors)",
     )
     urls: list[str] = Field(default_factory=list, description="engine sglang: the teacher's worker URLs")
     router_url: str | None = Field(default=None, description="engine sglang: an sglang-router for /generate")
@@ -72,10 +72,10 @@ class TeacherConfig(BaseModel):
     def _check_engine(self) -> TeacherConfig:
         where = f"teachers[{self.name}]"
         servers = [key for key in ("urls", "router_url", "endpoints_file") if getattr(self, key)]
-        if self.engine == "cpu":
+        if self.engine in CPU_ENGINES:
             if not self.model_path:
                 raise ValueError(
-                    f"{where}: engine cpu needs model_path (the teacher's HF checkpoint directory)"
+                    f"{where}: engine {self.engine} needs model_path (the teacher's HF checkpoint directory)"
                 )
             if servers:
                 raise ValueError(
@@ -86,9 +86,9 @@ class TeacherConfig(BaseModel):
                 raise ValueError(
                     f"{where}: engine sglang needs urls (worker URLs), router_url or endpoints_file"
                 )
-            if self.model_path or self.cpu_http:
+            if self.model_path:
                 raise ValueError(
-                    f"{where}: model_path / cpu_http are for engine cpu; an SGLang teacher serves the model "
+                    f"{where}: model_path is for engine cpu / cpu_http; an SGLang teacher serves the model "
                     "it was launched with"
                 )
             if self.endpoints_file and (self.urls or self.router_url):

@@ -196,7 +196,7 @@ def _build_teacher(cfg: TeacherConfig, *, seed: int, log: Log) -> Teacher:
             "`sapo-megatron compare --teachers ...`)",
         )
     cpu = CPUEngine.from_pretrained(path, seed=seed, num_threads=cfg.threads)
-    if not cfg.cpu_http:
+    if cfg.engine == "cpu":
         return Teacher(cfg, cpu)
     from sapo_megatron.rollout.cpu.server import CPUServer
     from sapo_megatron.rollout.sglang.client import SGLangClient
@@ -247,7 +247,7 @@ def _teacher_tokenizer_spec(teacher: Teacher) -> str:
     cfg = teacher.cfg
     if cfg.tokenizer:
         return cfg.tokenizer
-    if cfg.engine == "cpu":
+    if cfg.engine != "sglang":
         return str(cfg.model_path)
     info = teacher.model_info or {}
     path = info.get("tokenizer_path") or info.get("model_path")

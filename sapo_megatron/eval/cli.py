@@ -181,16 +181,16 @@ def eval_config(args: argparse.Namespace, hf_dir: Path | None, run_config: Path 
     """The run config evaluation reads: CONFIG (else the run's ``config.yaml``, else defaults for ``hf_dir``),
     with ``--set``, ``--data``, ``--n`` and ``--temperature`` applied."""
     from sapo_megatron.config import (
-        _read_yaml,
-        _resolve_relative_hf_config,
-        _set_dotted,
+        apply_overrides,
         config_from_dict,
         parse_overrides,
+        read_yaml,
+        resolve_relative_paths,
     )
 
     source = Path(args.config) if args.config else run_config
     if source is not None:
-        raw = _read_yaml(source)
+        raw = read_yaml(source)
     elif hf_dir is not None:
         raw = {"model": {"hf_config": str(hf_dir)}, "data": {"tokenizer": str(hf_dir)}}
     else:
@@ -203,11 +203,10 @@ def eval_config(args: argparse.Namespace, hf_dir: Path | None, run_config: Path 
             if getattr(args, key) is not None:
                 raw["eval"]["datasets"][index][key] = getattr(args, key)
     _apply_max_new_tokens(raw, args.max_new_tokens, hf_dir if source is None else None)
-    for dotted, value in parse_overrides(args.set).items():
-        _set_dotted(raw, dotted, value)
+    apply_overrides(raw, parse_overrides(args.set))
     if source is not None:
-        _resolve_relative_hf_config(raw, source.resolve().parent)
-    return config_from_dict(raw, check_layout=False)
+        resolve_relative_paths(raw, source.resolve().parent)
+    return config_from_dict(raw, check_layout=False, source=str(source or hf_dir))
 
 
 DEFAULT_MAX_NEW_TOKENS = 512

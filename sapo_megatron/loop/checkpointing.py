@@ -8,10 +8,15 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sapo_megatron.loop.session import Session
 from sapo_megatron.runtime.run_dir import Checkpoint
+
+if TYPE_CHECKING:
+    from sapo_megatron.config import RunConfig
+    from sapo_megatron.loop.colocation import Colocation, NoColocation
+    from sapo_megatron.megatron.train_step import TrainEngine
+    from sapo_megatron.weight_sync import WeightSync
 
 
 @dataclass
@@ -35,8 +40,22 @@ class LoopState:
 class Checkpointer:
     """Saves the loop (every rank calls it: the engine's state is sharded) and restores it on resume."""
 
-    def __init__(self, session: Session, started: float) -> None:
-        self.session = session
+    def __init__(
+        self,
+        cfg: RunConfig,
+        engine: TrainEngine,
+        sync: WeightSync,
+        colocation: Colocation | NoColocation,
+        run_dir: Path,
+        started: float,
+    ) -> None:
+        self.cfg, self.engine, self.sync, self.colocation, self.run_dir = (
+            cfg,
+            engine,
+            sync,
+            colocation,
+            run_dir,
+        )
         self.started = started
         self._saved_at: tuple[int, int] | None = None
         self.attachments: dict[str, Callable[[], bytes | None]] = {}
@@ -52,15 +71,15 @@ class Checkpointer:
             return None
         extra = asdict(state)
         extra["wall_seconds"] = state.wall_seconds + time.perf_counter() - self.started
-        extra["lr_bounds"] = list(self.session.engine.lr_bounds())  # the schedule's, for loading it back
+        extra["lr_bounds"] = list(self.engine.lr_bounds())  # the schedule's, for loading it back
         name = f"sft_{state.sft_step:06d}" if phase == "sft" else f"step_{state.step:06d}"
         files = {file: data for file, make in self.attachments.items() if (data := make()) is not None}
-        with self.session.colocation.resident():  # colocated: an offloaded trainer comes back for the save
+        with self.colocation.resident():  # colocated: an offloaded trainer comes back for the save
             path = save_train_state(
-                self.session.engine,
-                self.session.run_dir / "checkpoints" / name,
+                self.engine,
+                self.run_dir / "checkpoints" / name,
                 extra,
-                keep=self.session.cfg.trainer.keep_checkpoints,
+                keep=self.cfg.trainer.keep_checkpoints,
                 files=files,
             )
         self._saved_at = moment
@@ -72,16 +91,16 @@ class Checkpointer:
 
         bounds = checkpoint.extra.get("lr_bounds")
         if bounds:  # the parameter groups as saved (an SFT-phase save holds the SFT learning rate)
-            self.session.engine.set_lr_bounds(*bounds)
-        extra = load_train_state(self.session.engine, checkpoint.path)
+            self.engine.set_lr_bounds(*bounds)
+        extra = load_train_state(self.engine, checkpoint.path)
         extra.pop("lr_bounds", None)
         state = LoopState(**extra)
-        cfg = self.session.cfg
-        self.session.engine.reset_schedule(
+        cfg = self.cfg
+        self.engine.reset_schedule(
             lr=cfg.optimizer.lr,
             total_steps=cfg.trainer.steps * cfg.trainer.mini_batches,
             done=state.step * cfg.trainer.mini_batches,
         )
-        self.session.sync.version = state.step  # weight versions continue: one push before RL, one per step
+        self.sync.version = state.step  # weight versions continue: one push before RL, one per step
         self._saved_at = (state.sft_step, state.step)
         return state

@@ -13,20 +13,47 @@ passes its own sampling seeds (:func:`~sapo_megatron.eval.runner.eval_seed`) and
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from sapo_megatron.eval.runner import EvalResult, EvalSuite, build_suite, run_suite, write_outputs
+from sapo_megatron.loop.checkpointing import LoopState
 from sapo_megatron.runtime.ranks import on_main_rank
+
+if TYPE_CHECKING:
+    from sapo_megatron.config import RunConfig
+    from sapo_megatron.megatron.parallel import RankInfo
+    from sapo_megatron.rollout.base import RolloutEngine
+    from sapo_megatron.runtime.tracking import Tracker
 
 When = Literal["before", "step", "after"]
 
 
-def build_training_suite(cfg: Any, tokenizer: Any) -> EvalSuite:
+class EvaluatedRun(Protocol):
+    """What evaluation reads of a run (a :class:`~sapo_megatron.loop.session.Session` is one)."""
+
+    @property
+    def cfg(self) -> RunConfig: ...
+    @property
+    def info(self) -> RankInfo: ...
+    @property
+    def eval_suite(self) -> EvalSuite: ...
+    @property
+    def rollout(self) -> RolloutEngine | None: ...
+    @property
+    def tokenizer(self) -> object: ...
+    @property
+    def tracker(self) -> Tracker: ...
+    @property
+    def run_dir(self) -> Path: ...
+
+
+def build_training_suite(cfg: RunConfig, tokenizer: Any) -> EvalSuite:
     """The run's eval suite (rows loaded and checked, rewards found): built with the session, before the model."""
     return build_suite(cfg, tokenizer)
 
 
-def describe_training_suite(cfg: Any, tokenizer: Any) -> list[str]:
+def describe_training_suite(cfg: RunConfig, tokenizer: Any) -> list[str]:
     """The dry run's lines about the eval datasets (read, checked and length-filtered as the run will)."""
     from collections import Counter
 
@@ -43,7 +70,7 @@ def describe_training_suite(cfg: Any, tokenizer: Any) -> list[str]:
     return lines
 
 
-def evaluate(session: Any, state: Any, when: When) -> dict[str, float]:
+def evaluate(session: EvaluatedRun, state: LoopState, when: When) -> dict[str, float]:
     """Evaluate now if ``when`` calls for it (see the module docstring); records the result in ``state`` and
     the logs, and returns what goes into the RL step's metrics (``accuracy``; empty when nothing ran)."""
     cfg, suite = session.cfg, session.eval_suite
@@ -61,7 +88,7 @@ def evaluate(session: Any, state: Any, when: When) -> dict[str, float]:
     return {"accuracy": result.headline} if when == "step" else {}
 
 
-def _due(cfg: Any, state: Any, when: When) -> bool:
+def _due(cfg: RunConfig, state: LoopState, when: When) -> bool:
     if when == "before":
         return cfg.eval.before_training and state.eval_before is None
     if when == "step":
@@ -71,7 +98,7 @@ def _due(cfg: Any, state: Any, when: When) -> bool:
     return last is None or last["step"] != state.step
 
 
-def _run_on_main(session: Any, step: int) -> dict[str, dict[str, Any]]:
+def _run_on_main(session: EvaluatedRun, step: int) -> dict[str, dict[str, Any]]:
     result = run_suite(session.rollout, session.tokenizer, session.eval_suite, seed=session.cfg.seed)
     write_outputs(session.run_dir / "eval" / f"step_{step:06d}", "policy", session.cfg.seed, result)
     return result.metrics
@@ -83,7 +110,7 @@ def _line(metrics: dict[str, dict[str, Any]]) -> str:
     return ", ".join(f"{name} avg@{m['n']} {headline(m):.3f}" for name, m in metrics.items())
 
 
-def summary_fields(state: Any) -> dict[str, Any]:
+def summary_fields(state: LoopState) -> dict[str, Any]:
     """What ``summary.json`` records of evaluation: the first and the last evaluation (``eval_before``,
     ``eval``), and their first dataset's avg@n as ``accuracy_before`` / ``accuracy_after``."""
     from sapo_megatron.eval.metrics import headline

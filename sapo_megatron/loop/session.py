@@ -1,5 +1,6 @@
 """Everything a run needs before its first step, built in order: parallel state, output directory, tokenizer,
-prompt data, the Megatron training engine, the rollout engine and its servers, weight sync and logging.
+prompt data, the Megatron training engine, the rollout engine and its servers, weight sync, colocation, logging
+and the checkpointer. :func:`build_session` is the one place a :class:`Session` is made; it is frozen after.
 
 The rollout engine lives on the main rank only; other ranks receive samples by broadcast. The server topology
 (workers, router) is resolved on the main rank and broadcast, because weight sync involves other ranks too.
@@ -9,13 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from sapo_megatron.config import RunConfig
-from sapo_megatron.data.loading import RunData, build_run_data
+from sapo_megatron.data.loading import RunData
 from sapo_megatron.data.prompts import PromptRow
 from sapo_megatron.data.render import PromptRenderer
 from sapo_megatron.data.samples import SampleLog, resume_point
@@ -23,18 +25,18 @@ from sapo_megatron.distill.config import check_domains_served, prompt_domains
 from sapo_megatron.distill.step import DistillStep
 from sapo_megatron.errors import UserError
 from sapo_megatron.eval.runner import EvalSuite
+from sapo_megatron.loop.checkpointing import Checkpointer
 from sapo_megatron.loop.colocation import SERVED_DTYPES, ColocatedSync, Colocation, NoColocation
 from sapo_megatron.loop.evaluation import build_training_suite
 from sapo_megatron.loop.in_flight import holds_batch_in_flight
-from sapo_megatron.loop.inputs import check_input_files
+from sapo_megatron.loop.preflight import check_run_data, preflight
 from sapo_megatron.loop.replay import needs_route_capture
 from sapo_megatron.megatron.offload import TrainerOffload
 from sapo_megatron.megatron.parallel import RankInfo, init_parallel
 from sapo_megatron.megatron.train_step import TrainEngine
-from sapo_megatron.rewards.registry import check_labels
-from sapo_megatron.rewards.runner import RewardRunner, build_reward_runner, check_reward_available
+from sapo_megatron.rewards.runner import RewardRunner, build_reward_runner
 from sapo_megatron.rollout.base import RolloutEngine
-from sapo_megatron.rollout.episodes import tool_schemas, with_run_episodes
+from sapo_megatron.rollout.episodes import with_run_episodes
 from sapo_megatron.rollout.sglang.topology import Topology, resolve_topology
 from sapo_megatron.runtime.interrupts import InterruptGuard, print_line
 from sapo_megatron.runtime.ranks import broadcast_object, on_main_rank
@@ -45,12 +47,21 @@ from sapo_megatron.runtime.wandb_tracking import build_wandb_sink
 from sapo_megatron.weight_sync import DiskSync, TensorSync, WeightSync, export_hf
 from sapo_megatron.weight_sync.distributed import DistributedSync
 
+if TYPE_CHECKING:
+    from sapo_megatron.distill.teachers import Teachers
+
 T = TypeVar("T")
 
 
-@dataclass
+class Server(Protocol):
+    """A server this process started (the in-process CPU server of ``rollout.engine: cpu_http``)."""
+
+    def stop(self) -> None: ...
+
+
+@dataclass(frozen=True)
 class Session:
-    """The built pieces of a run (see :func:`build_session`)."""
+    """The built pieces of a run, made by :func:`build_session` and not changed after."""
 
     cfg: RunConfig
     info: RankInfo
@@ -65,13 +76,13 @@ class Session:
     tracker: Tracker
     guard: InterruptGuard
     bad_steps: BadStepGuard
-    checkpointer: Any = None  # set by the trainer (it needs the loop's start time)
-    _server: object | None = None
-    distill: DistillStep | None = None
-    teachers: Any = None  # distill.teachers.Teachers on the main rank of a run with teachers, else None
-    renderer: PromptRenderer | None = None  # prompt rows -> the ids the engine receives (data/render.py)
-    samples: SampleLog | None = None  # samples.jsonl (data/samples.py)
-    colocation: Any = field(default_factory=NoColocation)  # rollout.colocate (colocation.py)
+    checkpointer: Checkpointer
+    distill: DistillStep
+    renderer: PromptRenderer  # prompt rows -> the ids the engine receives (data/render.py)
+    samples: SampleLog  # samples.jsonl (data/samples.py)
+    colocation: Colocation | NoColocation  # rollout.colocation: time_shared (colocation.py)
+    teachers: Teachers | None = None  # on the main rank of a run with teachers, else None
+    _server: Server | None = None
 
     @property
     def run_dir(self) -> Path:
@@ -91,16 +102,17 @@ class Session:
 
 
 @contextlib.contextmanager
-def open_session(cfg: RunConfig, *, mode: str) -> Iterator[Session]:
-    """Check the inputs, form the process groups, apply the output-directory policy (``mode``), build the
-    session, and close it at the end. A fresh start that fails before its first step leaves nothing behind; a
-    first SIGINT/SIGTERM/SIGUSR1 makes the loop stop after its current step (``session.guard``)."""
-    check_input_files(cfg)
-    check_reward_available(cfg.algorithm.reward, kwargs=cfg.algorithm.reward_kwargs)
+def open_session(cfg: RunConfig, *, mode: str, started: float | None = None) -> Iterator[Session]:
+    """Check the config (:func:`~sapo_megatron.loop.preflight.preflight`) and the data, form the process groups,
+    apply the output-directory policy (``mode``), build the session, and close it at the end. A fresh start that
+    fails before its first step leaves nothing behind; a first SIGINT/SIGTERM/SIGUSR1 makes the loop stop after
+    its current step (``session.guard``). ``started``: when the run began (``time.perf_counter()``; default now),
+    for the wall time the checkpoints record."""
+    started = time.perf_counter() if started is None else started
+    preflight(cfg)
     data, data_error = None, None
     try:  # every row checked, the length policy applied: before any process group forms
-        data = build_run_data(cfg, tools=tool_schemas(cfg.rollout.multi_turn))
-        check_labels(cfg.algorithm.reward, data.train_rows, cfg.data.train)
+        data = check_run_data(cfg)
     except UserError as exc:  # raised once the run's train.log is open (below), so the log records it
         data_error = exc
     info = init_parallel(
@@ -117,7 +129,8 @@ def open_session(cfg: RunConfig, *, mode: str) -> Iterator[Session]:
     ):
         if data_error is not None:
             raise data_error
-        session = build_session(cfg, info, start, guard, data)
+        assert data is not None  # built, or its error raised above
+        session = build_session(cfg, info, start, guard, data, started=started)
         guard.started()  # the first signal now asks for a checkpoint (before: it exits at once)
         try:
             yield session
@@ -126,7 +139,7 @@ def open_session(cfg: RunConfig, *, mode: str) -> Iterator[Session]:
 
 
 def build_session(
-    cfg: RunConfig, info: RankInfo, start: RunStart, guard: InterruptGuard, data: RunData
+    cfg: RunConfig, info: RankInfo, start: RunStart, guard: InterruptGuard, data: RunData, *, started: float
 ) -> Session:
     """The pieces of a run, in order (the run directory exists: :func:`start_run` made it)."""
     run_dir = start.run_dir
@@ -144,7 +157,7 @@ def build_session(
     rollout, server, topology = build_rollout(cfg, info, engine, tokenizer, run_dir)
     sync = build_weight_sync(cfg, info, rollout, topology, tokenizer, run_dir)
     colocation, sync = build_colocation(cfg, info, engine, rollout, sync)  # with the engine itself
-    in_process = cfg.rollout.engine == "cpu" and not cfg.rollout.cpu_http
+    in_process = cfg.rollout.engine == "cpu"
     rollout = with_run_episodes(
         rollout, cfg, tokenizer, in_process=in_process
     )  # when rollout.multi_turn is set
@@ -178,16 +191,17 @@ def build_session(
         tracker,
         guard,
         BadStepGuard(cfg.trainer.max_bad_steps),
-        _server=server,
+        checkpointer=Checkpointer(cfg, engine, sync, colocation, run_dir, started),
         distill=DistillStep(cfg, prompt_domains(train_rows)),
-        teachers=teachers,
         renderer=data.renderer,
         samples=samples,
         colocation=colocation,
+        teachers=teachers,
+        _server=server,
     )
 
 
-def build_teachers_on_main(cfg: RunConfig, info: RankInfo, tokenizer):
+def build_teachers_on_main(cfg: RunConfig, info: RankInfo, tokenizer: object) -> Teachers | None:
     """The teachers (main rank; None elsewhere or without teachers). A failure there stops every rank."""
     built = []
 
@@ -202,7 +216,7 @@ def build_teachers_on_main(cfg: RunConfig, info: RankInfo, tokenizer):
 
 
 def build_rollout(cfg: RunConfig, info: RankInfo, engine: TrainEngine, tokenizer, run_dir: Path):
-    """The rollout engine on the main rank (``None`` elsewhere), the in-process CPU server (``cpu_http``) and
+    """The rollout engine on the main rank (``None`` elsewhere), the in-process CPU server (engine ``cpu_http``) and
     the server topology (every rank; ``None`` for the in-process engine)."""
     if cfg.rollout.engine == "sglang":
         topology = on_main_rank(info, lambda: _resolve_servers(cfg, tokenizer))
@@ -210,13 +224,13 @@ def build_rollout(cfg: RunConfig, info: RankInfo, engine: TrainEngine, tokenizer
         return client, None, topology
     initial = _initial_export(cfg, engine, tokenizer if info.is_main else None, run_dir)  # collective
     if not info.is_main:
-        return None, None, broadcast_object(None) if cfg.rollout.cpu_http else None
+        return None, None, broadcast_object(None) if cfg.rollout.engine == "cpu_http" else None
     from sapo_megatron.rollout.cpu.engine import CPUEngine
 
     cpu = CPUEngine.from_pretrained(
         initial, seed=cfg.seed, num_threads=cfg.rollout.threads, precision=cfg.rollout.precision
     )
-    if not cfg.rollout.cpu_http:
+    if cfg.rollout.engine == "cpu":
         return cpu, None, None
     from sapo_megatron.rollout.cpu.server import CPUServer
     from sapo_megatron.rollout.cpu.weights import WeightGuard
@@ -271,15 +285,15 @@ def _sglang_client(cfg: RunConfig, topology: Topology, api_key: str | None):
         weight_sync_timeout_s=cfg.rollout.weight_sync_timeout_s,
         max_retries=cfg.rollout.max_retries,
         serializer=_cpu_serializer()
-        if (cfg.rollout.engine, cfg.rollout.weight_sync) == ("cpu", "tensor")
+        if (cfg.rollout.engine, cfg.rollout.weight_sync) == ("cpu_http", "tensor")
         else None,
-        flatten_buckets=cfg.rollout.colocate
+        flatten_buckets=cfg.rollout.time_shared
         is not None,  # one flattened bucket per dtype, as slime sends them
     )
 
 
 def _cpu_serializer():
-    """Tensors for the CPU server in this process (``cpu_http``): the CPU form of SGLang's serializer."""
+    """Tensors for the CPU server in this process (engine ``cpu_http``): the CPU form of SGLang's serializer."""
     from sapo_megatron.rollout.tensor_transport import serialize_named_tensors
 
     return serialize_named_tensors
@@ -300,7 +314,7 @@ def build_weight_sync(
     if mode == "disk":
         staging = Path(cfg.rollout.weight_sync_dir or run_dir / "rollout_weights").absolute()
         return DiskSync(rollout, arch, staging_dir=staging, tokenizer=tokenizer)
-    api_key = None if cfg.rollout.engine == "cpu" else rollout_api_key(cfg)
+    api_key = None if cfg.rollout.engine != "sglang" else rollout_api_key(cfg)
     return DistributedSync(
         rollout,
         arch,
@@ -312,10 +326,10 @@ def build_weight_sync(
 
 def build_colocation(
     cfg: RunConfig, info: RankInfo, engine: TrainEngine, rollout: RolloutEngine | None, sync: WeightSync
-):
-    """``(colocation, sync)``: with ``rollout.colocate``, the colocated step and the sync wrapped in its order;
-    otherwise a no-op and the sync as it is."""
-    colocate = cfg.rollout.colocate
+) -> tuple[Colocation | NoColocation, WeightSync]:
+    """``(colocation, sync)``: with ``rollout.colocation: time_shared``, the colocated step and the sync wrapped
+    in its order; otherwise a no-op and the sync as it is."""
+    colocate = cfg.rollout.time_shared
     if colocate is None:
         return NoColocation(), sync
     if isinstance(sync, TensorSync):

@@ -17,7 +17,7 @@ from sapo_megatron.data.prompts import PromptIterator, PromptRow
 from sapo_megatron.data.render import PromptRenderer
 from sapo_megatron.distill.teachers import TeacherScoring
 from sapo_megatron.errors import RunInterrupted
-from sapo_megatron.loop.checkpointing import Checkpointer, LoopState
+from sapo_megatron.loop.checkpointing import LoopState
 from sapo_megatron.loop.evaluation import evaluate, summary_fields
 from sapo_megatron.loop.learning_signal import NoSignalWatch, check_sft_targets
 from sapo_megatron.loop.pipeline import RolloutPipeline
@@ -39,8 +39,7 @@ def run(cfg, *, mode: str = "new") -> dict[str, Any]:
     """Run a whole job into ``cfg.output_dir``; ``mode`` is the output-directory policy (new / resume / auto /
     overwrite, see :mod:`sapo_megatron.runtime.run_dir`). Returns the summary written to ``summary.json``."""
     started = time.perf_counter()
-    with open_session(cfg, mode=mode) as session:
-        session.checkpointer = Checkpointer(session, started)
+    with open_session(cfg, mode=mode, started=started) as session:
         state = (
             session.checkpointer.restore(session.start.checkpoint) if session.start.resume else LoopState()
         )

@@ -4,11 +4,11 @@ against the GPU, with a fits / does-not-fit verdict; as text (``plan``, ``train 
 
 Budget of one GPU: ``memory - reserved - rollout``, where ``reserved`` = 2 GiB (CUDA context, NCCL communicators,
 cuBLAS/TE workspaces) + 5% of the memory (allocator fragmentation), and ``rollout`` = the fraction SGLang keeps
-(``--mem-fraction-static``) when ``rollout.colocated`` without ``rollout.colocate`` (a fixed split: the engine
+(``--mem-fraction-static``) when ``rollout.colocation: split`` (a fixed split: the engine
 keeps its memory while the trainer trains). A stage fits when weights + gradients + optimizer + reference +
 activations ≤ budget.
 
-With ``rollout.colocate`` the GPU is time-shared (sapo_megatron/loop/colocation.py): the engine releases all of
+With ``rollout.colocation: time_shared`` the GPU is time-shared (sapo_megatron/loop/colocation.py): the engine releases all of
 its memory while the trainer trains, and the offloaded trainer leaves only what stays resident while the engine
 generates. The budget is then ``memory - reserved`` for both phases, and a stage fits when
 ``max(train phase, rollout phase) ≤ budget``: train phase = the stage's total; rollout phase = the engine's
@@ -40,7 +40,7 @@ RESERVED_GIB = 2.0
 FRAGMENTATION = 0.05
 DEFAULT_GPU_MEMORY_GIB = 80.0
 DEFAULT_COLOCATED_FRACTION = (
-    0.5  # when rollout.colocated and no --rollout-mem-fraction: a typical colocated value
+    0.5  # when rollout.colocation is not none and no --rollout-mem-fraction: a typical colocated value
 )
 
 
@@ -51,7 +51,7 @@ class PlanSettings:
     world_size: int
     gpu_memory_gib: float | None = None  # None: launch.gpu_type's memory, else 80
     prompt_tokens: int = 512  # prompt length of the padded micro-batch (responses: rollout.max_new_tokens)
-    rollout_mem_fraction: float | None = None  # None: 0.5 when rollout.colocated, else 0
+    rollout_mem_fraction: float | None = None  # None: 0.5 when the engine shares the GPUs, else 0
     spec: Spec = "te"
     image_patches: int = 0  # ViT patches per micro-batch (vision-language models; before the merge)
 
@@ -64,7 +64,9 @@ class StagePlan:
     static: StaticMemory
     activations: StageActivations
     budget: float
-    rollout_phase: float | None = None  # time-shared (rollout.colocate): engine share + what stays resident
+    rollout_phase: float | None = (
+        None  # time-shared (rollout.colocation: time_shared): engine share + what stays resident
+    )
 
     @property
     def train_phase(self) -> float:
@@ -115,9 +117,12 @@ def gpu_memory_gib(cfg: RunConfig, given: float | None) -> float:
 
 
 def rollout_fraction(cfg: RunConfig, given: float | None) -> float:
+    """The share of a GPU the rollout engine keeps: SGLang servers on the trainer's GPUs (a CPU engine keeps
+    none of the GPU's memory)."""
+    on_gpus = cfg.rollout.shares_devices and cfg.rollout.engine == "sglang"
     if given is not None:
-        return given if cfg.rollout.colocated else 0.0
-    return DEFAULT_COLOCATED_FRACTION if cfg.rollout.colocated else 0.0
+        return given if on_gpus else 0.0
+    return DEFAULT_COLOCATED_FRACTION if on_gpus else 0.0
 
 
 def build_plan(cfg: RunConfig, settings: PlanSettings) -> Plan:
@@ -125,7 +130,7 @@ def build_plan(cfg: RunConfig, settings: PlanSettings) -> Plan:
     memory = gpu_memory_gib(cfg, settings.gpu_memory_gib) * GIB
     reserved = RESERVED_GIB * GIB + FRAGMENTATION * memory
     engine = rollout_fraction(cfg, settings.rollout_mem_fraction) * memory
-    time_shared = cfg.rollout.colocate is not None
+    time_shared = cfg.rollout.time_shared is not None
     rollout = 0.0 if time_shared else engine  # time-shared: the engine is released while the trainer trains
     shape = micro_batch_shape(cfg, settings.world_size, settings.prompt_tokens)
     budget = memory - reserved - rollout
@@ -143,7 +148,7 @@ def build_plan(cfg: RunConfig, settings: PlanSettings) -> Plan:
 def resident_while_generating(cfg: RunConfig, static: StaticMemory) -> float:
     """What a time-shared trainer keeps on the GPU while the engine generates: the reference model, one sync
     bucket, and everything else when it is not offloaded."""
-    colocate = cfg.rollout.colocate
+    colocate = cfg.rollout.time_shared
     assert colocate is not None
     kept = static.reference + colocate.bucket_mb * 1024**2
     if not colocate.offload_trainer:
@@ -212,12 +217,12 @@ def _header_lines(cfg: RunConfig, plan: Plan) -> list[str]:
 
 
 def _time_sharing_line(cfg: RunConfig, plan: Plan) -> list[str]:
-    if cfg.rollout.colocate is None:
+    if cfg.rollout.time_shared is None:
         return []
     fraction = rollout_fraction(cfg, plan.settings.rollout_mem_fraction)
     stage = max(plan.stages, key=lambda s: s.total)
     return [
-        f"time-shared (rollout.colocate): peak = max(train phase {_gib(stage.train_phase)}, rollout phase "
+        f"time-shared (rollout.colocation): peak = max(train phase {_gib(stage.train_phase)}, rollout phase "
         f"{_gib(stage.rollout_phase or 0.0)} = engine {fraction:.2f} of the GPU + resident trainer "
         f"{_gib((stage.rollout_phase or 0.0) - fraction * plan.gpu_memory)}) GiB on stage {stage.shard.pp_rank}",
     ]
@@ -345,7 +350,7 @@ def _stage_json(stage: StagePlan) -> dict[str, Any]:
             "activations": _r(act.total),
             "total": _r(stage.train_phase),
         },
-        "phases_gib": {  # rollout: null unless rollout.colocate time-shares the GPU; peak = the larger
+        "phases_gib": {  # rollout: null unless rollout.colocation time-shares the GPU; peak = the larger
             "train": _r(stage.train_phase),
             "rollout": None if stage.rollout_phase is None else _r(stage.rollout_phase),
             "peak": _r(stage.total),

@@ -1,0 +1,85 @@
+"""The ``algorithm`` section: the RL objective (policy loss, mismatch correction, advantages, teacher fusion),
+the reward and the sampling rules (read by the loop, the loss hook and the reward runner)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field
+
+from sapo_megatron.algo.advantages import AdvantageConfig
+from sapo_megatron.algo.losses import PolicyLossConfig, SapoLoss
+from sapo_megatron.algo.mismatch import MismatchCorrectionConfig, NoCorrection
+from sapo_megatron.algo.opd import FusionConfig, RlFusion
+from sapo_megatron.config.section import Section
+
+
+class RemoteRewardConfig(Section):
+    """``algorithm.reward: {url: ...}``: a reward server (protocol in docs/rewards.md)."""
+
+    url: str = Field(description="http(s) URL the batches are POSTed to")
+    api_key_env: str | None = Field(default=None, description="environment variable holding the bearer token")
+    timeout_s: float = Field(default=60.0, gt=0, description="per request")
+    max_retries: int = Field(
+        default=3, ge=0, description="retries of 429 / 5xx / connection errors / timeouts"
+    )
+    batch_size: int = Field(default=256, ge=1, description="samples per request")
+
+
+class AlgorithmConfig(Section):
+    """The RL objective: policy loss (with its own settings), mismatch correction, advantages, sampling rules."""
+
+    loss: PolicyLossConfig = Field(default_factory=SapoLoss)
+    correction: MismatchCorrectionConfig = Field(default_factory=NoCorrection)
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    reward: str | RemoteRewardConfig = Field(
+        default="numeric_match",
+        description="a registered reward name, an import path 'file.py:fn' / 'pkg.mod:fn', or {url: ...} for a "
+        "reward server (see docs/rewards.md)",
+    )
+    reward_workers: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+        default="auto",
+        description="reward worker processes: 0 inline, N a pool; reward_timeout_s per call either way; "
+        "auto: inline for exact_match / numeric_match / dapo_math, else a pool",
+    )
+    reward_timeout_s: float = Field(
+        default=30.0, gt=0, description="per reward call (inline: on the main thread)"
+    )
+    reward_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="extra keyword arguments for the reward, e.g. {mode: fraction}"
+    )
+    dynamic_sampling: bool = Field(default=False, description="DAPO: drop all-equal groups and refill")
+    max_refills: int = Field(default=3, ge=0, description="extra rollout rounds to refill dropped groups")
+    over_sampling: float = Field(
+        default=1.0,
+        ge=1.0,
+        le=8.0,
+        description="draw this many times the prompts a round needs (rounded up) and keep the first groups that "
+        "pass, in data order: fewer refill rounds under dynamic sampling, aborts and failed episodes",
+    )
+    overlong_cache_len: int | None = Field(
+        default=None,
+        ge=1,
+        description="DAPO soft overlong penalty window (uses rollout.max_new_tokens as L_max)",
+    )
+    routing_replay: Literal["none", "r2", "r3"] = Field(
+        default="none",
+        description="MoE routing replay: r2 replays the trainer's own routes of the old-log-prob pass, r3 the "
+        "rollout engine's routes (needs rollout.routed_experts)",
+    )
+    max_reward_error_frac: float = Field(
+        default=0.1,
+        ge=0.0,
+        le=1.0,
+        description="stop the run when more than this fraction of a step's rewards raised (they score 0)",
+    )
+    fusion: FusionConfig = Field(
+        default_factory=RlFusion,
+        description="how teacher advantages (on-policy distillation) meet the RL advantage: rl, opd, fixed, "
+        "saf or mopd (see docs/distillation.md); all but rl need a teachers section",
+    )
+    opd_student_logp: Literal["trainer", "engine"] = Field(
+        default="trainer",
+        description="the student log-prob of A_opd = teacher_logp - student_logp: the trainer's old-policy "
+        "log-prob (the default) or the rollout engine's",
+    )

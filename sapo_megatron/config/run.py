@@ -1,0 +1,125 @@
+"""The whole run config, :class:`RunConfig`: one field per section, each section defined beside the feature that
+reads it, and the checks that tie sections together (a layout against the world size:
+:mod:`sapo_megatron.config.layout`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, model_validator
+
+from sapo_megatron.algo.config import AlgorithmConfig
+from sapo_megatron.config.section import Section
+from sapo_megatron.data.config import DataConfig
+from sapo_megatron.distill.config import TeacherConfig, check_distillation
+from sapo_megatron.eval.config import EvalConfig, materialised_eval
+from sapo_megatron.loop.config import SFTConfig, TrainerConfig
+from sapo_megatron.model.config import ModelConfig, OptimizerConfig, ParallelConfig, PrecisionConfig
+from sapo_megatron.model.precision import GPU_TYPES, fp8_capability_problem
+from sapo_megatron.rollout.config import RolloutConfig
+from sapo_megatron.runtime.config import LaunchConfig
+from sapo_megatron.runtime.wandb_tracking import TrackingConfig
+
+MAX_SEQUENCES_PER_STEP = 10_000_000  # far above any real batch; an absurd size fails here, not out of memory
+
+
+class RunConfig(Section):
+    """A whole run. ``name`` and ``output_dir`` decide where everything is written."""
+
+    name: str = "run"
+    output_dir: str = "runs/run"
+    seed: int = 1234
+    model: ModelConfig
+    parallel: ParallelConfig = ParallelConfig()
+    precision: PrecisionConfig = PrecisionConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    launch: LaunchConfig = LaunchConfig()
+    sft: SFTConfig = SFTConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    data: DataConfig = DataConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    eval: EvalConfig = Field(
+        default_factory=EvalConfig, description="evaluation datasets (docs/evaluation.md)"
+    )
+    tracking: TrackingConfig = Field(
+        default_factory=TrackingConfig, description="W&B besides TensorBoard (docs/evaluation.md)"
+    )
+    teachers: list[TeacherConfig] = Field(
+        default_factory=list, description="teachers that score the student's samples (distillation)"
+    )
+
+    @model_validator(mode="after")
+    def _check_rl(self) -> RunConfig:
+        loss = self.algorithm.loss
+        if loss.agg == "seq-mean-token-sum-norm" and loss.max_len is None:
+            raise ValueError("algorithm.loss.agg=seq-mean-token-sum-norm needs algorithm.loss.max_len")
+        if self.algorithm.routing_replay == "r3" and not self.rollout.routed_experts:
+            raise ValueError(
+                "algorithm.routing_replay=r3 replays the rollout engine's routes, which it only returns when "
+                "asked: set rollout.routed_experts: true (SGLang servers also need --enable-return-routed-experts)"
+            )
+        self._check_fp8_setup()
+        check_distillation(
+            self.teachers,
+            self.algorithm.fusion,
+            self.algorithm.loss,
+            self.algorithm.correction.name,
+            student_logp=self.algorithm.opd_student_logp,
+            temperature=self.rollout.temperature,
+        )
+        if self.trainer.async_rollout and self.rollout.shares_devices:
+            raise ValueError(
+                "trainer.async_rollout overlaps generation with training, which needs servers on their own "
+                "GPUs; set rollout.colocation: none (servers on other GPUs) or trainer.async_rollout: false"
+            )
+        if self.rollout.multi_turn is not None and not self.data.apply_chat_template:
+            raise ValueError(
+                "rollout.multi_turn renders tool observations with the model's chat template: set "
+                "data.apply_chat_template: true (with an HF tokenizer that has one)"
+            )
+        batch = self.rollout.n_samples * self.trainer.prompts_per_step
+        if batch > MAX_SEQUENCES_PER_STEP:
+            raise ValueError(
+                f"trainer.prompts_per_step × rollout.n_samples = {batch} sequences per step is above the limit "
+                f"of {MAX_SEQUENCES_PER_STEP}: lower trainer.prompts_per_step or rollout.n_samples"
+            )
+        if batch % self.trainer.mini_batches:
+            raise ValueError(
+                f"trainer.prompts_per_step × rollout.n_samples = {batch} sequences do not split into "
+                f"trainer.mini_batches={self.trainer.mini_batches} equal updates"
+            )
+        return self
+
+    def _check_fp8_setup(self) -> None:
+        precision = self.precision
+        if precision.fp8_param_gather and not self.optimizer.use_distributed_optimizer:
+            raise ValueError(
+                "precision.fp8_param_gather all-gathers FP8 weights from the distributed optimizer's shards: set "
+                "optimizer.use_distributed_optimizer: true (Megatron's rule)"
+            )
+        gpu = GPU_TYPES.get(self.launch.gpu_type or "")
+        if precision.dtype == "fp8" and gpu is not None:
+            problem = fp8_capability_problem(
+                precision.fp8_recipe, gpu.capability, f"launch.gpu_type={gpu.name}"
+            )
+            if problem:
+                raise ValueError(problem)
+
+    def resolved_dict(self) -> dict[str, Any]:
+        """The resolved config as plain data (HF architecture inlined): what :meth:`save_resolved` writes."""
+        data = self.model_dump(mode="json")
+        data["model"]["hf_config"] = self.model.arch.to_hf_dict()
+        data["eval"] = materialised_eval(self.eval)
+        return data
+
+    def save_resolved(self, path: str | Path) -> Path:
+        """Write the resolved config (HF architecture inlined) as YAML; returns the path written."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(yaml.safe_dump(self.resolved_dict(), sort_keys=False))
+        tmp.replace(path)
+        return path
