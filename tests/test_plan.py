@@ -119,7 +119,7 @@ def test_packing_budget_replaces_the_padded_rectangle():
 
 
 def test_budget_and_verdict(capsys):
-    cfg = load_config(QWEN30B, {"rollout.colocated": True, "rollout.weight_sync": "tensor"})
+    cfg = load_config(QWEN30B, {"rollout.colocation": "split", "rollout.weight_sync": "tensor"})
     plan = build_plan(cfg, PlanSettings(world_size=32, gpu_memory_gib=80, rollout_mem_fraction=0.25))
     assert plan.budget == pytest.approx((80 - 2 - 0.05 * 80 - 0.25 * 80) * GIB)  # 54 GiB per rank
     assert build_plan(cfg, PlanSettings(world_size=32)).gpu_memory == 79.1 * GIB  # launch.gpu_type: h100
@@ -135,7 +135,7 @@ def test_budget_and_verdict(capsys):
 
 def test_rollout_fraction_needs_a_colocated_engine(capsys):
     assert main(["plan", str(QWEN30B), "--rollout-mem-fraction", "0.5"]) == 2
-    assert "rollout.colocated is false" in capsys.readouterr().err
+    assert "rollout.colocation is none" in capsys.readouterr().err
 
 
 def test_json_shape(capsys):
@@ -212,11 +212,11 @@ def test_suggestions_even_when_the_config_layout_does_not_split(capsys):
 
 
 def test_time_shared_colocation_fits_where_the_fixed_split_does_not(capsys):
-    """rollout.colocate time-shares the GPU: peak = max(train phase, rollout phase) against the whole budget, so
+    """rollout.colocation: time_shared time-shares the GPU: peak = max(train phase, rollout phase) against the whole budget, so
     Qwen3-30B-A3B on 16 H100s finds layouts that the fixed 0.5 split rejects."""
-    split = {"rollout.colocated": True, "rollout.weight_sync": "tensor"}
+    split = {"rollout.colocation": "split", "rollout.weight_sync": "tensor"}
     fixed = load_config(QWEN30B, split)
-    shared = load_config(QWEN30B, {**split, "rollout.colocate": {"bucket_mb": 1024}})
+    shared = load_config(QWEN30B, {**split, "rollout.colocation": {"name": "time_shared", "bucket_mb": 1024}})
     settings = PlanSettings(world_size=32, gpu_memory_gib=80, rollout_mem_fraction=0.5)
     plan_fixed, plan_shared = build_plan(fixed, settings), build_plan(shared, settings)
     stage = plan_shared.stages[0]
@@ -226,7 +226,9 @@ def test_time_shared_colocation_fits_where_the_fixed_split_does_not(capsys):
     assert stage.train_phase == plan_fixed.stages[0].total
     assert stage.rollout_phase == pytest.approx(0.5 * 80 * GIB + stage.static.reference + 1024**3)
     assert stage.total == max(stage.train_phase, stage.rollout_phase)
-    resident = load_config(QWEN30B, {**split, "rollout.colocate": {"offload_trainer": False}})
+    resident = load_config(
+        QWEN30B, {**split, "rollout.colocation": {"name": "time_shared", "offload_trainer": False}}
+    )
     kept = build_plan(resident, settings).stages[0]
     static = kept.static
     assert kept.rollout_phase == pytest.approx(
@@ -234,7 +236,7 @@ def test_time_shared_colocation_fits_where_the_fixed_split_does_not(capsys):
     )
     overrides = [
         "--set",
-        "rollout.colocated=true",
+        "rollout.colocation=split",
         "--set",
         "rollout.weight_sync=tensor",
         "--world-size",
@@ -242,6 +244,6 @@ def test_time_shared_colocation_fits_where_the_fixed_split_does_not(capsys):
     ]
     assert main(["plan", str(QWEN30B), *overrides, "--suggest", "3"]) == 1
     assert "no layout of this model fits on 16 GPUs" in capsys.readouterr().out
-    main(["plan", str(QWEN30B), *overrides, "--set", "rollout.colocate={}", "--suggest", "3"])
+    main(["plan", str(QWEN30B), *overrides, "--set", "rollout.colocation=time_shared", "--suggest", "3"])
     out = capsys.readouterr().out
-    assert "layouts that fit on 16 GPUs" in out and "time-shared (rollout.colocate): peak = max(" in out
+    assert "layouts that fit on 16 GPUs" in out and "time-shared (rollout.colocation): peak = max(" in out

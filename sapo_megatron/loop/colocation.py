@@ -1,4 +1,5 @@
-"""The colocated step: the rollout engine and the trainer take turns on the same devices (``rollout.colocate``).
+"""The colocated step: the rollout engine and the trainer take turns on the same devices
+(``rollout.colocation: time_shared``).
 
 Order (slime's ``train.py`` and verl's sharding managers, read in their source):
 

@@ -8,7 +8,7 @@ output_str=True)`` produces for CPU tensors, and :func:`deserialize_named_tensor
 ForkingPickler does not copy tensor data: it moves each storage into shared memory and pickles a *handle*, so the
 payload stays small and only a process that can open the handle can read the tensors:
 
-- **Same process** (the ``rollout.cpu_http`` mode: ``CPUServer(engine).start()`` inside the trainer): always works.
+- **Same process** (the ``rollout.engine: cpu_http`` mode: ``CPUServer(engine).start()`` inside the trainer): always works.
 - **Another local process**, torch's default ``file_descriptor`` strategy: the handle is a file descriptor lent by
   the sender's ``multiprocessing.resource_sharer``, which only processes holding the sender's multiprocessing
   authkey (its ``multiprocessing`` children) may fetch; any other process is refused ("digest sent was rejected")

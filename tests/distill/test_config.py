@@ -58,7 +58,7 @@ def test_opd_with_sequence_level_gspo_is_refused_with_the_reason():
         ({"teachers": [{"name": "t", "engine": "sglang"}]}, r"engine sglang needs urls"),
         (
             {"teachers": [{"name": "t", "engine": "sglang", "urls": ["http://h:1"], "model_path": "x"}]},
-            r"model_path / cpu_http are for engine cpu",
+            r"model_path is for engine cpu / cpu_http",
         ),
         ({"teachers": [TEACHER, TEACHER]}, r"names \['t'\] are used twice"),
         (

@@ -19,7 +19,7 @@ def opd_settings(teacher) -> dict:
         "trainer.mini_batches": 1,
         "rollout.n_samples": 4,
         "optimizer.lr": 1e-3,
-        "teachers": [{"name": "peaked", "model_path": str(teacher), "cpu_http": True}],
+        "teachers": [{"name": "peaked", "model_path": str(teacher), "engine": "cpu_http"}],
         "algorithm.fusion": {"mode": "opd"},
         "trainer.export_hf": False,
     }
@@ -98,7 +98,7 @@ def test_opd_with_a_vl_teacher_scores_the_image_prompts_with_their_images(tmp_pa
 
     model = build_tiny_vl_checkpoint(tmp_path / "model", seed=3)
     train_file = write_jsonl(tmp_path / "train.jsonl", image_prompt_records(colours=3))
-    teacher = {"name": "vl", "model_path": str(model), "cpu_http": True}
+    teacher = {"name": "vl", "model_path": str(model), "engine": "cpu_http"}
     cfg = vl_run_config(model, train_file, tmp_path / "run", teachers=[teacher])
     cfg["optimizer"]["lr"] = 1e-2
     cfg["trainer"].update(steps=2, prompts_per_step=4, mini_batches=1, save_every=0, export_hf=False)

@@ -63,7 +63,7 @@ def test_http_scoring_equals_the_in_process_teacher(teacher_dir):
 
 
 def test_build_teachers_over_http_and_the_tokenizer_check(teacher_dir, tmp_path):
-    cfg = TeacherConfig(name="t", model_path=str(teacher_dir), cpu_http=True)
+    cfg = TeacherConfig(name="t", model_path=str(teacher_dir), engine="cpu_http")
     teachers = build_teachers([cfg], CharTokenizer(), seed=0)
     try:
         teacher = teachers.teacher_for("anything")

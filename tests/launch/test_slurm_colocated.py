@@ -1,6 +1,6 @@
 """launch/slurm_colocated.sbatch under the real one-machine Slurm: ONE job whose node runs the CPU server standing in
 for SGLang (`sapo-megatron serve`, started by the rollout script) and two trainer ranks (the train script) at once,
-with ``rollout.colocate``: the engine is released while the trainer trains, the trainer offloaded while it
+with ``rollout.colocation: time_shared``: the engine is released while the trainer trains, the trainer offloaded while it
 generates, and the weights pushed after every step. The weights go by disk: the CPU server opens shared memory only
 from a sender process it was told at start (--tensor-sender-pid), which a server started before the trainer cannot
 know; SGLang's CUDA IPC path (weight_sync: tensor, the script's default) has no such check."""
@@ -28,7 +28,7 @@ def test_colocated_job_runs_servers_and_trainer_on_one_node(tmp_path, demo_model
         tmp_path / "tiny.yaml", demo_model_dir, output_dir, steps=3, save_every=0, weight_sync="disk"
     )
     raw = yaml.safe_load(config.read_text())
-    raw["rollout"]["colocate"] = {"bucket_mb": 1}
+    raw["rollout"]["colocation"] = {"name": "time_shared", "bucket_mb": 1}
     config.write_text(yaml.safe_dump(raw))
     env = {
         **launch_env,
@@ -60,8 +60,13 @@ def test_colocated_job_runs_servers_and_trainer_on_one_node(tmp_path, demo_model
         assert record["colocate/trainer_resident_gib_train"] > 0.0, record
     assert json.loads((output_dir / "summary.json").read_text())["steps"] == 3
     resolved = yaml.safe_load((output_dir / "config.yaml").read_text())["rollout"]
-    assert (resolved["engine"], resolved["colocated"], resolved["weight_sync"]) == ("sglang", True, "disk")
-    assert resolved["colocate"] == {"offload_trainer": True, "bucket_mb": 1, "check_weights": False}
+    assert (resolved["engine"], resolved["weight_sync"]) == ("sglang", "disk")
+    assert resolved["colocation"] == {
+        "name": "time_shared",
+        "offload_trainer": True,
+        "bucket_mb": 1,
+        "check_weights": False,
+    }
     # The job stopped its servers and removed its endpoints file (the API key stays for a requeued run).
     assert not list(tmp_path.glob("sapo-colocated-*.json"))
     assert (tmp_path / f"sapo-colocated-{job.job_id}.key").is_file()

@@ -1,4 +1,4 @@
-"""The colocated step end to end (``rollout.colocate``; the CPU server in the trainer's process stands in for the
+"""The colocated step end to end (``rollout.colocation: time_shared``; the CPU server in the trainer's process stands in for the
 colocated SGLang servers): the same run disaggregated, colocated with the trainer resident, and colocated with the
 trainer offloaded and the weights checked after every sync gives the same metrics bit for bit, and the colocated
 runs log each phase's time and the trainer's device memory."""
@@ -10,7 +10,7 @@ import pytest
 from tests.rl.test_trainer import data_files, metrics, train, write_config  # noqa: F401 (fixture)
 
 BASE = {
-    "rollout.cpu_http": True,
+    "rollout.engine": "cpu_http",
     "rollout.weight_sync": "tensor",
     "trainer.steps": 3,
     "trainer.save_every": 2,  # a checkpoint of an offloaded trainer (it comes back for the save)
@@ -31,8 +31,15 @@ def _numbers(rows: list[dict]) -> list[dict]:
 def runs(tmp_path_factory, data_files):  # noqa: F811 - the fixture imported above
     arms = {
         "disaggregated": {},
-        "resident": {"rollout.colocate": {"offload_trainer": False}},
-        "offloaded": {"rollout.colocate": {"offload_trainer": True, "check_weights": True, "bucket_mb": 1}},
+        "resident": {"rollout.colocation": {"name": "time_shared", "offload_trainer": False}},
+        "offloaded": {
+            "rollout.colocation": {
+                "name": "time_shared",
+                "offload_trainer": True,
+                "check_weights": True,
+                "bucket_mb": 1,
+            }
+        },
     }
     out = {}
     for name, extra in arms.items():
@@ -85,7 +92,10 @@ def test_two_rank_colocated_run_is_bitwise_the_disaggregated_one(tmp_path, data_
     collectives around them run on both ranks in the same order, and the trainer's numbers do not move."""
     tp2 = {"parallel": {"tp": 2, "sequence_parallel": True}, "launch.procs_per_node": 2}
     got = {}
-    for name, extra in (("plain", {}), ("colocated", {"rollout.colocate": {"check_weights": True}})):
+    for name, extra in (
+        ("plain", {}),
+        ("colocated", {"rollout.colocation": {"name": "time_shared", "check_weights": True}}),
+    ):
         (tmp_path / name).mkdir()
         train(write_config(tmp_path / name / "run.yaml", data_files, **BASE, **tp2, **extra))
         got[name] = metrics(tmp_path / name / "run", "rl")

@@ -37,7 +37,7 @@ def test_cpu_server_in_process_takes_tensor_weight_sync(tmp_path, data_files):  
     config = write_config(
         tmp_path / "run.yaml",
         data_files,
-        **{"rollout.cpu_http": True, "rollout.weight_sync": "tensor", "trainer.steps": 3, "sft.steps": 5},
+        **{"rollout.engine": "cpu_http", "rollout.weight_sync": "tensor", "trainer.steps": 3, "sft.steps": 5},
     )
     train(config)
     rl = rows(tmp_path / "run", "rl")

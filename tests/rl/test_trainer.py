@@ -186,7 +186,7 @@ def test_http_rollouts_disk_weight_sync_and_kl_reference(tmp_path, data_files):
         tmp_path / "run.yaml",
         data_files,
         **{
-            "rollout.cpu_http": True,
+            "rollout.engine": "cpu_http",
             "rollout.weight_sync": "disk",
             "trainer.steps": 3,
             "sft.steps": 5,

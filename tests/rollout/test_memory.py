@@ -202,7 +202,7 @@ def test_stand_in_checksums_are_sglangs_served_layout_of_the_checkpoint(client, 
 
 
 def test_flattened_buckets_update_the_stand_in(server, moe_dir_b):
-    """rollout.colocate's sync: one flattened bucket per dtype (SGLang's load_format flattened_bucket)."""
+    """rollout.colocation time_shared sync: one flattened bucket per dtype (SGLang's load_format flattened_bucket)."""
     named = sorted(load_file(str(moe_dir_b / "model.safetensors")).items())
     with SGLangClient(server.url, timeout_s=60, max_retries=0, flatten_buckets=True) as flat:
         half = len(named) // 2

@@ -1,4 +1,4 @@
-"""The CPU server's weight endpoints in one process (the colocated ``rollout.cpu_http`` case), over HTTP."""
+"""The CPU server's weight endpoints in one process (the colocated ``rollout.engine: cpu_http`` case), over HTTP."""
 
 from __future__ import annotations
 
