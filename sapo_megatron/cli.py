@@ -18,7 +18,7 @@ import socket
 import sys
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from sapo_megatron import __version__
 from sapo_megatron.errors import RunInterrupted, UserError
@@ -153,7 +153,7 @@ def _normalise_resume(argv: list[str]) -> list[str]:
 class _Parser(argparse.ArgumentParser):
     """A usage error is one line and a hint, as every other error of the command line (exit status 2)."""
 
-    def error(self, message: str) -> None:  # type: ignore[override] - argparse's NoReturn
+    def error(self, message: str) -> NoReturn:
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         print(f"hint: {self.prog} --help lists the options", file=sys.stderr)
         sys.exit(2)

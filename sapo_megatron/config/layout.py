@@ -123,6 +123,7 @@ def _batch_problems(cfg: RunConfig, world_size: int) -> list[str]:
 
 def _packing_problems(cfg: RunConfig) -> list[str]:
     budget, longest = cfg.parallel.max_tokens_per_micro_batch, cfg.rollout.max_new_tokens
+    assert budget is not None  # the caller's condition
     mt = cfg.rollout.multi_turn
     if cfg.trainer.steps and mt is not None and budget < mt.max_context_tokens - 1:
         return [

@@ -15,6 +15,7 @@ from sapo_megatron.config.layout import validate_layout
 from sapo_megatron.config.messages import format_validation_error
 from sapo_megatron.config.run import RunConfig
 from sapo_megatron.config.yaml_io import read_yaml, set_dotted
+from sapo_megatron.data.datasets import DatasetKeys
 from sapo_megatron.errors import ConfigError
 from sapo_megatron.eval.config import refuse_old_eval_keys
 from sapo_megatron.model.arch import ArchError
@@ -85,7 +86,7 @@ def fill_auto_sizes(raw: dict[str, Any]) -> dict[str, Any]:
     from sapo_megatron.data.tokenizer import load_tokenizer
     from sapo_megatron.eval.config import resolve_datasets
 
-    model = raw.get("model") if isinstance(raw.get("model"), dict) else {}
+    model: dict[str, Any] = raw["model"] if isinstance(raw.get("model"), dict) else {}
     if model.get("hf_config") == TINY:
         from sapo_megatron.defaults import tiny_model
 
@@ -94,14 +95,16 @@ def fill_auto_sizes(raw: dict[str, Any]) -> dict[str, Any]:
     fields = auto_fields(model.get("hf_config"))
     if not fields:
         return raw
-    data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
+    data: dict[str, Any] = raw["data"] if isinstance(raw.get("data"), dict) else {}
     tokenizer = load_tokenizer(str(data.get("tokenizer", "char")))
     hf = {**model["hf_config"], **token_sizes(tokenizer, fields)}
     hf = {key: value for key, value in hf.items() if value is not None}
     if CONTEXT_FIELD in fields:
         hf[CONTEXT_FIELD] = 1 << 20  # provisional: the prompts are measured with the validated settings
         cfg = RunConfig.model_validate({**raw, "model": {**model, "hf_config": hf}})
-        sources = [(cfg.data.train, cfg.data, cfg.data.train_size, cfg.rollout.max_new_tokens)]
+        sources: list[tuple[str, DatasetKeys, int | None, int]] = [
+            (cfg.data.train, cfg.data, cfg.data.train_size, cfg.rollout.max_new_tokens)
+        ]
         sources += [(d.path, d.keys, d.size, d.max_new_tokens) for d in resolve_datasets(cfg)]
         hf[CONTEXT_FIELD] = measured_context(sources, tokenizer, digits=cfg.data.digits, seed=cfg.seed)
     return {**raw, "model": {**model, "hf_config": hf}}

@@ -85,7 +85,7 @@ def evaluate(session: EvaluatedRun, state: LoopState, when: When) -> dict[str, f
         state.eval_before = state.eval_last
         state.accuracy_before = result.headline
     session.tracker.message(f"eval at RL step {state.step}: {_line(metrics)}")
-    return {"accuracy": result.headline} if when == "step" else {}
+    return {"accuracy": result.headline} if when == "step" and result.headline is not None else {}
 
 
 def _due(cfg: RunConfig, state: LoopState, when: When) -> bool:

@@ -21,6 +21,7 @@ from sapo_megatron.data.loading import RunData
 from sapo_megatron.data.prompts import PromptRow
 from sapo_megatron.data.render import PromptRenderer
 from sapo_megatron.data.samples import SampleLog, resume_point
+from sapo_megatron.data.tokenizer import CharTokenizer, HFTokenizer
 from sapo_megatron.distill.config import check_domains_served, prompt_domains
 from sapo_megatron.distill.step import DistillStep
 from sapo_megatron.errors import UserError
@@ -66,7 +67,7 @@ class Session:
     cfg: RunConfig
     info: RankInfo
     start: RunStart
-    tokenizer: object
+    tokenizer: CharTokenizer | HFTokenizer
     train_rows: list[PromptRow]
     eval_suite: EvalSuite
     engine: TrainEngine
@@ -162,7 +163,7 @@ def build_session(
         rollout, cfg, tokenizer, in_process=in_process
     )  # when rollout.multi_turn is set
     reward = build_reward_runner(
-        cfg.algorithm.reward,
+        cfg.algorithm.reward_spec,
         workers=cfg.algorithm.reward_workers if info.is_main else 0,  # only the main rank scores
         timeout_s=cfg.algorithm.reward_timeout_s,
         kwargs=cfg.algorithm.reward_kwargs,
@@ -319,9 +320,15 @@ def build_weight_sync(
         rollout,
         arch,
         stage=info.pp_rank,
-        make_client=lambda: _sglang_client(cfg, topology, api_key),
+        make_client=lambda: _sglang_client(cfg, _known(topology), api_key),
         timeout_s=cfg.rollout.weight_sync_timeout_s,
     )
+
+
+def _known(topology: Topology | None) -> Topology:
+    """The topology of a distributed sync (the validator allows it only with servers, which have one)."""
+    assert topology is not None
+    return topology
 
 
 def build_colocation(

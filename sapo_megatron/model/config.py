@@ -83,6 +83,7 @@ class ModelConfig(Section):
         """The parsed architecture (read once)."""
         if self._arch is None:
             source = self.hf_config
+            assert source is not None  # the validator above filled it
             self._arch = (
                 QwenArch.from_hf_dict(source) if isinstance(source, dict) else QwenArch.from_path(source)
             )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from sapo_megatron.config import ConfigError, RunConfig, validate_layout
 from sapo_megatron.plan import (
@@ -53,14 +54,13 @@ def run_plan(cfg: RunConfig, args: argparse.Namespace) -> int:
     is invalid on this world size is reported and the suggestions still printed."""
     world = args.world_size or cfg.launch.world_size
     settings = plan_settings(cfg, args, world)
+    invalid: str | None = None
     try:
         validate_layout(cfg, world)
     except ConfigError as err:
         if not args.suggest:
             raise
         invalid = str(err)
-    else:
-        invalid = None
     suggestions = suggest_layouts(cfg, settings, args.suggest) if args.suggest else None
     fits = _print_plan(cfg, settings, suggestions, invalid, as_json=args.json)
     return 0 if fits else 1
@@ -76,7 +76,7 @@ def _print_plan(
 ) -> bool:
     plan = None if invalid else build_plan(cfg, settings)
     if as_json:
-        out = (
+        out: dict[str, Any] = (
             plan_to_json(plan) if plan else {"schema": PLAN_SCHEMA, "invalid_layout": invalid, "fits": False}
         )
         if suggestions is not None:
