@@ -101,11 +101,13 @@ def test_a_teachers_cpu_http_loads_as_its_engine():
 def test_old_keys_work_as_overrides_and_warn_naming_the_file(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text(json.dumps({"model": {"hf_config": tiny_hf_config("moe")}}))  # JSON is YAML
-    with pytest.warns(
-        DeprecatedConfigKey, match=r"rollout\.colocate is deprecated: use rollout\.colocation"
-    ) as got:
+    with pytest.warns(DeprecatedConfigKey) as got:
         cfg = load_config(path, {"rollout.cpu_http": True, "rollout.colocate.bucket_mb": 8})
     assert cfg.rollout.engine == "cpu_http" and cfg.rollout.time_shared.bucket_mb == 8
+    assert [str(w.message).split(" is deprecated: use ")[1].split(" (")[0] for w in got] == [
+        "rollout.engine: cpu_http",
+        "rollout.colocation: {name: time_shared, bucket_mb: ...}",
+    ]
     assert {w.filename for w in got} == {str(path)}
 
 
