@@ -24,6 +24,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "config",
         (
             "config",
+            "config_section",
             "defaults",
             "algo.config",
             "data.config",
@@ -236,3 +237,28 @@ def test_old_module_names_say_where_they_moved():
     assert all(new in files for new in _moved.MOVED.values()) and not any(
         old in files for old in _moved.MOVED
     )
+
+
+CONFIG_MODULES = [
+    module
+    for module in module_files()
+    if LAYERS[layer_of(module)][0] == "config" and module not in ("config", "defaults")
+]
+
+
+@pytest.mark.parametrize("module", CONFIG_MODULES)
+def test_a_config_module_imports_first_in_a_fresh_interpreter(module):
+    """The sections live beside their features and ``config/`` imports them all: whichever is imported first, no
+    module finds another half-initialised (an import cycle at run time, which the static graph cannot see)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", f"import sapo_megatron.{module}"],
+        capture_output=True,
+        text=True,
+        cwd=PACKAGE.parent,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -11,7 +11,7 @@ from sapo_megatron.algo.advantages import AdvantageConfig
 from sapo_megatron.algo.losses import PolicyLossConfig, SapoLoss
 from sapo_megatron.algo.mismatch import MismatchCorrectionConfig, NoCorrection
 from sapo_megatron.algo.opd import FusionConfig, RlFusion
-from sapo_megatron.config.section import Section
+from sapo_megatron.config_section import Section
 
 
 class RemoteRewardConfig(Section):

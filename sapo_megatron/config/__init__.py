@@ -29,7 +29,7 @@ from sapo_megatron.config.load import (
     resolve_relative_paths,
 )
 from sapo_megatron.config.run import MAX_SEQUENCES_PER_STEP, RunConfig
-from sapo_megatron.config.section import Section
+from sapo_megatron.config_section import Section
 from sapo_megatron.config.yaml_io import (
     MAX_CONFIG_BYTES,
     MAX_YAML_ALIASES,

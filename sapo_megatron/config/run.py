@@ -11,7 +11,7 @@ import yaml
 from pydantic import Field, model_validator
 
 from sapo_megatron.algo.config import AlgorithmConfig
-from sapo_megatron.config.section import Section
+from sapo_megatron.config_section import Section
 from sapo_megatron.data.config import DataConfig
 from sapo_megatron.distill.config import TeacherConfig, check_distillation
 from sapo_megatron.eval.config import EvalConfig, materialised_eval

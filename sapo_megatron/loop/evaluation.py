@@ -22,6 +22,7 @@ from sapo_megatron.runtime.ranks import on_main_rank
 
 if TYPE_CHECKING:
     from sapo_megatron.config import RunConfig
+    from sapo_megatron.data.tokenizer import CharTokenizer, HFTokenizer
     from sapo_megatron.megatron.parallel import RankInfo
     from sapo_megatron.rollout.base import RolloutEngine
     from sapo_megatron.runtime.tracking import Tracker
@@ -41,19 +42,19 @@ class EvaluatedRun(Protocol):
     @property
     def rollout(self) -> RolloutEngine | None: ...
     @property
-    def tokenizer(self) -> object: ...
+    def tokenizer(self) -> CharTokenizer | HFTokenizer: ...
     @property
     def tracker(self) -> Tracker: ...
     @property
     def run_dir(self) -> Path: ...
 
 
-def build_training_suite(cfg: RunConfig, tokenizer: Any) -> EvalSuite:
+def build_training_suite(cfg: RunConfig, tokenizer: CharTokenizer | HFTokenizer) -> EvalSuite:
     """The run's eval suite (rows loaded and checked, rewards found): built with the session, before the model."""
     return build_suite(cfg, tokenizer)
 
 
-def describe_training_suite(cfg: RunConfig, tokenizer: Any) -> list[str]:
+def describe_training_suite(cfg: RunConfig, tokenizer: CharTokenizer | HFTokenizer) -> list[str]:
     """The dry run's lines about the eval datasets (read, checked and length-filtered as the run will)."""
     from collections import Counter
 

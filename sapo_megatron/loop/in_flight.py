@@ -5,12 +5,13 @@ resumed run trains on a batch it already generated (its samples were logged befo
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+
+from sapo_megatron.runtime.run_dir import Checkpoint
 
 IN_FLIGHT_FILE = "rollout_in_flight.pt"
 """The batch in flight, inside a training-state checkpoint (written by the main rank, read on resume)."""
 
 
-def holds_batch_in_flight(checkpoint: Any) -> bool:
+def holds_batch_in_flight(checkpoint: Checkpoint | None) -> bool:
     """Whether ``checkpoint`` (a run directory's checkpoint, with ``path``; or ``None``) holds the batch in flight."""
     return checkpoint is not None and (Path(checkpoint.path) / IN_FLIGHT_FILE).is_file()

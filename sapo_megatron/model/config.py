@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field, PrivateAttr, model_validator
 
-from sapo_megatron.config.section import Section
+from sapo_megatron.config_section import Section
 from sapo_megatron.model.arch import QwenArch
 from sapo_megatron.model.precision import FP8_RECIPES, Fp8RecipeName
 

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from sapo_megatron.config.section import Section
+from sapo_megatron.config_section import Section
 
 EngineKind = Literal["cpu", "cpu_http", "sglang"]
 """``cpu``: the CPU engine in process; ``cpu_http``: it behind its HTTP server (what an SGLang server does, on

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from sapo_megatron.config.section import Section
+from sapo_megatron.config_section import Section
 from sapo_megatron.model.precision import GpuTypeName
 
 

@@ -1,4 +1,7 @@
-"""The base of every config section, wherever the section lives (beside the feature that reads it)."""
+"""The base of every config section, wherever the section lives (beside the feature that reads it).
+
+Outside the ``config`` package on purpose: a section module imports it without running ``config/__init__``, which
+imports every section (``config.run``)."""
 
 from __future__ import annotations
 
