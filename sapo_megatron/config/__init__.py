@@ -29,7 +29,6 @@ from sapo_megatron.config.load import (
     resolve_relative_paths,
 )
 from sapo_megatron.config.run import MAX_SEQUENCES_PER_STEP, RunConfig
-from sapo_megatron.config_section import Section
 from sapo_megatron.config.yaml_io import (
     MAX_CONFIG_BYTES,
     MAX_YAML_ALIASES,
@@ -39,6 +38,7 @@ from sapo_megatron.config.yaml_io import (
     parse_yaml,
     read_yaml,
 )
+from sapo_megatron.config_section import Section
 from sapo_megatron.data.config import DataConfig
 from sapo_megatron.errors import ConfigError  # ConfigError: also importable from here, as before
 from sapo_megatron.loop.config import SFTConfig, TrainerConfig
