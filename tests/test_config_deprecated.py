@@ -64,6 +64,11 @@ def new_form(rollout: dict, **sections):
             "rollout.colocated: false is deprecated: use rollout.colocation: none (the default)",
         ),
         (
+            {"colocate": None},
+            {"colocation": "none"},
+            "rollout.colocate: null is deprecated: use rollout.colocation: none (the default)",
+        ),
+        (
             {**SGLANG, "colocated": True, "colocate": {"bucket_mb": 64, "check_weights": True}},
             {**SGLANG, "colocation": {"name": "time_shared", "bucket_mb": 64, "check_weights": True}},
             "rollout.colocate is deprecated: use rollout.colocation: {name: time_shared, bucket_mb: ..., "
@@ -134,3 +139,11 @@ def test_an_old_key_that_contradicts_its_new_form_is_refused(rollout, message):
     with pytest.raises(ConfigError) as info:
         load(rollout)
     assert str(info.value) == message
+
+
+def test_a_resolved_config_of_the_previous_release_loads_as_the_default():
+    """What ``save_resolved`` wrote before (``compare`` and ``eval`` read a run's ``config.yaml`` back)."""
+    written = {"engine": "cpu", "colocated": False, "cpu_http": False, "colocate": None}
+    cfg, lines = load(written)
+    assert cfg.rollout == new_form({}).rollout and cfg.rollout.colocation.name == "none"
+    assert len(lines) == 2 and all("is deprecated: use rollout." in line for line in lines)

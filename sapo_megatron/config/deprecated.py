@@ -94,8 +94,9 @@ def _migrate_colocation(section: dict[str, Any], source: str) -> dict[str, Any]:
     elif colocated is True:
         section["colocation"] = {"name": "split"}
         deprecated(source, "rollout.colocated: true", "rollout.colocation: split")
-    elif colocated in (False, None):
-        deprecated(source, "rollout.colocated: false", "rollout.colocation: none (the default)")
+    elif colocated in (False, None):  # the defaults, as a resolved config of the previous release has them
+        given = "rollout.colocated: false" if "colocated" in old else "rollout.colocate: null"
+        deprecated(source, given, "rollout.colocation: none (the default)")
     else:
         raise ConfigError(
             f"rollout.colocated={colocated!r}: it is now rollout.colocation (none, split or time_shared)"
