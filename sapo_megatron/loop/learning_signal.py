@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from sapo_megatron.data.prompts import PromptRow
 from sapo_megatron.data.render import sft_target
-from sapo_megatron.rewards.types import RewardInput
+from sapo_megatron.rewards.types import RewardInput, RewardOutput
+
+if TYPE_CHECKING:
+    from sapo_megatron.config import RunConfig
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +31,16 @@ PATIENCE = 3
 """RL steps in a row with zero reward spread in every group before :class:`NoSignalWatch` warns."""
 
 
-def _inputs(rows: Sequence[Any], texts: Sequence[str]) -> list[RewardInput]:
+class Scorer(Protocol):
+    """What these checks call of the run's reward (a :class:`~sapo_megatron.rewards.runner.RewardRunner`)."""
+
+    @property
+    def name(self) -> str: ...
+    def score(self, inputs: list[RewardInput]) -> list[RewardOutput]: ...
+    def take_step_metrics(self) -> dict[str, float]: ...
+
+
+def _inputs(rows: Sequence[PromptRow], texts: Sequence[str]) -> list[RewardInput]:
     return [
         RewardInput(
             response=text,
@@ -50,7 +63,7 @@ def _text_fields(value: Any, prefix: str = "", depth: int = 2) -> Iterator[tuple
         yield prefix[:-1], value
 
 
-def scoring_fields(reward: Any, rows: Sequence[Any]) -> list[str]:
+def scoring_fields(reward: Scorer, rows: Sequence[PromptRow]) -> list[str]:
     """The row fields (dotted paths; at most :data:`FIELDS_TRIED`, on :data:`FIELD_ROWS` rows: a reward may run
     code) whose text scores above 0 under ``reward`` for some of ``rows``."""
     rows = rows[:FIELD_ROWS]
@@ -65,7 +78,7 @@ def scoring_fields(reward: Any, rows: Sequence[Any]) -> list[str]:
     return found
 
 
-def check_sft_targets(reward: Any, rows: Sequence[Any], *, response_key: str | None) -> str | None:
+def check_sft_targets(reward: Scorer, rows: Sequence[PromptRow], *, response_key: str | None) -> str | None:
     """Score the first :data:`TARGETS_SCORED` SFT targets; the warning (also logged) when none scores above the
     lowest score, else None."""
     sample = list(rows[:TARGETS_SCORED])
@@ -96,7 +109,7 @@ def check_sft_targets(reward: Any, rows: Sequence[Any], *, response_key: str | N
 class NoSignalWatch:
     """Counts RL steps in a row whose groups all had equal rewards; warns once after :data:`PATIENCE`."""
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: RunConfig) -> None:
         self.cfg = cfg
         self.in_a_row = 0
         self.warned = False
