@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sapo_megatron.config import ConfigError, config_from_dict
+from sapo_megatron.config import ConfigError, apply_overrides, config_from_dict
 from sapo_megatron.model.tiny import tiny_hf_config
 
 
@@ -117,3 +117,17 @@ def test_time_sharing_refuses_async_rollout():
                 "trainer": {"async_rollout": True},
             }
         )
+
+
+def test_a_setting_overrides_a_colocation_given_by_its_name():
+    raw = {
+        "model": {"hf_config": tiny_hf_config("moe")},
+        "rollout": {"engine": "cpu_http", "colocation": "time_shared"},
+    }
+    apply_overrides(raw, {"rollout.colocation.bucket_mb": 8})
+    assert config_from_dict(raw).rollout.time_shared.bucket_mb == 8
+    raw["rollout"]["colocation"] = "split"
+    apply_overrides(
+        raw, {"rollout.colocation.name": "time_shared", "rollout.colocation.offload_trainer": False}
+    )
+    assert config_from_dict(raw).rollout.time_shared.offload_trainer is False

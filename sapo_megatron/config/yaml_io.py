@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from sapo_megatron.config.messages import drop_keys_of_other_variant
+from sapo_megatron.config.messages import drop_keys_of_other_variant, section_at
 from sapo_megatron.errors import ConfigError
 
 
@@ -147,6 +147,8 @@ def set_dotted(raw: dict[str, Any], dotted: str, value: Any, root: type[BaseMode
         if isinstance(node, list):  # eval.datasets.0.size
             node = node[_list_index(node, key, dotted, parents[:depth])]
             continue
+        if isinstance(node, dict) and _is_variant_name(node.get(key), (*parents[: depth + 1],), root):
+            node[key] = {"name": node[key]}  # `colocation: time_shared` is `colocation: {name: time_shared}`
         node = node.setdefault(key, {}) if isinstance(node, dict) else None
         if not isinstance(node, dict | list):
             raise ConfigError(f"override {dotted}: {key} is not a section")
@@ -159,6 +161,11 @@ def set_dotted(raw: dict[str, Any], dotted: str, value: Any, root: type[BaseMode
     if leaf == "name" and isinstance(value, str):
         drop_keys_of_other_variant(node, tuple(parents), value, root)
     node[leaf] = value
+
+
+def _is_variant_name(value: Any, loc: tuple[str, ...], root: type[BaseModel]) -> bool:
+    """``value`` is a bare variant name given for the section with variants at ``loc``."""
+    return isinstance(value, str) and isinstance(section_at(loc, root), dict)
 
 
 def _list_index(node: list[Any], key: str, dotted: str, parents: list[str]) -> int:
