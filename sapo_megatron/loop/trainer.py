@@ -40,9 +40,8 @@ def run(cfg, *, mode: str = "new") -> dict[str, Any]:
     overwrite, see :mod:`sapo_megatron.runtime.run_dir`). Returns the summary written to ``summary.json``."""
     started = time.perf_counter()
     with open_session(cfg, mode=mode, started=started) as session:
-        state = (
-            session.checkpointer.restore(session.start.checkpoint) if session.start.resume else LoopState()
-        )
+        checkpoint = session.start.checkpoint  # None: a fresh start
+        state = session.checkpointer.restore(checkpoint) if checkpoint is not None else LoopState()
         if state.bad_steps:
             session.bad_steps.load_state_dict(state.bad_steps)
         session.distill.load_state_dict(state.distill)
