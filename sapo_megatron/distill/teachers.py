@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Protocol
 
 from sapo_megatron.data.prompts import PromptRow
 from sapo_megatron.data.tokenizer import load_tokenizer
@@ -48,6 +49,12 @@ class TeacherError(UserError, RuntimeError):
     it failed to score samples after its retries (the step stops rather than train without them)."""
 
 
+class _Stoppable(Protocol):
+    """The in-process CPU server of a ``cpu_http`` teacher (``rollout.cpu.server``, imported only when used)."""
+
+    def stop(self) -> None: ...
+
+
 @dataclass
 class Teacher:
     """One built teacher: its config, its engine (CPU engine or SGLang client) and, for ``cpu_http``, the
@@ -55,7 +62,7 @@ class Teacher:
 
     cfg: TeacherConfig
     engine: RolloutEngine
-    server: object | None = None
+    server: _Stoppable | None = None
     model_info: dict | None = None
     """An SGLang teacher's ``GET /get_model_info`` (its ``tokenizer_path`` / ``model_path``)."""
 
@@ -188,6 +195,8 @@ def _build_teacher(cfg: TeacherConfig, *, seed: int, log: Log) -> Teacher:
         return _sglang_teacher(cfg, log)
     from sapo_megatron.rollout.cpu.engine import CPUEngine
 
+    if not cfg.model_path:  # TeacherConfig refuses this for engine cpu
+        raise TeacherError(f"teachers[{cfg.name}] (engine cpu) needs model_path")
     path = Path(cfg.model_path)
     if not (path / "config.json").is_file():
         raise TeacherError(
@@ -304,25 +313,26 @@ class TeacherScoring:
 
     def submit(self, prompts: Sequence[PromptRow], groups: Sequence[Sequence[Sample]]) -> None:
         """Start scoring the samples of the groups that nothing aborted (aborted groups are never trained)."""
-        if self._pool is None:
+        teachers = self.teachers
+        if self._pool is None or teachers is None:
             return
         by_teacher: dict[str, list[tuple[Sample, ImageInputs | None]]] = {}
         for row, group in zip(prompts, groups):
             if any(s.finish_reason == "abort" for s in group):
                 continue
             images = prompt_images(row, self.image_pad_id)
-            name = self.teachers.teacher_for(row.domain).name
+            name = teachers.teacher_for(row.domain).name
             by_teacher.setdefault(name, []).extend((sample, images) for sample in group)
-        self._jobs.append(self._pool.submit(self._score, by_teacher))
+        self._jobs.append(self._pool.submit(self._score, teachers, by_teacher))
 
     def _score(
-        self, by_teacher: dict[str, list[tuple[Sample, ImageInputs | None]]]
+        self, teachers: Teachers, by_teacher: dict[str, list[tuple[Sample, ImageInputs | None]]]
     ) -> dict[int, tuple[Sample, str, list[float]]]:
         started = time.perf_counter()
         scored: dict[int, tuple[Sample, str, list[float]]] = {}
         for name, pairs in by_teacher.items():
             samples, images = [s for s, _ in pairs], [i for _, i in pairs]
-            for sample, logp in zip(samples, self.teachers.teachers[name].score(samples, images)):
+            for sample, logp in zip(samples, teachers.teachers[name].score(samples, images)):
                 scored[id(sample)] = (sample, name, logp)  # holding the sample keeps its id unique
             self._unscored += sum(len(s.response_ids) - scorable_tokens(s, i) for s, i in pairs)
         self._busy_s += time.perf_counter() - started

@@ -19,9 +19,9 @@ import contextlib
 import os
 import socket
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
 from concurrent.futures import wait
 from datetime import timedelta
+from typing import Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
 import torch
