@@ -25,7 +25,14 @@ from sapo_megatron.rewards.types import RewardError, RewardInput, RewardOutput
 
 logger = logging.getLogger(__name__)
 
-RewardSpec = str | Mapping[str, Any]
+
+class RewardServerSection(Protocol):
+    """A reward server's config section (``algorithm.reward: {url: ...}``, a pydantic model)."""
+
+    def model_dump(self) -> dict[str, Any]: ...
+
+
+RewardSpec = str | Mapping[str, Any] | RewardServerSection
 """A registered name, an import path (``file.py:fn`` / ``pkg.mod:fn``) or ``{url: ..., api_key_env: ...}``."""
 
 INLINE_BY_DEFAULT = frozenset({"exact_match", "numeric_match", "dapo_math", "knights_knaves"})
