@@ -66,7 +66,7 @@ class Session:
     guard: InterruptGuard
     bad_steps: BadStepGuard
     checkpointer: Any = None  # set by the trainer (it needs the loop's start time)
-    _server: object | None = None
+    _server: Any = None  # the in-process CPU server (rollout.cpu, imported only when used)
     distill: DistillStep | None = None
     teachers: Any = None  # distill.teachers.Teachers on the main rank of a run with teachers, else None
     renderer: PromptRenderer | None = None  # prompt rows -> the ids the engine receives (data/render.py)
@@ -117,6 +117,7 @@ def open_session(cfg: RunConfig, *, mode: str) -> Iterator[Session]:
     ):
         if data_error is not None:
             raise data_error
+        assert data is not None  # built, or data_error was raised above
         session = build_session(cfg, info, start, guard, data)
         guard.started()  # the first signal now asks for a checkpoint (before: it exits at once)
         try:
@@ -301,11 +302,17 @@ def build_weight_sync(
         staging = Path(cfg.rollout.weight_sync_dir or run_dir / "rollout_weights").absolute()
         return DiskSync(rollout, arch, staging_dir=staging, tokenizer=tokenizer)
     api_key = None if cfg.rollout.engine == "cpu" else rollout_api_key(cfg)
+
+    def make_client() -> RolloutEngine:
+        if topology is None:  # the in-process engine has no workers to broadcast to
+            raise UserError("rollout.weight_sync distributed needs rollout workers (SGLang or cpu_http)")
+        return _sglang_client(cfg, topology, api_key)
+
     return DistributedSync(
         rollout,
         arch,
         stage=info.pp_rank,
-        make_client=lambda: _sglang_client(cfg, topology, api_key),
+        make_client=make_client,
         timeout_s=cfg.rollout.weight_sync_timeout_s,
     )
 
