@@ -17,7 +17,7 @@ from sapo_megatron.data.datasets import Dataset, read_dataset
 from sapo_megatron.data.prompts import PromptRow, check_encodable
 from sapo_megatron.data.render import PromptRenderer, apply_length_policy
 from sapo_megatron.data.synthetic import TASKS, Split, make_mixed_rows
-from sapo_megatron.data.tokenizer import load_tokenizer
+from sapo_megatron.data.tokenizer import Tokenizer, load_tokenizer
 from sapo_megatron.data.vision import VisionSpec, load_image_processor, vision_spec
 
 
@@ -69,7 +69,7 @@ def _print(line: str) -> None:
     print(line, flush=True)
 
 
-def build_tokenizer(cfg: Any):
+def build_tokenizer(cfg: Any) -> Tokenizer:
     """``data.tokenizer``, refused when it has more tokens than the model's vocabulary."""
     from sapo_megatron.errors import ConfigError
 

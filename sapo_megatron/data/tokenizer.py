@@ -274,7 +274,11 @@ def _digest(data: Any) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def load_tokenizer(spec: str) -> CharTokenizer | HFTokenizer:
+Tokenizer = CharTokenizer | HFTokenizer
+"""Either tokenizer (both have encode / decode, pad_id / bos_id / eos_id, vocab_size, save)."""
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
     """``"char"`` for the demo's character tokenizer, ``"chat"`` for the shipped byte-level BPE with a chat
     template (:mod:`~sapo_megatron.data.chat_tokenizer`), a directory with ``char_tokenizer.json``, or an HF
     tokenizer directory."""

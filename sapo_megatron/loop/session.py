@@ -19,6 +19,7 @@ from sapo_megatron.data.loading import RunData, build_run_data
 from sapo_megatron.data.prompts import PromptRow
 from sapo_megatron.data.render import PromptRenderer
 from sapo_megatron.data.samples import SampleLog, resume_point
+from sapo_megatron.data.tokenizer import Tokenizer
 from sapo_megatron.distill.config import check_domains_served, prompt_domains
 from sapo_megatron.distill.step import DistillStep
 from sapo_megatron.errors import UserError
@@ -55,7 +56,7 @@ class Session:
     cfg: RunConfig
     info: RankInfo
     start: RunStart
-    tokenizer: object
+    tokenizer: Tokenizer
     train_rows: list[PromptRow]
     eval_suite: EvalSuite
     engine: TrainEngine
@@ -65,12 +66,12 @@ class Session:
     tracker: Tracker
     guard: InterruptGuard
     bad_steps: BadStepGuard
+    distill: DistillStep
+    renderer: PromptRenderer  # prompt rows -> the ids the engine receives (data/render.py)
+    samples: SampleLog  # samples.jsonl (data/samples.py)
     checkpointer: Any = None  # set by the trainer (it needs the loop's start time)
     _server: Any = None  # the in-process CPU server (rollout.cpu, imported only when used)
-    distill: DistillStep | None = None
     teachers: Any = None  # distill.teachers.Teachers on the main rank of a run with teachers, else None
-    renderer: PromptRenderer | None = None  # prompt rows -> the ids the engine receives (data/render.py)
-    samples: SampleLog | None = None  # samples.jsonl (data/samples.py)
     colocation: Any = field(default_factory=NoColocation)  # rollout.colocate (colocation.py)
 
     @property
