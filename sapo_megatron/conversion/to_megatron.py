@@ -137,21 +137,7 @@ def _write_dcp(
 ) -> int:
     """Write the DCP shards of ``plans`` into ``tmp``; returns the tensor bytes written."""
     dtype = source.dtype
-    items: list[WriteItem] = []
-    where: dict[tuple[str, tuple[int, ...]], tuple[int, int]] = {}
-    blobs: dict[str, io.BytesIO] = {}
-    for obj in objects:
-        items.append(dcp_io.bytes_write_item(obj.unique_key))
-        buffer = io.BytesIO()
-        torch.save([obj.data], buffer)  # how Megatron stores a ShardedObject
-        blobs[obj.unique_key] = buffer
-    for p_idx, plan in enumerate(plans):
-        for c_idx, chunk in enumerate(plan.layout.chunks):
-            items.append(
-                dcp_io.shard_write_item(chunk.key, chunk.offset, chunk.size, chunk.global_shape, dtype)
-            )
-            where[(chunk.key, tuple(chunk.offset))] = (p_idx, c_idx)
-
+    items, where, blobs = _write_items(plans, objects, dtype)
     files = max(1, min(options.workers, 4))
     stream_end = [0] * len(plans)  # the writer thread of a parameter ends its file at this parameter index
     for group in dcp_io.ContiguousFileSystemWriter.split(items, files):
@@ -177,6 +163,28 @@ def _write_dcp(
                 raise materializer.error from err
             raise
     return total
+
+
+def _write_items(
+    plans: Sequence[ParamPlan], objects: Sequence[ObjectLayout], dtype: torch.dtype
+) -> tuple[list[WriteItem], dict[tuple[str, tuple[int, ...]], tuple[int, int]], dict[str, io.BytesIO]]:
+    """The DCP write items (objects first, then every chunk of every parameter), where each chunk comes from
+    (``(key, offset)`` → ``(parameter index, chunk index)``) and the serialised objects."""
+    items: list[WriteItem] = []
+    where: dict[tuple[str, tuple[int, ...]], tuple[int, int]] = {}
+    blobs: dict[str, io.BytesIO] = {}
+    for obj in objects:
+        items.append(dcp_io.bytes_write_item(obj.unique_key))
+        buffer = io.BytesIO()
+        torch.save([obj.data], buffer)  # how Megatron stores a ShardedObject
+        blobs[obj.unique_key] = buffer
+    for p_idx, plan in enumerate(plans):
+        for c_idx, chunk in enumerate(plan.layout.chunks):
+            items.append(
+                dcp_io.shard_write_item(chunk.key, chunk.offset, chunk.size, chunk.global_shape, dtype)
+            )
+            where[(chunk.key, tuple(chunk.offset))] = (p_idx, c_idx)
+    return items, where, blobs
 
 
 def _stored_at(index: MetadataIndex) -> tuple[str, tuple[int, ...]]:
