@@ -29,14 +29,13 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Protocol
 
 from sapo_megatron.data.prompts import PromptRow
 from sapo_megatron.data.tokenizer import load_tokenizer
 from sapo_megatron.distill.config import TeacherConfig, default_teacher, domain_teachers
 from sapo_megatron.errors import UserError
 from sapo_megatron.model.batching import TrainSequence
-from sapo_megatron.rollout.base import RolloutEngine, RolloutError
+from sapo_megatron.rollout.base import LocalServer, RolloutEngine, RolloutError
 from sapo_megatron.rollout.collect import RolloutBatch, prompt_images
 from sapo_megatron.rollout.types import ImageInputs, Sample
 
@@ -49,12 +48,6 @@ class TeacherError(UserError, RuntimeError):
     it failed to score samples after its retries (the step stops rather than train without them)."""
 
 
-class _Stoppable(Protocol):
-    """The in-process CPU server of a ``cpu_http`` teacher (``rollout.cpu.server``, imported only when used)."""
-
-    def stop(self) -> None: ...
-
-
 @dataclass
 class Teacher:
     """One built teacher: its config, its engine (CPU engine or SGLang client) and, for ``cpu_http``, the
@@ -62,7 +55,7 @@ class Teacher:
 
     cfg: TeacherConfig
     engine: RolloutEngine
-    server: _Stoppable | None = None
+    server: LocalServer | None = None
     model_info: dict | None = None
     """An SGLang teacher's ``GET /get_model_info`` (its ``tokenizer_path`` / ``model_path``)."""
 

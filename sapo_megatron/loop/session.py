@@ -34,7 +34,7 @@ from sapo_megatron.megatron.parallel import RankInfo, init_parallel
 from sapo_megatron.megatron.train_step import TrainEngine
 from sapo_megatron.rewards.registry import check_labels
 from sapo_megatron.rewards.runner import RewardRunner, build_reward_runner, check_reward_available
-from sapo_megatron.rollout.base import RolloutEngine
+from sapo_megatron.rollout.base import LocalServer, RolloutEngine
 from sapo_megatron.rollout.episodes import tool_schemas, with_run_episodes
 from sapo_megatron.rollout.sglang.topology import Topology, resolve_topology
 from sapo_megatron.runtime.interrupts import InterruptGuard, print_line
@@ -70,7 +70,7 @@ class Session:
     renderer: PromptRenderer  # prompt rows -> the ids the engine receives (data/render.py)
     samples: SampleLog  # samples.jsonl (data/samples.py)
     checkpointer: Any = None  # set by the trainer (it needs the loop's start time)
-    _server: Any = None  # the in-process CPU server (rollout.cpu, imported only when used)
+    _server: LocalServer | None = None
     teachers: Any = None  # distill.teachers.Teachers on the main rank of a run with teachers, else None
     colocation: Any = field(default_factory=NoColocation)  # rollout.colocate (colocation.py)
 
