@@ -155,8 +155,7 @@ class CPUServer:
     @property
     def url(self) -> str:
         host, port = self._httpd.server_address[:2]
-        assert isinstance(host, str)  # an IP socket's address (socketserver types it str | bytes)
-        return f"http://{host}:{port}"
+        return f"http://{host!s}:{port}"
 
     def start(self) -> CPUServer:
         self._serving = True

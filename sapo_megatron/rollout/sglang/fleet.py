@@ -15,6 +15,7 @@ is bypassed for good (it cannot be told to skip a stale worker).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import random
@@ -314,7 +315,7 @@ class Fleet:
                 return exc
 
         if interruptible:
-            futures = [self.background(lambda s=server: guarded(s)) for server in servers]  # type: ignore[misc]
+            futures = [self.background(functools.partial(guarded, server)) for server in servers]
             wait_for(futures, "waiting for the rollout servers")
             return [future.result() for future in futures]
         return list(self._pool.map(guarded, servers))
