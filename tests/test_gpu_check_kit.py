@@ -7,8 +7,9 @@ on x86-64, only CUDA builds of several GB), so the full run uses the kit for 3.1
 the same pins, and the 3.12 kit is checked for what does not need torch: its wheels install for CPython 3.12 on
 manylinux x86-64, and under a Python 3.12 where one exists here, pydantic's compiled core imports from it.
 
-Needs the package index (pip download). The virtualenv is kept in .gpu_kit_proof/ (git-ignored) between runs;
-building it takes about a minute."""
+Needs the package index (pip download). The virtualenv lives outside the clone, like the SGLang tier's
+($SAPO_GPU_KIT_VENV, default /opt/sapo-gpu-kit-venv), kept while its lists and Python are unchanged: building it
+takes 1-3 minutes, reusing it about a second. Kits and outputs go to .gpu_kit_proof/ (git-ignored)."""
 
 from __future__ import annotations
 
@@ -53,10 +54,22 @@ def build_kit(name: str, python_version: str, **env: str) -> tuple[Path, subproc
     return kit, proc
 
 
+def python_312() -> str | None:
+    """A CPython 3.12 on this machine (pyenv's, or python3.12 on PATH), or None."""
+    root = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
+    for candidate in [*sorted(glob.glob(f"{root}/versions/3.12*/bin/python3")), shutil.which("python3.12")]:
+        if (
+            candidate
+            and sh(candidate, "-c", "import sys; assert sys.version_info[:2] == (3, 12)").returncode == 0
+        ):
+            return candidate
+    return None
+
+
 @pytest.fixture(scope="module")
 def venv() -> Path:
     """The stand-in for the GPU machine's Python (kept between runs while its lists are unchanged)."""
-    path = PROOF / "venv"
+    path = Path(os.environ.get("SAPO_GPU_KIT_VENV", "/opt/sapo-gpu-kit-venv"))
     proc = sh(ROOT / "tools/gpu_kit/proof_venv.sh", path, sys.executable, timeout=900)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return path
@@ -80,9 +93,7 @@ def test_the_kit_for_python_312_fits_and_installs_for_cpython_312_manylinux():
     )  # fmt: skip
     assert install.returncode == 0, install.stderr
     assert (target / "megatron" / "core" / "__init__.py").is_file()
-    python312 = shutil.which("python3.12") or next(
-        iter(glob.glob("/root/.pyenv/versions/3.12*/bin/python")), None
-    )
+    python312 = python_312()
     if python312:  # the compiled core under a real CPython 3.12
         run = sh(python312, "-c", "import pydantic; print(pydantic.TypeAdapter(int).validate_python('7'))",
                  env={"PYTHONPATH": str(target)})  # fmt: skip
@@ -99,7 +110,7 @@ def test_the_kit_refuses_more_than_its_limit_and_an_unpinned_line(tmp_path):
     assert proc.returncode == 2 and "'megatron-core' is not pinned (name==version)" in proc.stderr
 
 
-def test_gpu_check_runs_from_the_machines_packages_and_the_kit(venv):
+def test_the_one_command_runs_gpu_check_from_the_machines_packages_and_the_kit(venv):
     python = venv / "bin" / "python"
     version = sh(python, "-c", "import sys; print('%d.%d' % sys.version_info[:2])").stdout.strip()
     absent = sh(
@@ -110,38 +121,38 @@ def test_gpu_check_runs_from_the_machines_packages_and_the_kit(venv):
     assert absent.stdout.strip() == "[]", "the stand-in must not have megatron-core or pydantic"
     kit, proc = build_kit(f"kit{version.replace('.', '')}", version)
     assert proc.returncode == 0, proc.stderr
-    site = PROOF / "site"
-    shutil.rmtree(site, ignore_errors=True)
-    install = sh(python, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--target", site,
-                 *sorted(kit.glob("*.whl")))  # fmt: skip
-    assert install.returncode == 0, install.stderr
+
+    def one_command(kit_dir: Path, out: Path) -> subprocess.CompletedProcess:
+        shutil.rmtree(out, ignore_errors=True)
+        env = {"PYTHON": str(python), "GPU_KIT_DIR": str(kit_dir), "OUT": str(out), "PYTHONPATH": ""}
+        return sh("bash", ROOT / "tools/gpu_kit/run.sh", "--allow-cpu", env=env, timeout=900)
 
     # without one wheel of the kit, the check stops at once naming the missing import
-    missing = PROOF / "site_missing"
-    shutil.rmtree(missing, ignore_errors=True)
-    shutil.copytree(site, missing)
-    shutil.rmtree(missing / "annotated_types")
-    proc = sh(
-        python,
-        ROOT / "tools/gpu_check.py",
-        "--allow-cpu",
-        env={"PYTHONPATH": f"{missing}:{ROOT}"},
-        timeout=120,
-    )
+    short = PROOF / "kit_short"
+    shutil.rmtree(short, ignore_errors=True)
+    shutil.copytree(kit, short, ignore=shutil.ignore_patterns("annotated_types-*"))
+    proc = one_command(short, PROOF / "out_short")
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert "cannot import annotated_types (needed by sapo_megatron.config)" in proc.stdout
+    assert "cannot import annotated_types" in (PROOF / "out_short" / "gpu_check.log").read_text()
 
     out = PROOF / "out"
-    shutil.rmtree(out, ignore_errors=True)
-    proc = sh(python, ROOT / "tools/gpu_check.py", "--allow-cpu", "--out", out, env={"PYTHONPATH": f"{site}:{ROOT}"}, timeout=900)  # fmt: skip
+    proc = one_command(kit, out)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    announced = set(re.findall(r"^  SKIP  (.+?): ", proc.stdout, re.M))
+    assert {p.name for p in out.iterdir()} == {
+        "environment.txt", "pip_install.log", "gpu_check.log", "gpu_check_table.md", "gpu_check.json",
+    }  # fmt: skip
+    assert "commit " in (out / "environment.txt").read_text()
+    announced = [line for line in proc.stdout.splitlines() if line.startswith("  SKIP  ")]
     rows = {}
     for line in (out / "gpu_check_table.md").read_text().splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
         if len(cells) >= 3 and cells[1] in ("PASS", "FAIL", "SKIP"):
             rows[cells[0]] = cells[1]
-    assert announced == {name for name, status in rows.items() if status == "SKIP"}
+    skipped = [name for name, status in rows.items() if status == "SKIP"]
+    assert len(announced) == len(skipped) and all(
+        any(line.startswith(f"  SKIP  {name}: ") for line in announced) for name in skipped
+    )
     assert "FAIL" not in rows.values() and list(rows.values()).count("PASS") >= 20
     assert rows["process group of one: collectives"] == "PASS"
     assert rows["tensor transport to a second process"] == "PASS"

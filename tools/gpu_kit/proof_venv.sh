@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The CPU proof's stand-in for the GPU machine (tests/test_gpu_kit.py): a virtualenv of tools/gpu_kit/target.txt
-# with pip's dependencies, less tools/gpu_kit/absent.txt. Kept while its stamp (both lists and the Python) matches.
+# The CPU proof's stand-in for the GPU machine (tests/test_gpu_check_kit.py): a virtualenv of tools/gpu_kit/target.txt
+# with pip's dependencies, less tools/gpu_kit/absent.txt. Kept while its stamp (its path, both lists, the Python) matches.
 #   tools/gpu_kit/proof_venv.sh DIR [PYTHON]
 set -euo pipefail
 DIR="$1"
 PYTHON="${2:-python3}"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-stamp="$("$PYTHON" -VV | tr -d '\n'); $(cat "$HERE/target.txt" "$HERE/absent.txt" | sha256sum | cut -c1-16)"
+stamp="$(realpath -m "$DIR"); $("$PYTHON" -VV | tr -d '\n'); $(cat "$HERE/target.txt" "$HERE/absent.txt" | sha256sum | cut -c1-16)"
 if [[ -f "$DIR/.stamp" && "$(cat "$DIR/.stamp")" == "$stamp" ]]; then
     echo "proof_venv: $DIR is current"
     exit 0
