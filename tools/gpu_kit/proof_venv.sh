@@ -6,7 +6,7 @@ set -euo pipefail
 DIR="$1"
 PYTHON="${2:-python3}"
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-stamp="$(realpath -m "$DIR"); $("$PYTHON" -VV | tr -d '\n'); $(cat "$HERE/target.txt" "$HERE/absent.txt" | sha256sum | cut -c1-16)"
+stamp="$(realpath -m "$DIR"); $("$PYTHON" -VV | tr -d '\n'); $(grep -hv '^\s*#' "$HERE/target.txt" "$HERE/absent.txt" | sha256sum | cut -c1-16)"
 if [[ -f "$DIR/.stamp" && "$(cat "$DIR/.stamp")" == "$stamp" ]]; then
     echo "proof_venv: $DIR is current"
     exit 0
