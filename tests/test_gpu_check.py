@@ -84,6 +84,7 @@ def test_checks_run_on_cpu_and_report_a_table():
     assert status == "PASS" and "local spec" in detail and abs(kept_ratio - 1) <= 0.05
 
 
+@pytest.mark.slow  # imports every module the rows need (megatron-core, transformers): about 10 s
 def test_a_missing_import_is_named_with_the_module_that_needs_it(monkeypatch):
     sys.path.insert(0, str(SCRIPT.parent))
     try:
