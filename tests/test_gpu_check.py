@@ -4,6 +4,7 @@ on a CUDA machine the real run must pass every check it does not skip."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -129,3 +130,15 @@ def test_gpu_checks_pass_on_cuda():
         assert rows[f"fp8 {recipe} vs bf16: loss, logits, step time"] in ("PASS", "SKIP")
     if HAVE_TE:
         assert rows["fp8 tensorwise vs bf16: loss, logits, step time"] == "PASS"
+
+
+def test_the_one_command_stops_without_a_kit_or_an_out_folder(tmp_path):
+    run_sh = SCRIPT.parent / "gpu_kit" / "run.sh"
+    env = {"PATH": os.environ["PATH"], "GPU_KIT_DIR": str(tmp_path / "no_kit"), "OUT": str(tmp_path / "out")}
+    proc = subprocess.run(["bash", str(run_sh)], capture_output=True, text=True, env=env, check=False)
+    assert proc.returncode == 3
+    assert f"no wheels in {tmp_path / 'no_kit'}: run tools/gpu_kit.sh and carry" in proc.stdout
+    assert "no wheels in" in (tmp_path / "out" / "gpu_check.log").read_text()
+    del env["OUT"]
+    proc = subprocess.run(["bash", str(run_sh)], capture_output=True, text=True, env=env, check=False)
+    assert proc.returncode != 0 and "set OUT to the folder for the table and the log" in proc.stderr

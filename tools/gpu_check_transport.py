@@ -72,11 +72,12 @@ def tensor_transport(device: torch.device) -> str:
         ("embed.weight", torch.randn(1024, 64, generator=gen).to(device, torch.bfloat16)),
     ]
     (bucket,) = flattened_buckets(named[::2])  # the two bf16 tensors in one bucket
-    sharing = (
-        None if device.type == "cuda" else "file_system"
-    )  # CUDA storages travel as IPC handles either way
+    sharing = None if device.type == "cuda" else "file_system"  # CUDA storages travel as IPC handles anyway
+    # CUDA handles open only through torch's reductions; shared-memory files through both readers
+    readers = ["torch"] if device.type == "cuda" else ["restricted", "torch"]
     request = {
         "device": device.type,
+        "readers": readers,
         "sender_pid": os.getpid(),
         "named": serialize_named_tensors(named, sharing=sharing),
         "bucket": serialize_flattened_bucket(bucket, sharing=sharing),
@@ -94,19 +95,20 @@ def tensor_transport(device: torch.device) -> str:
     start = time.perf_counter()
     answer = _receive(request)
     seconds = time.perf_counter() - start
-    if answer["named"] != expected:
-        raise AssertionError(f"named tensors differ in the receiver: {answer['named']} vs {expected}")
-    if answer["bucket"] != bucket_expected:
-        raise AssertionError(
-            f"bucket tensors differ in the receiver: {answer['bucket']} vs {bucket_expected}"
-        )
+    for reader in readers:
+        got = answer["readers"][reader]
+        if got["named"] != expected or got["bucket"] != bucket_expected:
+            raise AssertionError(
+                f"{reader} reader: tensors differ in the receiver: {got} vs {expected}, {bucket_expected}"
+            )
     _sync(device)
     if not torch.all(named[1][1] == -1).item():
         raise AssertionError("the receiver's write did not reach the sender's tensor: the payload was a copy")
     route = "CUDA IPC handles" if device.type == "cuda" else "shared-memory files (file_system)"
     return (
         f"{route}: {len(named)} named tensors and a {bucket['flattened_tensor'].numel() / 2**10:.0f} KiB bucket "
-        f"opened in pid {answer['pid']} on {answer['device']}, bytes equal, its write seen here; round trip "
+        f"opened in pid {answer['pid']} on {answer['device']} by {' and '.join(readers)} readers, bytes equal, its "
+        "write seen here; round trip "
         f"{seconds:.1f} s (the receiver imports torch)"
     )
 
@@ -139,36 +141,40 @@ def _sync(device: torch.device) -> None:
 
 
 def receiver_main() -> int:
-    """Open both payloads, digest every tensor, then write -1 into the named bias (the sender checks it)."""
+    """Open both payloads with each reader asked for, digest every tensor, then write -1 into the named bias
+    (the sender checks that it sees the write)."""
     request = json.loads(sys.stdin.read())
-    if (
-        request["device"] == "cuda"
-    ):  # torch's own reductions, as SGLang's MultiprocessingSerializer opens them
+    answer: dict = {"pid": os.getpid(), "readers": {}}
+    for reader in request["readers"]:
+        named, views = _open(request, reader)
+        answer["device"] = str(named[0][1].device)
+        answer["readers"][reader] = {
+            "named": {name: _digest(t) for name, t in named},
+            "bucket": {name: _digest(t) for name, t in views},
+        }
+    dict(named)["layers.0.bias"].fill_(-1)
+    _sync(named[0][1].device)
+    print(json.dumps(answer), flush=True)
+    return 0
+
+
+def _open(request: dict, reader: str) -> tuple[list, list]:
+    """(named tensors, bucket views) of the request's payloads. ``torch``: torch's own reductions, as SGLang's
+    ``MultiprocessingSerializer`` opens them (the only reader for CUDA IPC handles); ``restricted``: the project's
+    reader (CPU handles only)."""
+    if reader == "torch":
         named = pickle.loads(base64.b64decode(request["named"]))
         bucket = pickle.loads(base64.b64decode(request["bucket"]))
         flat = bucket["flattened_tensor"]
         views = [
             (m.name, flat[m.start_idx : m.end_idx].view(m.dtype).reshape(m.shape)) for m in bucket["metadata"]
         ]
-    else:
-        from sapo_megatron.rollout.tensor_transport import (
-            deserialize_flattened_bucket,
-            deserialize_named_tensors,
-        )
+        return named, views
+    from sapo_megatron.rollout.tensor_transport import deserialize_flattened_bucket, deserialize_named_tensors
 
-        pids = [request["sender_pid"]]
-        named = deserialize_named_tensors(request["named"], allowed_pids=pids)
-        views = deserialize_flattened_bucket(request["bucket"], allowed_pids=pids)
-    answer = {
-        "pid": os.getpid(),
-        "device": str(named[0][1].device),
-        "named": {name: _digest(t) for name, t in named},
-        "bucket": {name: _digest(t) for name, t in views},
-    }
-    dict(named)["layers.0.bias"].fill_(-1)
-    _sync(named[0][1].device)
-    print(json.dumps(answer), flush=True)
-    return 0
+    pids = [request["sender_pid"]]
+    named = deserialize_named_tensors(request["named"], allowed_pids=pids)
+    return named, deserialize_flattened_bucket(request["bucket"], allowed_pids=pids)
 
 
 if __name__ == "__main__":
