@@ -229,8 +229,13 @@ def _kit_commit(manifest: Path) -> str:
 
 def table(results: list[Check]) -> str:
     lines = ["| check | status | detail |", "|---|---|---|"]
-    lines += [f"| {c.name} | {c.status} | {c.detail} |" for c in results]
+    lines += [f"| {c.name} | {c.status} | {_cell(c.detail)} |" for c in results]
     return "\n".join(lines)
+
+
+def _cell(text: str) -> str:
+    """A detail as one Markdown table cell (its ``|`` escaped: "max \\|Δlogit\\|")."""
+    return text.replace("|", "\\|")
 
 
 def write_outputs(out: Path, env: dict, results: list[Check]) -> None:
