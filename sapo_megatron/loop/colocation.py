@@ -80,7 +80,8 @@ class Colocation:
             self._phase("onload", self.offload.onload)
         self._memory("train")
         yield
-        if (offload := self.offload) is not None:
+        offload = self.offload
+        if offload is not None:
             self._phase("offload", lambda: offload.offload(["grads", "optimizer"]))
             _return_cached_memory()
 
@@ -97,7 +98,8 @@ class Colocation:
             metrics = self._phase("sync", lambda: inner.push(module))
         finally:
             inner.on_bucket = None
-        if (offload := self.offload) is not None and self.released:
+        offload = self.offload
+        if offload is not None and self.released:
             self._phase("offload_params", lambda: offload.offload(["params"]))
         _return_cached_memory()  # verl PR #6912: the KV cache's resume runs out of memory otherwise
         self._barrier()

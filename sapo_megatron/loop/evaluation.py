@@ -22,7 +22,7 @@ from sapo_megatron.runtime.ranks import on_main_rank
 
 if TYPE_CHECKING:
     from sapo_megatron.config import RunConfig
-    from sapo_megatron.data.tokenizer import CharTokenizer, HFTokenizer
+    from sapo_megatron.data.tokenizer import Tokenizer
     from sapo_megatron.megatron.parallel import RankInfo
     from sapo_megatron.rollout.base import RolloutEngine
     from sapo_megatron.runtime.tracking import Tracker
@@ -42,19 +42,19 @@ class EvaluatedRun(Protocol):
     @property
     def rollout(self) -> RolloutEngine | None: ...
     @property
-    def tokenizer(self) -> CharTokenizer | HFTokenizer: ...
+    def tokenizer(self) -> Tokenizer: ...
     @property
     def tracker(self) -> Tracker: ...
     @property
     def run_dir(self) -> Path: ...
 
 
-def build_training_suite(cfg: RunConfig, tokenizer: CharTokenizer | HFTokenizer) -> EvalSuite:
+def build_training_suite(cfg: RunConfig, tokenizer: Tokenizer) -> EvalSuite:
     """The run's eval suite (rows loaded and checked, rewards found): built with the session, before the model."""
     return build_suite(cfg, tokenizer)
 
 
-def describe_training_suite(cfg: RunConfig, tokenizer: CharTokenizer | HFTokenizer) -> list[str]:
+def describe_training_suite(cfg: RunConfig, tokenizer: Tokenizer) -> list[str]:
     """The dry run's lines about the eval datasets (read, checked and length-filtered as the run will)."""
     from collections import Counter
 
@@ -86,7 +86,8 @@ def evaluate(session: EvaluatedRun, state: LoopState, when: When) -> dict[str, f
         state.eval_before = state.eval_last
         state.accuracy_before = result.headline
     session.tracker.message(f"eval at RL step {state.step}: {_line(metrics)}")
-    return {"accuracy": result.headline} if when == "step" and result.headline is not None else {}
+    accuracy = result.headline  # None only without datasets, which returned above
+    return {"accuracy": accuracy} if when == "step" and accuracy is not None else {}
 
 
 def _due(cfg: RunConfig, state: LoopState, when: When) -> bool:

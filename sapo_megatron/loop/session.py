@@ -14,14 +14,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from sapo_megatron.config import RunConfig
 from sapo_megatron.data.loading import RunData
 from sapo_megatron.data.prompts import PromptRow
 from sapo_megatron.data.render import PromptRenderer
 from sapo_megatron.data.samples import SampleLog, resume_point
-from sapo_megatron.data.tokenizer import CharTokenizer, HFTokenizer
+from sapo_megatron.data.tokenizer import Tokenizer
 from sapo_megatron.distill.config import check_domains_served, prompt_domains
 from sapo_megatron.distill.step import DistillStep
 from sapo_megatron.errors import UserError
@@ -36,7 +36,7 @@ from sapo_megatron.megatron.offload import TrainerOffload
 from sapo_megatron.megatron.parallel import RankInfo, init_parallel
 from sapo_megatron.megatron.train_step import TrainEngine
 from sapo_megatron.rewards.runner import RewardRunner, build_reward_runner
-from sapo_megatron.rollout.base import RolloutEngine
+from sapo_megatron.rollout.base import LocalServer, RolloutEngine
 from sapo_megatron.rollout.episodes import with_run_episodes
 from sapo_megatron.rollout.sglang.topology import Topology, resolve_topology
 from sapo_megatron.runtime.interrupts import InterruptGuard, print_line
@@ -54,12 +54,6 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-class Server(Protocol):
-    """A server this process started (the in-process CPU server of ``rollout.engine: cpu_http``)."""
-
-    def stop(self) -> None: ...
-
-
 @dataclass(frozen=True)
 class Session:
     """The built pieces of a run, made by :func:`build_session` and not changed after."""
@@ -67,7 +61,7 @@ class Session:
     cfg: RunConfig
     info: RankInfo
     start: RunStart
-    tokenizer: CharTokenizer | HFTokenizer
+    tokenizer: Tokenizer
     train_rows: list[PromptRow]
     eval_suite: EvalSuite
     engine: TrainEngine
@@ -83,7 +77,7 @@ class Session:
     samples: SampleLog  # samples.jsonl (data/samples.py)
     colocation: Colocation | NoColocation  # rollout.colocation: time_shared (colocation.py)
     teachers: Teachers | None = None  # on the main rank of a run with teachers, else None
-    _server: Server | None = None
+    _server: LocalServer | None = None
 
     @property
     def run_dir(self) -> Path:
@@ -316,19 +310,19 @@ def build_weight_sync(
         staging = Path(cfg.rollout.weight_sync_dir or run_dir / "rollout_weights").absolute()
         return DiskSync(rollout, arch, staging_dir=staging, tokenizer=tokenizer)
     api_key = None if cfg.rollout.engine != "sglang" else rollout_api_key(cfg)
+
+    def make_client() -> RolloutEngine:
+        if topology is None:  # the in-process engine has no workers to broadcast to
+            raise UserError("rollout.weight_sync distributed needs rollout workers (SGLang or cpu_http)")
+        return _sglang_client(cfg, topology, api_key)
+
     return DistributedSync(
         rollout,
         arch,
         stage=info.pp_rank,
-        make_client=lambda: _sglang_client(cfg, _known(topology), api_key),
+        make_client=make_client,
         timeout_s=cfg.rollout.weight_sync_timeout_s,
     )
-
-
-def _known(topology: Topology | None) -> Topology:
-    """The topology of a distributed sync (the validator allows it only with servers, which have one)."""
-    assert topology is not None
-    return topology
 
 
 def build_colocation(

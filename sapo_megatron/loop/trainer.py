@@ -251,7 +251,8 @@ def _rollout(session: Session, prompts: PromptIterator, step: int):
     teacher = TeacherScoring(  # no-op without teachers; scores with each prompt's images
         session.teachers, session.distill.domain_names, image_pad_id=settings.image_pad_id
     )
-    assert session.rollout is not None  # the main rank holds the engine
+    if session.rollout is None:  # the engine lives on the main rank, which alone calls this
+        raise RuntimeError("rollout on a rank without the rollout engine")
     batch = collect(
         session.rollout,
         rows,

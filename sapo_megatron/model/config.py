@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import Field, PrivateAttr, model_validator
 
 from sapo_megatron.config_section import Section
+from sapo_megatron.errors import ConfigError
 from sapo_megatron.model.arch import QwenArch
 from sapo_megatron.model.precision import FP8_RECIPES, Fp8RecipeName
 
@@ -83,7 +84,8 @@ class ModelConfig(Section):
         """The parsed architecture (read once)."""
         if self._arch is None:
             source = self.hf_config
-            assert source is not None  # the validator above filled it
+            if source is None:
+                raise ConfigError("model.hf_config is not set (an HF config.json, its folder, or a mapping)")
             self._arch = (
                 QwenArch.from_hf_dict(source) if isinstance(source, dict) else QwenArch.from_path(source)
             )
