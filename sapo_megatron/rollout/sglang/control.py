@@ -283,7 +283,7 @@ class ControlPlane:
         wide = [s.url for s in self.fleet.servers if s.tp_size != 1]
         if wide:
             raise RolloutError(
-                "weight checks compare whole tensors and need TP-1 servers; turn rollout.colocate.check_weights "
+                "weight checks compare whole tensors and need TP-1 servers; turn rollout.colocation.check_weights "
                 f"off for {wide}",
                 server=wide[0],
                 field="tp_size",
