@@ -83,8 +83,3 @@ class AlgorithmConfig(Section):
         description="the student log-prob of A_opd = teacher_logp - student_logp: the trainer's old-policy "
         "log-prob (the default) or the rollout engine's",
     )
-
-    @property
-    def reward_spec(self) -> str | dict[str, Any]:
-        """``reward`` as the reward runner takes it: a name / import path, or a reward server's settings."""
-        return self.reward if isinstance(self.reward, str) else self.reward.model_dump()

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 def check_reward(cfg: RunConfig) -> None:
     """``algorithm.reward`` imports (or is registered, or is a server URL) and takes ``reward_kwargs``."""
-    check_reward_available(cfg.algorithm.reward_spec, kwargs=cfg.algorithm.reward_kwargs)
+    check_reward_available(cfg.algorithm.reward, kwargs=cfg.algorithm.reward_kwargs)
 
 
 STARTUP_CHECKS: tuple[Callable[[RunConfig], None], ...] = (

@@ -157,7 +157,7 @@ def build_session(
         rollout, cfg, tokenizer, in_process=in_process
     )  # when rollout.multi_turn is set
     reward = build_reward_runner(
-        cfg.algorithm.reward_spec,
+        cfg.algorithm.reward,
         workers=cfg.algorithm.reward_workers if info.is_main else 0,  # only the main rank scores
         timeout_s=cfg.algorithm.reward_timeout_s,
         kwargs=cfg.algorithm.reward_kwargs,
