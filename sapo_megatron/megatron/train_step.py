@@ -40,13 +40,13 @@ from sapo_megatron.megatron.routing_replay import (
     RoutingReplayError,
 )
 from sapo_megatron.megatron.weights import load_hf_weights
+from sapo_megatron.model.step_batch import MicroBatch
 
-MicroBatch = dict[str, torch.Tensor]
-"""One micro-batch: ``input_ids`` [b, s] (right-padded), optional ``position_ids`` [b, s], plus whatever
-tensors the loss function reads (labels, masks, advantages, ...), and MoE routes int32 [b, s, L, k]
-(``engine_routes``, ``recorded_routes``, ``used_routes``: see :mod:`sapo_megatron.megatron.routing_replay`).
-Packed micro-batches (``segment_ids``; one row [1, T], :mod:`sapo_megatron.model.packing`) run as THD or with a block
-mask (:mod:`sapo_megatron.megatron.packed_seq`)."""
+# One micro-batch (:class:`~sapo_megatron.model.step_batch.MicroBatch`; a plain dict of tensors works too), read
+# here through its mapping view: ``input_ids`` [b, s] (right-padded), optional ``position_ids`` [b, s], whatever
+# the loss function reads, and MoE routes int32 [b, s, L, k] (``engine_routes``, ``recorded_routes``,
+# ``used_routes``: see :mod:`sapo_megatron.megatron.routing_replay`). Packed micro-batches (``segment_ids``; one row
+# [1, T], :mod:`sapo_megatron.model.packing`) run as THD or with a block mask (:mod:`sapo_megatron.megatron.packed_seq`).
 
 Metrics = dict[str, torch.Tensor]
 """Metric name → 2-element tensor ``(weighted_sum, weight)``; the engine sums both over micro-batches and
