@@ -97,9 +97,10 @@ class RoutingStep:
         metrics.update(
             {f"routing/agreement_layer{i}": v for i, v in enumerate(per_layer) if not math.isnan(v)}
         )
-        if self.image_token_id is None:
+        token_id = self.image_token_id
+        if token_id is None:
             return RouteAgreement(metrics)
-        image_tokens = [self._image_tokens(b) for b in micro]
+        image_tokens = [_image_tokens(b, token_id) for b in micro]
         with_mask = [b.copy(image_token_mask=mask) for b, mask in zip(micro, image_tokens)]
         self._image_agreement("routing/agreement_image", with_mask, RECORDED_ROUTES, metrics)
         return RouteAgreement(metrics, image_tokens)
@@ -125,17 +126,18 @@ class RoutingStep:
             metrics["time/replay_s"] = self.engine.take_route_seconds()
         return metrics
 
-    def _image_tokens(self, batch: MicroBatch) -> torch.Tensor:
-        """1 on the prompts' image pads (a pad sampled in a response is text); all 0 in a text-only micro-batch
-        (every micro-batch takes part: the metric is reduced over all ranks)."""
-        is_pad = batch.input_ids == self.image_token_id
-        return is_pad & batch.image_mask.bool() if batch.image_mask is not None else torch.zeros_like(is_pad)
-
     def _image_agreement(self, name: str, micro: list[MicroBatch], key: str, out: dict[str, float]) -> None:
         """Collective: ``key``'s routes against the engine's over the image tokens (logged when there are any)."""
         overall = self.engine.routing_agreement(micro, ENGINE_ROUTES, key, mask_key=IMAGE_TOKENS)[0]
         if not math.isnan(overall):
             out[name] = overall
+
+
+def _image_tokens(batch: MicroBatch, image_token_id: int) -> torch.Tensor:
+    """1 on the prompts' image pads (a pad sampled in a response is text); all 0 in a text-only micro-batch
+    (every micro-batch takes part: the metric is reduced over all ranks)."""
+    is_pad = torch.eq(batch["input_ids"], image_token_id)
+    return is_pad & batch.image_mask.bool() if batch.image_mask is not None else torch.zeros_like(is_pad)
 
 
 def _nothing(logits: torch.Tensor, batch: MicroBatch) -> torch.Tensor:

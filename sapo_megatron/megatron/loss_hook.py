@@ -210,7 +210,7 @@ class LogprobOutput:
         if self.with_unit_temperature:  # the same forward's logits at temperature 1 (what teachers score at)
             unit_bt = unit_temperature_logprobs(logits, labels, self.tp_group, self.chunk_tokens)
             return torch.stack((logp_bt, unit_bt))
-        return torch.stack((logp_bt, entropy_bt)) if self.with_entropy else logp_bt
+        return logp_bt if entropy_bt is None else torch.stack((logp_bt, entropy_bt))  # with_entropy: both
 
 
 def global_normalisers(
@@ -309,7 +309,7 @@ def _get(batch: Mapping[str, torch.Tensor], key: str, device: torch.device) -> t
 
 
 def _resolve_dp_group(dp_group: GroupArg) -> dist.ProcessGroup | None:
-    if dp_group is not MEGATRON_GROUP:
+    if dp_group is None or isinstance(dp_group, dist.ProcessGroup):
         return dp_group
     from megatron.core import parallel_state
 

@@ -245,9 +245,9 @@ def per_sequence_values(sequences: Sequence[TrainSequence]) -> Tensors:
 def image_values(sequences: Sequence[TrainSequence]) -> Tensors:
     """``pixel_values`` and ``image_grid_thw`` of the sequences with images, concatenated in sequence order
     (nothing when none has images). Raises ValueError naming a sequence whose patches do not match its grids."""
-    with_images = [(i, s) for i, s in enumerate(sequences) if s.images is not None]
-    for index, seq in with_images:
-        pixels, grids = seq.images[PIXEL_VALUES], seq.images[IMAGE_GRID_THW]
+    with_images = [(i, s, s.images) for i, s in enumerate(sequences) if s.images is not None]
+    for index, seq, images in with_images:
+        pixels, grids = images[PIXEL_VALUES], images[IMAGE_GRID_THW]
         if grids.dim() != 2 or grids.shape[1] != 3 or int(grids.prod(-1).sum()) != pixels.shape[0]:
             raise ValueError(
                 f"{seq.sample_id or f'sequence {index}'}: {pixels.shape[0]} image patches for image_grid_thw "
@@ -255,7 +255,7 @@ def image_values(sequences: Sequence[TrainSequence]) -> Tensors:
             )
     if not with_images:
         return {}
-    return {key: torch.cat([s.images[key] for _, s in with_images]) for key in IMAGE_KEYS}
+    return {key: torch.cat([images[key] for _, _, images in with_images]) for key in IMAGE_KEYS}
 
 
 def _pad_value(key: str, pad_id: int) -> int | float:
@@ -292,7 +292,8 @@ def to_tensors(
         batch[key] = out
     batch.update(per_sequence_values(sequences))
     if route_layout is not None:
-        batch[ENGINE_ROUTES] = routes_tensor([s.routed_experts for s in sequences], length, route_layout)
+        routes = [_routes_of(s, i) for i, s in enumerate(sequences)]
+        batch[ENGINE_ROUTES] = routes_tensor(routes, length, route_layout)
     return batch
 
 
@@ -343,9 +344,17 @@ def _packed_routes(
     sequences: Sequence[TrainSequence], slots: Sequence[int], length: int, layout: RouteLayout
 ) -> torch.Tensor:
     out = np.broadcast_to(layout.padding_row(), (1, length, layout.num_layers, layout.top_k)).copy()
-    for seq, start in zip(sequences, _offsets(slots)):
-        out[0, start : start + len(seq.routed_experts)] = seq.routed_experts
+    for index, (seq, start) in enumerate(zip(sequences, _offsets(slots))):
+        routes = _routes_of(seq, index)
+        out[0, start : start + len(routes)] = routes
     return torch.from_numpy(out)
+
+
+def _routes_of(seq: TrainSequence, index: int) -> np.ndarray:
+    """A sequence's routes, which a route layout needs (:func:`check_routes` has checked them)."""
+    if seq.routed_experts is None:
+        raise RoutingReplayError(f"{seq.sample_id or f'sequence {index}'}: routed_experts is missing")
+    return seq.routed_experts
 
 
 def routes_tensor(routes: Sequence[np.ndarray], length: int, layout: RouteLayout) -> torch.Tensor:
@@ -445,5 +454,5 @@ def padding_fraction(sequences: Sequence[TrainSequence], batch: StepBatch, dp_si
     """The fraction of the positions the model runs that hold no sequence token: ``sequences`` of the whole step
     (all ranks), ``batch`` this rank's micro-batches (every rank runs the same shapes)."""
     real = sum(len(s.prompt_ids) + len(s.response_ids) - 1 for s in sequences)
-    run = dp_size * sum(micro.input_ids.numel() for micro in batch.micro_batches())
+    run = dp_size * sum(micro["input_ids"].numel() for micro in batch.micro_batches())
     return 1.0 - real / max(run, 1)

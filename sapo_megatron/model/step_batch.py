@@ -32,7 +32,8 @@ _EXCLUDED = ("extra", "parts")
 class MicroBatch(MutableMapping[str, torch.Tensor]):
     """One micro-batch of a step. Per-token tensors are ``[b, s]`` (packed: ``[1, T]``), per-sequence ones ``[n]``.
 
-    Sequences (:mod:`~sapo_megatron.model.batching`): ``input_ids``, ``labels`` (int64), ``loss_mask`` (1 on the
+    Every field is optional (a loss test's batch holds what its loss reads); :func:`build_micro_batches` fills
+    the sequences' ones. Sequences (:mod:`~sapo_megatron.model.batching`): ``input_ids``, ``labels`` (int64), ``loss_mask`` (1 on the
     response tokens the policy sampled: an episode's mask has several spans), ``rollout_logp``, ``advantages``
     (``[n]``, or ``[b, s]`` once teacher advantages are fused in), ``sequence_index``; packed: ``segment_ids``,
     ``position_ids``; vision: ``pixel_values``, ``image_grid_thw``, ``image_mask``; distillation: ``teacher_logp``,
@@ -43,7 +44,7 @@ class MicroBatch(MutableMapping[str, torch.Tensor]):
     ``ref_logp`` (reference policy), ``recorded_routes`` / ``used_routes`` (written by the engine's route
     recording), ``image_token_mask`` (the routing metrics' image positions)."""
 
-    input_ids: torch.Tensor
+    input_ids: torch.Tensor | None = None
     labels: torch.Tensor | None = None
     loss_mask: torch.Tensor | None = None
     rollout_logp: torch.Tensor | None = None
@@ -73,7 +74,7 @@ class MicroBatch(MutableMapping[str, torch.Tensor]):
         """A micro-batch from tensors by name (known names become fields, others ``extra``); itself if it is one."""
         if isinstance(tensors, MicroBatch):
             return tensors
-        batch = cls(input_ids=tensors["input_ids"])
+        batch = cls()
         for name, value in tensors.items():
             batch[name] = value
         return batch
@@ -108,7 +109,7 @@ class MicroBatch(MutableMapping[str, torch.Tensor]):
             self.extra[name] = value
 
     def __delitem__(self, name: str) -> None:
-        if name == "input_ids" or name not in self:
+        if name not in self:
             raise KeyError(name)
         if name in _FIELDS:
             setattr(self, name, None)
