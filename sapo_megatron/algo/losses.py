@@ -88,7 +88,8 @@ class _PolicyLossBase(BaseModel):
 
         pg_bt, metrics = self._policy_loss_bt(logp, old, adv_bt, mask)
         metrics.update(_ratio_stats("ratio/", _token_ratio(logp, old), mask, Reduce.TOKEN_MEAN))
-        metrics.add("policy/kl_old", masked_mean(k3(old, logp.detach()), mask), Reduce.TOKEN_MEAN)
+        kl_old = masked_mean(k3(old, logp.detach()), mask)
+        metrics.add("policy/kl_old", kl_old, Reduce.TOKEN_MEAN, per_update=True)
         is_weight_bt = correction_weights(correction, old, rollout)  # detached inside
         if is_weight_bt is not None:
             pg_bt = pg_bt * is_weight_bt
@@ -201,7 +202,7 @@ class GrpoLoss(_PolicyLossBase):
         ratio_bt = _token_ratio(logp_bt, old_logp_bt)
         loss_bt, clipped = _clipped_surrogate(ratio_bt, adv_bt, self.eps_low, self.eps_high, self.dual_clip)
         clip = {f"clip/{k}": masked_mean(v, mask_bt) for k, v in clipped.items()}
-        return loss_bt, metric_set(clip, Reduce.TOKEN_MEAN)
+        return loss_bt, metric_set(clip, Reduce.TOKEN_MEAN, per_update=True)
 
 
 class GspoLoss(_PolicyLossBase):
@@ -226,7 +227,7 @@ class GspoLoss(_PolicyLossBase):
         loss_bt, clipped = _clipped_surrogate(ratio_bt, adv_bt, self.eps_low, self.eps_high)
         # GSPO clips whole sequences, so clip fractions count sequences (each weighted by its clipped-token share).
         clip = {f"clip/{k}": _sequence_mean(v, mask_bt) for k, v in clipped.items()}
-        metrics = metric_set(clip, Reduce.SEQUENCE_MEAN)
+        metrics = metric_set(clip, Reduce.SEQUENCE_MEAN, per_update=True)
         metrics.update(_ratio_stats("ratio/seq_", seq_ratio_b, mask_bt.any(-1), Reduce.SEQUENCE_MEAN))
         return loss_bt, metrics
 
@@ -335,12 +336,15 @@ def _sapo_metrics(w_bt: torch.Tensor, adv_bt: torch.Tensor, mask_bt: torch.Tenso
     row_mean_b = _row_mean(w_bt, mask_bt)
     row_var_b = _row_mean((w_bt - row_mean_b[:, None]) ** 2, mask_bt)
     metrics = MetricSet()
-    metrics.add("sapo/seq_w_std", masked_mean(row_var_b.sqrt(), mask_bt.any(-1)), Reduce.SEQUENCE_MEAN)
-    metrics.add("sapo/w_mean", masked_mean(w_bt, mask_bt), Reduce.TOKEN_MEAN)
-    metrics.add("sapo/w_mean_pos", masked_mean(w_bt, pos_bt), Reduce.POS_TOKEN_MEAN)
-    metrics.add("sapo/w_mean_neg", masked_mean(w_bt, neg_bt), Reduce.NEG_TOKEN_MEAN)
-    metrics.add("sapo/frac_w_lt_half_pos", masked_mean(low_bt, pos_bt), Reduce.POS_TOKEN_MEAN)
-    metrics.add("sapo/frac_w_lt_half_neg", masked_mean(low_bt, neg_bt), Reduce.NEG_TOKEN_MEAN)
+    for name, value, reduce in (
+        ("sapo/seq_w_std", masked_mean(row_var_b.sqrt(), mask_bt.any(-1)), Reduce.SEQUENCE_MEAN),
+        ("sapo/w_mean", masked_mean(w_bt, mask_bt), Reduce.TOKEN_MEAN),
+        ("sapo/w_mean_pos", masked_mean(w_bt, pos_bt), Reduce.POS_TOKEN_MEAN),
+        ("sapo/w_mean_neg", masked_mean(w_bt, neg_bt), Reduce.NEG_TOKEN_MEAN),
+        ("sapo/frac_w_lt_half_pos", masked_mean(low_bt, pos_bt), Reduce.POS_TOKEN_MEAN),
+        ("sapo/frac_w_lt_half_neg", masked_mean(low_bt, neg_bt), Reduce.NEG_TOKEN_MEAN),
+    ):
+        metrics.add(name, value, reduce, per_update=True)  # the gate's diagnostics, also per update
     return metrics
 
 
@@ -355,7 +359,11 @@ def _ratio_stats(prefix: str, ratio: torch.Tensor, mask: torch.Tensor, mean: Red
     }
     metrics = MetricSet()
     for name, reduce in (("min", Reduce.MIN), ("mean", mean), ("max", Reduce.MAX)):
-        metrics.add(f"{prefix}{name}", torch.where(any_valid, stats[name], 1.0), reduce)
+        # the token ratio's mean is a per-update diagnostic too
+        per_update = prefix == "ratio/" and name == "mean"
+        metrics.add(
+            f"{prefix}{name}", torch.where(any_valid, stats[name], 1.0), reduce, per_update=per_update
+        )
     return metrics
 
 

@@ -38,10 +38,12 @@ class Reduce(Enum):
 
 @dataclass(frozen=True)
 class Metric:
-    """One value and how it pools."""
+    """One value and how it pools; ``per_update``: a policy diagnostic whose value per optimizer update an RL step
+    of several updates logs too (``mb{i}/<name>``)."""
 
     value: Value
     reduce: Reduce
+    per_update: bool = False
 
 
 class MetricSet(Mapping[str, Value]):
@@ -50,8 +52,8 @@ class MetricSet(Mapping[str, Value]):
     def __init__(self) -> None:
         self._metrics: dict[str, Metric] = {}
 
-    def add(self, name: str, value: Value, reduce: Reduce) -> None:
-        self._metrics[name] = Metric(value, reduce)
+    def add(self, name: str, value: Value, reduce: Reduce, *, per_update: bool = False) -> None:
+        self._metrics[name] = Metric(value, reduce, per_update)
 
     def update(self, other: MetricSet) -> None:
         self._metrics.update(other._metrics)
@@ -75,9 +77,9 @@ class MetricSet(Mapping[str, Value]):
         return f"MetricSet({ {name: (m.value, m.reduce.value) for name, m in self._metrics.items()} })"
 
 
-def metric_set(values: Mapping[str, Value], reduce: Reduce) -> MetricSet:
-    """A :class:`MetricSet` of ``values``, all pooled by ``reduce``."""
+def metric_set(values: Mapping[str, Value], reduce: Reduce, *, per_update: bool = False) -> MetricSet:
+    """A :class:`MetricSet` of ``values``, all pooled by ``reduce`` (and all per update, or none)."""
     out = MetricSet()
     for name, value in values.items():
-        out.add(name, value, reduce)
+        out.add(name, value, reduce, per_update=per_update)
     return out

@@ -48,7 +48,7 @@ from sapo_megatron.megatron.logprobs import (
     GroupArg,
     vocab_parallel_logprobs,
 )
-from sapo_megatron.megatron.train_step import Metrics
+from sapo_megatron.megatron.train_step import Metrics, TaggedMetrics
 from sapo_megatron.model.packing import SequenceView, sequences_with_tokens
 from sapo_megatron.model.step_batch import MicroBatch
 
@@ -285,6 +285,7 @@ def _metric_weights(
 def _engine_metrics(metrics: MetricSet, weights: dict[Reduce, torch.Tensor]) -> Metrics:
     """``(weighted sum, weight)`` per metric, weighted by its own reduction; extrema left out."""
     out: Metrics = {}
+    per_update = frozenset(name for name, m in metrics.items_with_reduction() if m.per_update)
     for name, metric in metrics.items_with_reduction():
         if metric.reduce in _EXTREMA:
             continue
@@ -292,7 +293,7 @@ def _engine_metrics(metrics: MetricSet, weights: dict[Reduce, torch.Tensor]) -> 
         value = torch.as_tensor(metric.value).double()
         weighted = value if metric.reduce is Reduce.SUM else value * weight
         out[name] = torch.stack((weighted, weight)).detach()
-    return out
+    return TaggedMetrics(out, per_update)
 
 
 def _token_ratios(logp_bt: torch.Tensor, old_logp_bt: torch.Tensor, mask_bt: torch.Tensor) -> torch.Tensor:
