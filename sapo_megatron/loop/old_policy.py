@@ -15,7 +15,7 @@ import torch
 from sapo_megatron.loop.replay import RoutingStep
 from sapo_megatron.megatron.loss_hook import LogprobOutput
 from sapo_megatron.model.batching import UNIT_TEMPERATURE_LOGP
-from sapo_megatron.model.step_batch import StepBatch, set_per_micro_batch
+from sapo_megatron.model.step_batch import StepBatch, last_stage_outputs, set_per_micro_batch
 
 
 @dataclass(frozen=True)
@@ -35,14 +35,12 @@ class OldPolicyLogp:
 def old_policy_logp(
     routing: RoutingStep, batch: StepBatch, *, temperature: float, unit_temperature: bool
 ) -> OldPolicyLogp:
-    """One forward-only schedule per update (its micro-batches share one padded shape)."""
+    """One forward-only schedule per update (its micro-batches share one padded shape), on every pipeline stage."""
     output_fn = LogprobOutput(temperature=temperature, with_unit_temperature=unit_temperature)
-    logp: list[torch.Tensor] = []
-    for update in batch.updates:
-        outputs = routing.forward_only(update, output_fn)
-        if outputs is None:  # not the last pipeline stage: the loss does not run here
-            return OldPolicyLogp(None)
-        logp += outputs
+    per_update = [routing.forward_only(update, output_fn) for update in batch.updates]
+    logp = last_stage_outputs(per_update)
+    if logp is None:  # not the last pipeline stage: the loss does not run here
+        return OldPolicyLogp(None)
     if not unit_temperature:
         return OldPolicyLogp(logp)
     pairs = [stacked.unbind(0) for stacked in logp]  # [2, b, s]: at the rollout temperature, at 1

@@ -12,7 +12,7 @@ import torch
 
 from sapo_megatron.megatron.loss_hook import LogprobOutput
 from sapo_megatron.megatron.train_step import ReferenceModel
-from sapo_megatron.model.step_batch import StepBatch, set_per_micro_batch
+from sapo_megatron.model.step_batch import StepBatch, last_stage_outputs, set_per_micro_batch
 
 
 @dataclass(frozen=True)
@@ -27,12 +27,8 @@ class ReferenceLogp:
 
 
 def reference_logp(reference: ReferenceModel, batch: StepBatch, *, temperature: float) -> ReferenceLogp:
-    """One forward-only schedule per update (its micro-batches share one padded shape)."""
+    """One forward-only schedule per update (its micro-batches share one padded shape), on every pipeline stage;
+    the log-probs on the last one (where the loss runs)."""
     output_fn = LogprobOutput(temperature=temperature)
-    logp: list[torch.Tensor] = []
-    for update in batch.updates:
-        outputs = reference.forward_only(update, output_fn)
-        if outputs is None:  # not the last pipeline stage: the loss does not run here
-            return ReferenceLogp(None)
-        logp += outputs
-    return ReferenceLogp(logp)
+    per_update = [reference.forward_only(update, output_fn) for update in batch.updates]
+    return ReferenceLogp(last_stage_outputs(per_update))

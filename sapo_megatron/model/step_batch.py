@@ -173,3 +173,14 @@ def set_per_micro_batch(batch: StepBatch, name: str, values: Sequence[torch.Tens
     for target, value in zip(micro, values):
         if value is not None:
             target[name] = value
+
+
+def last_stage_outputs(per_update: Sequence[list[torch.Tensor] | None]) -> list[torch.Tensor] | None:
+    """A forward-only pass's outputs, one per micro-batch of the step (every update's in order), or None on a
+    pipeline stage without outputs (not the last). Every stage runs every update's schedule before this."""
+    flat: list[torch.Tensor] = []
+    for outputs in per_update:
+        if outputs is None:
+            return None
+        flat += outputs
+    return flat
