@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
 from sapo_megatron.loop.old_policy import OldPolicyLogp, old_policy_logp
 from sapo_megatron.loop.reference import reference_logp
 from sapo_megatron.model.step_batch import MicroBatch, StepBatch, last_stage_outputs, set_per_micro_batch

@@ -46,6 +46,7 @@ from sapo_megatron.megatron.logprobs import (
     DEFAULT_CHUNK_TOKENS,
     MEGATRON_GROUP,
     GroupArg,
+    _MegatronGroup,
     vocab_parallel_logprobs,
 )
 from sapo_megatron.megatron.train_step import Metrics, TaggedMetrics
@@ -210,7 +211,7 @@ class LogprobOutput:
         if self.with_unit_temperature:  # the same forward's logits at temperature 1 (what teachers score at)
             unit_bt = unit_temperature_logprobs(logits, labels, self.tp_group, self.chunk_tokens)
             return torch.stack((logp_bt, unit_bt))
-        return logp_bt if entropy_bt is None else torch.stack((logp_bt, entropy_bt))  # with_entropy: both
+        return torch.stack((logp_bt, entropy_bt)) if entropy_bt is not None else logp_bt  # with_entropy
 
 
 def global_normalisers(
@@ -310,7 +311,7 @@ def _get(batch: Mapping[str, torch.Tensor], key: str, device: torch.device) -> t
 
 
 def _resolve_dp_group(dp_group: GroupArg) -> dist.ProcessGroup | None:
-    if dp_group is None or isinstance(dp_group, dist.ProcessGroup):
+    if not isinstance(dp_group, _MegatronGroup):  # MEGATRON_GROUP: resolved below
         return dp_group
     from megatron.core import parallel_state
 

@@ -245,8 +245,9 @@ def per_sequence_values(sequences: Sequence[TrainSequence]) -> Tensors:
 def image_values(sequences: Sequence[TrainSequence]) -> Tensors:
     """``pixel_values`` and ``image_grid_thw`` of the sequences with images, concatenated in sequence order
     (nothing when none has images). Raises ValueError naming a sequence whose patches do not match its grids."""
-    with_images = [(i, s, s.images) for i, s in enumerate(sequences) if s.images is not None]
-    for index, seq, images in with_images:
+    with_images = [(i, s.images) for i, s in enumerate(sequences) if s.images is not None]
+    for index, images in with_images:
+        seq = sequences[index]
         pixels, grids = images[PIXEL_VALUES], images[IMAGE_GRID_THW]
         if grids.dim() != 2 or grids.shape[1] != 3 or int(grids.prod(-1).sum()) != pixels.shape[0]:
             raise ValueError(
@@ -255,7 +256,7 @@ def image_values(sequences: Sequence[TrainSequence]) -> Tensors:
             )
     if not with_images:
         return {}
-    return {key: torch.cat([images[key] for _, _, images in with_images]) for key in IMAGE_KEYS}
+    return {key: torch.cat([images[key] for _, images in with_images]) for key in IMAGE_KEYS}
 
 
 def _pad_value(key: str, pad_id: int) -> int | float:
@@ -292,8 +293,7 @@ def to_tensors(
         batch[key] = out
     batch.update(per_sequence_values(sequences))
     if route_layout is not None:
-        routes = [_routes_of(s, i) for i, s in enumerate(sequences)]
-        batch[ENGINE_ROUTES] = routes_tensor(routes, length, route_layout)
+        batch[ENGINE_ROUTES] = routes_tensor([_routes_of(s) for s in sequences], length, route_layout)
     return batch
 
 
@@ -344,16 +344,15 @@ def _packed_routes(
     sequences: Sequence[TrainSequence], slots: Sequence[int], length: int, layout: RouteLayout
 ) -> torch.Tensor:
     out = np.broadcast_to(layout.padding_row(), (1, length, layout.num_layers, layout.top_k)).copy()
-    for index, (seq, start) in enumerate(zip(sequences, _offsets(slots))):
-        routes = _routes_of(seq, index)
+    for seq, start in zip(sequences, _offsets(slots)):
+        routes = _routes_of(seq)
         out[0, start : start + len(routes)] = routes
     return torch.from_numpy(out)
 
 
-def _routes_of(seq: TrainSequence, index: int) -> np.ndarray:
-    """A sequence's routes, which a route layout needs (:func:`check_routes` has checked them)."""
-    if seq.routed_experts is None:
-        raise RoutingReplayError(f"{seq.sample_id or f'sequence {index}'}: routed_experts is missing")
+def _routes_of(seq: TrainSequence) -> np.ndarray:
+    if seq.routed_experts is None:  # check_routes ran first: every sequence has its routes
+        raise RoutingReplayError(f"{seq.sample_id or 'a sequence'}: no routed_experts to replay")
     return seq.routed_experts
 
 
