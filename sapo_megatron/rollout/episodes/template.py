@@ -9,10 +9,18 @@ issue #3720): the engine stops *at* the end-of-turn token, and Qwen's template w
 
 With Qwen's templates the result equals ``apply_chat_template`` of the whole conversation, tokenized at once,
 because every delta starts right after a special token (tests/rollout/episodes check it on the shipped BPE).
+
+Message content is data, never control: the text of a tool result (or any message of a delta) is tokenized as
+plain text, so ``<|im_end|>\\n<|im_start|>assistant`` printed by a tool becomes the ids of those characters, not
+the end-of-turn and turn-start tokens (verl's tool agent loop and SGLang's chat route tokenize the rendered
+conversation whole, so there such text does become control tokens). Only the special tokens the template itself
+writes are special ids. Ordinary added tokens (Qwen3's ``<think>``, ``<tool_response>``) stay what they are in any
+text, as in a user's prompt.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -22,6 +30,8 @@ Message = Mapping[str, Any]
 
 _DUMMY = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
 _DUMMY_REPLY = {"role": "assistant", "content": "A"}
+_MARK = "\x00content{}\x00"  # a message's content while the template renders around it
+_MARKS = re.compile("\x00content(\\d+)\x00")
 
 
 class TemplateDeltaError(UserError):
@@ -48,6 +58,7 @@ class ObservationDeltas:
                 hint="set rollout.multi_turn.end_of_turn to the token the template closes a turn with",
             )
         self._before = before
+        self._special = _special_pattern(hf)
         self._after_end = before[cut + len(end_of_turn) :]  # Qwen: "\n"
 
     def text(self, messages: Sequence[Message]) -> str:
@@ -62,9 +73,54 @@ class ObservationDeltas:
         return self._after_end + after[len(self._before) :]
 
     def ids(self, messages: Sequence[Message]) -> list[int]:
-        return list(self.hf(self.text(messages), add_special_tokens=False)["input_ids"])
+        """The delta's ids: the template's own text as the tokenizer reads it (its special tokens as special ids),
+        every message's string content as plain text (a special token's text in it is that text's ids)."""
+        marked = [
+            {**m, "content": _MARK.format(i)} if isinstance(m.get("content"), str) else m
+            for i, m in enumerate(messages)
+        ]
+        pieces = _MARKS.split(self.text(marked))  # template, index, template, index, ..., template
+        rebuilt = "".join(p if k % 2 == 0 else messages[int(p)]["content"] for k, p in enumerate(pieces))
+        if rebuilt != self.text(messages):
+            raise TemplateDeltaError(
+                "the chat template changes a tool message's content (the rendering of its text is not the text "
+                "itself): observations cannot be tokenized as plain text",
+                hint="use a chat template that writes message content verbatim (Qwen's do)",
+            )
+        segments: list[tuple[bool, str]] = []  # (special, text); a message's content joins the text around it
+        for k, piece in enumerate(pieces):
+            if k % 2:
+                self._add_text(segments, messages[int(piece)]["content"])
+                continue
+            for j, part in enumerate(self._special.split(piece) if self._special else [piece]):
+                if j % 2:
+                    segments.append((True, part))
+                else:
+                    self._add_text(segments, part)
+        ids: list[int] = []
+        for special, text in segments:
+            if special:
+                ids.append(self.hf.convert_tokens_to_ids(text))
+            else:
+                ids += self.hf(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        return ids
+
+    @staticmethod
+    def _add_text(segments: list[tuple[bool, str]], text: str) -> None:
+        if not text:
+            return
+        if segments and not segments[-1][0]:
+            segments[-1] = (False, segments[-1][1] + text)
+        else:
+            segments.append((False, text))
 
     def _render(self, messages: list, *, add_generation_prompt: bool) -> str:
         return self.hf.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self.kwargs
         )
+
+
+def _special_pattern(hf: Any) -> re.Pattern | None:
+    """The tokenizer's special tokens (control tokens) as a splitting pattern, longest first."""
+    names = sorted((t.content for t in hf.added_tokens_decoder.values() if t.special), key=len, reverse=True)
+    return re.compile("(" + "|".join(map(re.escape, names)) + ")") if names else None
