@@ -60,6 +60,7 @@ TEST_MODULES = (
     "tests.security.test_hostile_checkpoints",
     "tests.eval.test_run_settings",
     "tests.security.test_hostile_tool_output",
+    "tests.security.test_hostile_sandbox",
 )
 """The modules whose :func:`case` calls make up the table (imported by :func:`derived_table`)."""
 
