@@ -86,6 +86,30 @@ class SandboxResult:
     the checker wrote none (it was killed, or timed out)."""
 
 
+class LongInt:
+    """A JSON integer longer than Python's 4,300-digit conversion limit, kept as its digits and compared exactly
+    (the sandbox lifts the limit for the code; the trainer keeps it)."""
+
+    __slots__ = ("digits",)
+
+    def __init__(self, digits: str) -> None:
+        self.digits = digits
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LongInt) and other.digits == self.digits
+
+    def __hash__(self) -> int:
+        return hash(self.digits)
+
+    def __repr__(self) -> str:
+        return f"LongInt({len(self.digits)} digits)"
+
+
+def exact_int(text: str) -> int | LongInt:
+    """``json.loads``'s ``parse_int``: an int, or a :class:`LongInt` past the conversion limit."""
+    return int(text) if len(text.lstrip("-")) <= 4000 else LongInt(text)
+
+
 class SandboxUnavailable(RuntimeError):
     """Isolation was required and the kernel does not allow it here."""
 
@@ -431,7 +455,7 @@ class _Reader:
         if len(self.data) > self._cap:
             return {"ok": False, "error": f"the checker's report is over {self._cap} bytes"}
         try:
-            verdict = json.loads(self.data)
+            verdict = json.loads(self.data, parse_int=exact_int)
         except ValueError:
             return None
         return verdict if isinstance(verdict, dict) else None
