@@ -72,6 +72,21 @@ def _run(args: argparse.Namespace, argv: list[str], *, is_main: bool, debug: boo
         return EXIT_NOW_CODE
     except Exception as err:
         return _report_crash(err, is_main=is_main, debug=debug)
+    except SystemExit as err:  # raised inside the command by code it ran (a reward, tool, episode function)
+        return _report_exit(err, is_main=is_main)
+
+
+def _report_exit(err: SystemExit, *, is_main: bool) -> int:
+    """A ``SystemExit`` that escaped a command's handler did not come from the command itself (its handlers
+    return their status): the command did not finish, so it never exits 0 for it."""
+    logs.record_exception(err)
+    if is_main:
+        print(
+            f"sapo-megatron: the command did not finish: SystemExit({err.code!r}) was raised inside it (by user "
+            "code it ran: a reward, tool or episode function?); see train.log for where",
+            file=sys.stderr,
+        )
+    return err.code if isinstance(err.code, int) and err.code not in (0,) else 1
 
 
 PEER_GONE = (

@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from sapo_megatron.errors import UserError
 from sapo_megatron.rollout.base import RolloutEngine, RolloutError
 from sapo_megatron.rollout.episodes.episode import (
     EpisodeContext,
@@ -34,6 +35,12 @@ from sapo_megatron.rollout.episodes.tools import ToolSet
 from sapo_megatron.rollout.types import EpisodeInfo, GenerationRequest, Sample
 
 logger = logging.getLogger(__name__)
+
+
+class EpisodeContextError(UserError):
+    """No prompt of a batch leaves room to generate under ``rollout.multi_turn.max_context_tokens``."""
+
+
 _TURN_SEED_STRIDE = 7919  # turn k of a sample samples with seed + k · stride: reproducible, distinct per turn
 
 
@@ -122,11 +129,37 @@ class EpisodeEngine(RolloutEngine):
         batcher = TurnBatcher(self.engine, self.parallel_calls, self._engine_calls)
         turn_ids = itertools.count()  # a request id per turn: servers refuse a repeated one (SGLang's rid)
         episodes = [self._episode(batcher, req, i, turn_ids) for req in requests for i in range(req.n)]
+        self._check_room(requests)
         try:
             samples = iter(await asyncio.gather(*episodes))
         finally:
             self._counters["episode/engine_calls"] += batcher.calls
         return [[next(samples) for _ in range(req.n)] for req in requests]
+
+    def _check_room(self, requests: Sequence[GenerationRequest]) -> None:
+        """Prompts that leave no room for one generated token under ``max_context_tokens`` end at once as
+        truncated (counted in ``episode/no_room``); when that is every prompt of the call nothing could ever be
+        trained, so it is an error naming the setting."""
+        limit = self.limits.max_context_tokens
+        full = [req for req in requests if len(req.prompt_ids) >= limit]
+        self._counters["episode/no_room"] = self._counters.get("episode/no_room", 0.0) + sum(
+            r.n for r in full
+        )
+        if full and len(full) == len(requests):
+            longest = max(len(req.prompt_ids) for req in full)
+            raise EpisodeContextError(
+                f"rollout.multi_turn.max_context_tokens={limit} leaves no room for a single generated token: "
+                f"every prompt of this batch is at least that long (the longest {longest} tokens)",
+                hint="raise rollout.multi_turn.max_context_tokens above the prompts' length plus the turns you want",
+            )
+        if full:
+            logger.warning(
+                "%d of %d prompts are at least rollout.multi_turn.max_context_tokens=%d tokens long: their episodes "
+                "end at once, untrained",
+                len(full),
+                len(requests),
+                limit,
+            )
 
     async def _episode(
         self, batcher: TurnBatcher, req: GenerationRequest, index: int, turn_ids: Iterator[int]
