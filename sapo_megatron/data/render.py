@@ -93,6 +93,12 @@ class PromptRenderer:
 
     def _expanded(self, row: PromptRow, ids: list[int]) -> list[int]:
         if not row.images:
+            if self.vision is not None and self.vision.pad_id in ids:
+                raise DatasetError(
+                    "a prompt without images holds the image-pad token (its text spells <|image_pad|>): the "
+                    "model would read an image that is not there",
+                    hint="remove <|image_pad|> from the row's text (images are written as <image>)",
+                )
             return ids
         if self.vision is None:
             raise DatasetError(

@@ -61,6 +61,9 @@ TEST_MODULES = (
     "tests.eval.test_run_settings",
     "tests.security.test_hostile_tool_output",
     "tests.security.test_hostile_sandbox",
+    "tests.security.test_hostile_verdicts",
+    "tests.security.test_hostile_tools",
+    "tests.security.test_hostile_images",
 )
 """The modules whose :func:`case` calls make up the table (imported by :func:`derived_table`)."""
 
