@@ -744,6 +744,9 @@ def _compare_finished(args: argparse.Namespace) -> int:
     ]
     if given:
         raise CompareError(f"--runs reports finished runs as they are; drop {', '.join(given)}")
+    from sapo_megatron.runtime.run_dir import check_command_output_dir
+
+    check_command_output_dir(args.output_dir, command="compare", overwrite=args.overwrite)
     files = report_finished_runs([p.strip() for p in args.runs.split(",") if p.strip()], args.output_dir)
     print(f"wrote {files.markdown} and {files.json}")
     return 0

@@ -3,6 +3,7 @@ directories (``metrics.jsonl``, ``summary.json``, ``config.yaml``) without train
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -11,16 +12,25 @@ from sapo_megatron.compare.report import ReportFiles, write_report
 
 
 def run_arms(run_dirs: list[str]) -> dict[str, tuple[Arm, Path]]:
-    """Arm name → (an arm labelled by the run's folder name, the folder); :class:`CompareError` for a folder
-    that holds no run."""
-    arms: dict[str, tuple[Arm, Path]] = {}
+    """Arm name → (an arm labelled by the run's folder, the folder); :class:`CompareError` for a folder that
+    holds no run. Links are resolved: a run named twice (a link to it, ``./a`` and ``a``) is one arm (a line
+    says so); runs whose folders end alike are told apart by as many trailing folder names as it takes."""
+    paths: dict[Path, str] = {}
     for text in run_dirs:
         path = Path(text)
         if not (path / "metrics.jsonl").is_file():
             raise CompareError(f"--runs {text}: not a run directory (no metrics.jsonl)")
-        label = path.resolve().name
-        if any(arm.label == label for arm, _ in arms.values()):
-            label = f"{path.resolve().parent.name}-{label}"  # two runs/…/a folders: keep both
+        resolved = path.resolve()
+        if resolved in paths:
+            print(
+                f"--runs: {text} is the run {paths[resolved]} again ({resolved}); reported once",
+                file=sys.stderr,
+            )
+            continue
+        paths[resolved] = text
+    arms: dict[str, tuple[Arm, Path]] = {}
+    for resolved, label in zip(paths, _labels(list(paths))):
+        path = Path(paths[resolved])
         settings = _settings(path)
         arm = Arm(
             loss=settings["loss"],
@@ -31,6 +41,20 @@ def run_arms(run_dirs: list[str]) -> dict[str, tuple[Arm, Path]]:
         )
         arms[arm.name] = (arm, path)
     return arms
+
+
+def _labels(paths: list[Path]) -> list[str]:
+    """A distinct label per path: its last folder name, with as many parent names as needed to tell it apart."""
+    labels = []
+    for path in paths:
+        depth = 1
+        while (
+            depth < len(path.parts)
+            and sum(other.parts[-depth:] == path.parts[-depth:] for other in paths) > 1
+        ):
+            depth += 1
+        labels.append("-".join(part for part in path.parts[-depth:] if part != "/"))
+    return labels
 
 
 def _settings(run_dir: Path) -> dict[str, str]:

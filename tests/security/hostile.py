@@ -65,6 +65,7 @@ TEST_MODULES = (
     "tests.security.test_hostile_tools",
     "tests.security.test_hostile_images",
     "tests.security.test_hostile_conventions",
+    "tests.security.test_hostile_commands",
 )
 """The modules whose :func:`case` calls make up the table (imported by :func:`derived_table`)."""
 
