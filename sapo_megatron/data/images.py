@@ -96,6 +96,7 @@ class ImageRef:
         return rgb.resize((width, height), Image.Resampling.BICUBIC)
 
     def _read_again(self) -> bytes:
+        assert self.path is not None  # an ImageRef holds bytes or a path
         try:
             raw = _regular_file(Path(self.path), self.where).read_bytes()
         except OSError as exc:
