@@ -86,16 +86,12 @@ class ImageRef:
         """The resized RGB image (PIL); a file image must still be the one that was checked."""
         from PIL import Image
 
-<<<<<<< HEAD
-        raw = self.data if self.data is not None else self._read_again()
-=======
         if self.data is not None:
             raw = self.data
         elif self.path is not None:
-            raw = Path(self.path).read_bytes()
+            raw = self._read_again(self.path)
         else:
             raise ValueError(f"{self.where}: the image holds neither bytes nor a path")
->>>>>>> main
         with Image.open(io.BytesIO(raw)) as image:
             rgb = to_rgb(image)
         height, width = self.size
@@ -104,10 +100,9 @@ class ImageRef:
         # qwen_vl_utils' fetch_image: image.resize((w, h)), PIL's default (bicubic) filter for RGB
         return rgb.resize((width, height), Image.Resampling.BICUBIC)
 
-    def _read_again(self) -> bytes:
-        assert self.path is not None  # an ImageRef holds bytes or a path
+    def _read_again(self, path: str) -> bytes:
         try:
-            raw = _regular_file(Path(self.path), self.where).read_bytes()
+            raw = _regular_file(Path(path), self.where).read_bytes()
         except OSError as exc:
             raise DatasetError(
                 f"{self.where}: cannot read image file {self.path} again: {exc.strerror}"
@@ -204,24 +199,16 @@ def _source(value: Any, where: str, folder: Path, policy: ImagePolicy) -> bytes 
         raise DatasetError(f"{where}: an image object needs 'bytes' or 'path', got keys {sorted(value)}")
     if isinstance(value, bytes | bytearray):
         _check_bytes(len(value), where, policy)
-<<<<<<< HEAD
-        return bytes(value), None
+        return bytes(value)
     if isinstance(value, str) and not value.strip():
         raise DatasetError(
             f"{where}: the image path is empty", hint="give a file path, a data URI or image bytes"
         )
     if isinstance(value, str):
         if value.startswith("data:"):
-            return _data_uri(value, where, policy), None
+            return _data_uri(value, where, policy)
         scheme = _URL.match(value)
         if scheme and scheme.group(1).lower() != "file":
-=======
-        return bytes(value)
-    if isinstance(value, str) and value:
-        if value.startswith("data:"):
-            return _data_uri(value, where, policy)
-        if value.startswith(("http://", "https://")):
->>>>>>> main
             raise DatasetError(
                 f"{where}: image URLs are not fetched ({value[:60]}): a run never downloads",
                 hint="download the images next to the dataset and write their paths",
