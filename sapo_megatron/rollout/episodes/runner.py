@@ -41,6 +41,9 @@ class EpisodeContextError(UserError):
     """No prompt of a batch leaves room to generate under ``rollout.multi_turn.max_context_tokens``."""
 
 
+_GATHER_S = 0.01
+"""With one engine call at a time (the CPU engine), a turn waits this long for the turns that become ready with
+it (tool calls finish in their own threads, so results that arrive together are spread by a few ms)."""
 _TURN_SEED_STRIDE = 7919  # turn k of a sample samples with seed + k · stride: reproducible, distinct per turn
 
 
@@ -61,8 +64,12 @@ class TurnBatcher:
     async def generate(self, request: GenerationRequest) -> Sample:
         future = asyncio.get_running_loop().create_future()
         self._pending.append((request, future))
-        if len(self._pending) == 1:
-            asyncio.get_running_loop().call_soon(self._dispatch)  # after the other ready turns joined
+        if len(self._pending) == 1:  # after the other ready turns joined
+            loop = asyncio.get_running_loop()
+            if self.parallel_calls == 1:  # tool results arrive from their threads a few ms apart
+                loop.call_later(_GATHER_S, self._dispatch)
+            else:
+                loop.call_soon(self._dispatch)
         return await future
 
     def _dispatch(self) -> None:
