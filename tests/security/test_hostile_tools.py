@@ -112,8 +112,8 @@ def run_calls(fn, *, timeout_s: float = 1.0) -> tuple[object, float, str]:
 def test_a_blocking_tool_stalls_neither_the_loop_nor_the_other_calls(cls, fn, words):
     outcome, seconds, quick = expect(cls, lambda: run_calls(fn))
     assert outcome.error and words in outcome.text
-    assert seconds < 2.0, f"{seconds:.2f} s for a 1 s timeout"
-    assert float(quick.split()[2]) < 0.5, quick  # the quick call was answered at once, not after the blocker
+    assert seconds < 2.5, f"{seconds:.2f} s for a 1 s timeout"  # the old code: 3 s, or never
+    assert float(quick.split()[2]) < 1.0, quick  # answered at once, not after the blocker (3 s)
 
 
 @pytest.mark.parametrize(
