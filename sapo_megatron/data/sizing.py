@@ -1,7 +1,8 @@
 """Sizes of a tiny model that follow its data: ``"auto"`` in an inline ``model.hf_config`` for ``vocab_size``,
 ``max_position_embeddings`` or the special token ids takes them from the run's tokenizer and prompts.
 
-- ``vocab_size``: the tokenizer's size (the char tokenizer 52, the shipped chat tokenizer 512);
+- ``vocab_size``: the tokenizer's size (the char tokenizer 52, the shipped chat tokenizer 512), padded as the real
+  checkpoints are (the real Qwen3 tokenizer, ``data.tokenizer: qwen3``: 151,669 tokens, 151,936 rows);
 - ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id``: the tokenizer's (a tokenizer without a bos token, as
   Qwen's, leaves ``bos_token_id`` out);
 - ``max_position_embeddings``: the longest prompt of ``data.train`` and of the eval datasets, as the engine
@@ -33,7 +34,7 @@ def auto_fields(hf_config: Any) -> list[str]:
 def token_sizes(tokenizer: Any, fields: Iterable[str]) -> dict[str, int | None]:
     """``fields`` (of :data:`TOKEN_FIELDS`) as the tokenizer has them (``None``: the tokenizer has no such token)."""
     values = {
-        "vocab_size": tokenizer.vocab_size,
+        "vocab_size": getattr(tokenizer, "padded_vocab_size", tokenizer.vocab_size),
         "bos_token_id": tokenizer.bos_id,
         "eos_token_id": tokenizer.eos_id,
         "pad_token_id": tokenizer.pad_id,
