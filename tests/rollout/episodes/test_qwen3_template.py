@@ -107,7 +107,9 @@ def test_thinking_on_the_episode_is_the_whole_conversation_rendered_at_once(hf):
     assert (response.count(think), response.count(tool_call), response.count(tool_response)) == (3, 3, 3)
     text = hf.decode(episode)
     assert text.count("<|im_start|>user\n<tool_response>") == 2  # one user turn per round of results
-    assert "<tool_response>\n42\n\n</tool_response>\n<tool_response>\n42\n\n</tool_response><|im_end|>" in text
+    assert (
+        "<tool_response>\n42\n\n</tool_response>\n<tool_response>\n42\n\n</tool_response><|im_end|>" in text
+    )
 
 
 def test_thinking_off_keeps_the_empty_think_block_the_model_saw(hf):
