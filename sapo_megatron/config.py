@@ -562,6 +562,11 @@ class AlgorithmConfig(Section):
     reward_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="extra keyword arguments for the reward, e.g. {mode: fraction}"
     )
+    reward_after_thinking: bool | None = Field(
+        default=None,
+        description="the reward sees only the text after a response's </think> (a response cut while thinking: "
+        "''); default: on for data.tokenizer qwen3 unless data.chat_template_kwargs.enable_thinking is false",
+    )
     dynamic_sampling: bool = Field(default=False, description="DAPO: drop all-equal groups and refill")
     max_refills: int = Field(default=3, ge=0, description="extra rollout rounds to refill dropped groups")
     over_sampling: float = Field(

@@ -12,6 +12,9 @@ Rewards (``algorithm.reward_after_thinking``), tool-call parsing and eval's thin
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 THINK_START, THINK_END = "<think>", "</think>"
 TOOL_START = "<tool_call>"
 
@@ -30,3 +33,28 @@ def split_thinking(text: str) -> tuple[str, str]:
     if tool >= 0:
         return body[:tool], body[tool:]
     return body, ""
+
+
+def thinking_enabled(tokenizer: str, template_kwargs: Mapping[str, Any]) -> bool:
+    """Whether responses think by default: ``data.tokenizer: qwen3`` without ``enable_thinking: false``."""
+    return tokenizer == "qwen3" and template_kwargs.get("enable_thinking", True) is not False
+
+
+def reward_after_thinking(setting: bool | None, tokenizer: str, template_kwargs: Mapping[str, Any]) -> bool:
+    """``algorithm.reward_after_thinking``: as set, else (``None``) :func:`thinking_enabled`."""
+    return thinking_enabled(tokenizer, template_kwargs) if setting is None else setting
+
+
+def thinking_tokens(
+    response_ids: Sequence[int], think_start: int, think_end: int, loss_mask: Sequence[int] | None = None
+) -> int:
+    """How many of a response's sampled tokens think: those from a ``<think>`` to its ``</think>``, both
+    included (to the end when a turn is cut before closing it). ``loss_mask`` (episodes): only mask-1 tokens
+    count, so the empty blocks that thinking-off deltas carry (mask 0) are no thinking."""
+    count, inside = 0, False
+    for position, token in enumerate(response_ids):
+        sampled = loss_mask is None or loss_mask[position] == 1
+        inside = inside or (token == think_start and sampled)
+        count += inside and sampled
+        inside = inside and token != think_end
+    return count

@@ -12,7 +12,9 @@ For one prompt with scores ``s_1 .. s_n`` of which ``c`` are correct (a sample i
   (as ``collections.Counter.most_common``, which verl's and inspect's majority votes use), and the prompt scores
   what the first sample with that answer scored; a prompt whose samples gave no answer scores 0. Only when the
   reward gives answers (some sample has one);
-- ``response_length_mean`` (tokens) and ``truncated_frac`` (share of samples that hit ``max_new_tokens``).
+- ``response_length_mean`` (tokens) and ``truncated_frac`` (share of samples that hit ``max_new_tokens``);
+- ``thinking_share``: of the response tokens, the share inside ``<think>…</think>`` (when the reward scores
+  after thinking, ``algorithm.reward_after_thinking``).
 
 A dataset's value is the mean over its prompts; ``by_source`` repeats the prompt metrics per source.
 """
@@ -40,6 +42,7 @@ class ScoredSample:
     truncated: bool = False
     turns: int | None = None  # multi-turn episodes: engine turns and tool calls
     tool_calls: int | None = None
+    thinking_tokens: int | None = None  # of response_tokens, inside <think>…</think> (thinking models)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -83,6 +86,9 @@ def prompt_metrics(samples: Sequence[ScoredSample]) -> dict[str, float]:
     if all(s.turns is not None for s in samples):  # evaluated with tools
         out["turns_mean"] = float(np.mean([s.turns for s in samples]))
         out["tool_calls_mean"] = float(np.mean([s.tool_calls for s in samples]))
+    if all(s.thinking_tokens is not None for s in samples):
+        total = sum(s.response_tokens for s in samples)
+        out["thinking_share"] = sum(s.thinking_tokens for s in samples) / total if total else 0.0
     return out
 
 

@@ -122,13 +122,17 @@ def build_reward_runner(
     name: str | None = None,
     kwargs: Mapping[str, Any] | None = None,
     field: str = "algorithm.reward",
+    after_thinking: bool = False,
 ) -> RewardRunner:
     """The runner for ``spec`` (checked with :func:`check_reward_spec` first, errors naming ``field``);
-    ``workers``: 0 inline, N a pool, ``"auto"`` (module docstring)."""
+    ``workers``: 0 inline, N a pool, ``"auto"`` (module docstring); ``after_thinking``: the reward scores the
+    text after a response's thinking block (``algorithm.reward_after_thinking``)."""
     check_reward_spec(spec, kwargs=kwargs, field=field)
     remote = _remote_settings(spec)
     if remote is not None:
-        return RewardRunner(RemoteReward(remote), name or remote.url, group=False)
+        return RewardRunner(
+            RemoteReward(remote), name or remote.url, group=False, after_thinking=after_thinking
+        )
     spec = absolute_spec(spec)
     count = default_workers(spec) if workers == "auto" else int(workers)
     bound = BoundReward.from_spec(spec, kwargs)
@@ -137,14 +141,15 @@ def build_reward_runner(
         backend = WorkerPool(spec, kwargs or {}, workers=count, timeout_s=timeout_s)
     else:
         backend = _Inline(bound, timeout_s)
-    return RewardRunner(backend, name or spec, group=bound.group)
+    return RewardRunner(backend, name or spec, group=bound.group, after_thinking=after_thinking)
 
 
 class RewardRunner:
     """Scores batches (:meth:`score`) and counts calls / errors for the run and for the step."""
 
-    def __init__(self, backend: _Backend, name: str, *, group: bool) -> None:
+    def __init__(self, backend: _Backend, name: str, *, group: bool, after_thinking: bool = False) -> None:
         self.backend, self.name, self.group = backend, name, group
+        self.after_thinking = after_thinking
         self.errors = self.calls = 0
         self._step_errors = self._step_calls = 0
         self._step_first_error: str | None = None
