@@ -1,0 +1,29 @@
+"""Round 2 of the newcomer's path, rewards (issue 38, item 4): what a TRL user's reward file needs."""
+
+from __future__ import annotations
+
+import sys
+
+from sapo_megatron.rewards.runner import build_reward_runner
+from sapo_megatron.rewards.types import RewardInput
+
+
+def test_a_reward_file_imports_the_modules_next_to_it(tmp_path, monkeypatch):
+    """Fails on 3855bb6: ``ModuleNotFoundError: No module named 'my_helpers'`` unless PYTHONPATH named the folder.
+    Inline and in a worker process alike, from another working directory."""
+    folder = tmp_path / "rewards"
+    folder.mkdir()
+    (folder / "my_helpers.py").write_text("def norm(text):\n    return text.strip().lower()\n")
+    (folder / "score.py").write_text(
+        "from my_helpers import norm\n\ndef score(response, label, **kwargs):\n"
+        "    return float(norm(response) == norm(label))\n"
+    )
+    elsewhere = tmp_path / "run"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # the loader adds the folder; undone after the test
+    inputs = [RewardInput(response=" Paris ", label="paris"), RewardInput(response="Rome", label="paris")]
+    for workers in (0, 1):
+        with build_reward_runner(f"{folder / 'score.py'}:score", workers=workers) as runner:
+            assert [out.score for out in runner.score(inputs)] == [1.0, 0.0], workers
+            assert runner.errors == 0
