@@ -163,6 +163,7 @@ def build_session(
     samples = SampleLog(
         run_dir,
         every=cfg.trainer.log_samples_every,
+        last_step=cfg.trainer.steps,
         tokenizer=tokenizer,
         enabled=info.is_main,
         tracker=tracker,

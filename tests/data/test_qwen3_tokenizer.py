@@ -138,3 +138,40 @@ def test_a_tiny_model_on_it_pads_the_vocabulary_as_qwen3_checkpoints(tmp_path):
     ids = data.renderer.encode(data.train_rows[0])
     assert ids[:3] == [151644, 872, 198]  # <|im_start|> user \n
     assert data.tokenizer.hf.decode(ids).endswith("<|im_start|>assistant\n")
+
+
+def test_samples_file_on_a_run_shorter_than_the_interval(tmp_path):
+    """Fails on 3855bb6: ``log_samples_every: 10`` wrote nothing in a 6-step run. An episode's response keeps its
+    special tokens (the turn boundaries) and says which tokens the policy sampled."""
+    import json
+    import types
+
+    import numpy as np
+
+    from sapo_megatron.data.prompts import PromptRow
+    from sapo_megatron.data.samples import SAMPLES_FILE, SampleLog
+    from sapo_megatron.rollout.types import EpisodeInfo, Sample
+
+    tok = load_tokenizer("qwen3")
+    turn, observation = (
+        tok.encode("ok<|im_end|>"),
+        tok.encode("\n<|im_start|>user\n<tool_response>\n1\n</tool_response>"),
+    )
+    response = [*turn, *observation, *turn]
+    sample = Sample(
+        group_id=0,
+        sample_index=0,
+        prompt_ids=tok.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"),
+        response_ids=response,
+        rollout_logp=[0.0] * len(response),
+        finish_reason="stop",
+        loss_mask=[1] * len(turn) + [0] * len(observation) + [1] * len(turn),
+        episode=EpisodeInfo(status="completed", turns=2, tool_calls=1),
+    )
+    batch = types.SimpleNamespace(groups=[[sample]], prompts=[PromptRow("hi", "1")], rewards=np.ones((1, 1)))
+    log = SampleLog(tmp_path, every=10, tokenizer=tok, enabled=True, last_step=6)
+    assert [step for step in range(1, 7) if log.record(step, batch)] == [6]
+    [row] = [json.loads(line) for line in (tmp_path / SAMPLES_FILE).read_text().splitlines()]
+    assert row["response"].startswith("ok<|im_end|>\n<|im_start|>user\n<tool_response>")
+    n, m = len(turn), len(observation)
+    assert row["loss_mask_spans"] == [[0, n], [n + m, 2 * n + m]]
