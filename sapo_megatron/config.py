@@ -8,6 +8,7 @@ Every error names the field and the fix. :func:`load_config` returns a :class:`R
 from __future__ import annotations
 
 import difflib
+import logging
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -36,6 +37,8 @@ from sapo_megatron.model.precision import (
     fp8_capability_problem,
 )
 from sapo_megatron.runtime.wandb_tracking import TrackingConfig
+
+_logger = logging.getLogger(__name__)
 
 
 class Section(BaseModel):
@@ -1172,13 +1175,14 @@ def _list_index(node: list[Any], key: str, dotted: str, parents: list[str]) -> i
 
 def _merge_section(section: dict[str, Any], value: dict[str, Any], loc: tuple[str, ...]) -> None:
     """``--set 'trainer={steps: 1}'`` sets those keys of the section and keeps its others (replacing the whole
-    section would silently reset every other key to its default, ``save_every`` among them)."""
+    section would silently reset every other key to its default, ``save_every`` among them). A ``name`` in it
+    switches the variant first, and the keys given with it are validated as in YAML, in any order."""
+    if isinstance(value.get("name"), str):
+        _drop_keys_of_other_variant(section, loc, value["name"], keep=set(value))
     for key, item in value.items():
         if isinstance(item, dict) and isinstance(section.get(key), dict):
             _merge_section(section[key], item, (*loc, str(key)))
             continue
-        if key == "name" and isinstance(item, str):
-            _drop_keys_of_other_variant(section, loc, item)
         section[key] = item
 
 
@@ -1249,12 +1253,27 @@ def _section_type(annotation: Any) -> type[BaseModel] | dict[str, type[BaseModel
     return None
 
 
-def _drop_keys_of_other_variant(section: dict[str, Any], section_loc: tuple[str, ...], name: str) -> None:
+def _drop_keys_of_other_variant(
+    section: dict[str, Any], section_loc: tuple[str, ...], name: str, keep: set[str] | frozenset = frozenset()
+) -> None:
+    """Switching a variant by ``--set`` drops the old one's keys the new one does not take (``keep``: keys given
+    in the same ``--set``, left for validation) – with a warning naming them, never silently."""
     variants = _section_at(section_loc)
-    if not isinstance(variants, dict) or name not in variants:
-        return  # not a section with variants, or an unknown name (validation reports it)
+    if not isinstance(variants, dict) or name not in variants or section.get("name") == name:
+        return  # not a section with variants, an unknown name, or no switch: validation reports any other key
     accepted = variants[name].model_fields
-    for key in [k for k in section if k not in accepted]:
+    dropped = [k for k in section if k not in accepted and k not in keep]
+    if dropped:
+        where = ".".join(section_loc)
+        _logger.warning(
+            "--set %s.name=%s drops %s: settings of %s that %s does not take (YAML with them would be an error)",
+            where,
+            name,
+            ", ".join(f"{key}={section[key]!r}" for key in dropped),
+            section.get("name", "the default"),
+            name,
+        )
+    for key in dropped:
         del section[key]
 
 
