@@ -41,7 +41,7 @@ def test_switching_by_name_names_what_it_drops(grpo_config, caplog):
     assert cfg.algorithm.loss.name == "sapo" and cfg.algorithm.loss.kl_coef == 0.01
     [line] = [r.getMessage() for r in caplog.records]
     assert line.startswith(
-        "--set algorithm.loss.name=sapo drops eps_low=0.2, eps_high=0.28: settings of grpo"
+        "--set algorithm.loss.name=sapo drops eps_high=0.28, eps_low=0.2: settings of grpo"
     )
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="sapo_megatron.config"):  # no switch: nothing to drop or say
