@@ -16,7 +16,8 @@ For one prompt with scores ``s_1 .. s_n`` of which ``c`` are correct (a sample i
 - ``thinking_share``: of the response tokens, the share inside ``<think>…</think>`` (when the reward scores
   after thinking, ``algorithm.reward_after_thinking``).
 
-A dataset's value is the mean over its prompts; ``by_source`` repeats the prompt metrics per source.
+A dataset's value is the mean over its prompts; ``by_source`` repeats the prompt metrics per source; ``scores``
+says whether every score was 0 or 1 (``"0/1"``: avg@n is an accuracy) or not (``"graded"``).
 """
 
 from __future__ import annotations
@@ -104,12 +105,14 @@ def dataset_metrics(
     if any(len(p) != n for p in prompts):
         raise ValueError("dataset_metrics: every prompt needs the same number of samples")
     per_prompt = [prompt_metrics(p) for p in prompts]
+    binary = all(s.score in (0.0, 1.0) for p in prompts for s in p)
     by_source: dict[str, list[dict[str, float]]] = {}
     for source, values in zip(sources, per_prompt):
         if source is not None:
             by_source.setdefault(source, []).append(values)
     return {
         "n": n,
+        "scores": "0/1" if binary else "graded",
         **_mean_over_prompts(per_prompt),
         "by_source": {source: _mean_over_prompts(rows) for source, rows in sorted(by_source.items())},
     }
@@ -130,9 +133,15 @@ def flat_metrics(name: str, metrics: dict[str, Any]) -> dict[str, float]:
 
 
 def _scalar(key: str, value: Any) -> bool:
-    return key not in ("n", "by_source") and isinstance(value, int | float)
+    return key not in ("n", "by_source") and isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def headline(metrics: dict[str, Any]) -> float:
     """A dataset's headline number: avg@n (greedy accuracy at n = 1)."""
     return float(metrics[f"avg@{metrics['n']}"])
+
+
+def headline_name(metrics: dict[str, Any]) -> str:
+    """What the headline is: ``accuracy`` when every score was 0 or 1, else ``eval_score`` (the mean of a graded
+    reward, e.g. a weighted sum up to 1.5, is no accuracy)."""
+    return "eval_score" if metrics.get("scores") == "graded" else "accuracy"
