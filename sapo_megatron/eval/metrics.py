@@ -98,13 +98,18 @@ def dataset_metrics(
 ) -> dict[str, Any]:
     """The dataset's metrics (means over its prompts) in the ``eval.json`` shape: ``n``, ``num_prompts``, the
     metrics of :func:`prompt_metrics`, and ``by_source`` (the same per source; prompts without one are only in
-    the totals). maj@n is averaged over the prompts whose reward gave answers."""
+    the totals). When the reward gives answers, maj@n is averaged over every prompt, one without any answer
+    scoring 0 (so maj@n <= pass@n for 0/1 scores)."""
     if not prompts:
         raise ValueError("dataset_metrics: no prompts")
     n = len(prompts[0])
     if any(len(p) != n for p in prompts):
         raise ValueError("dataset_metrics: every prompt needs the same number of samples")
     per_prompt = [prompt_metrics(p) for p in prompts]
+    majority = f"maj@{n}"
+    if any(majority in row for row in per_prompt):  # a prompt none of whose samples gave an answer scores 0
+        for row in per_prompt:
+            row.setdefault(majority, 0.0)
     binary = all(s.score in (0.0, 1.0) for p in prompts for s in p)
     by_source: dict[str, list[dict[str, float]]] = {}
     for source, values in zip(sources, per_prompt):

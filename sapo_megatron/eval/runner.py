@@ -146,6 +146,7 @@ def run_suite(
         samples += dataset_samples
         metrics[dataset.name] = _aggregate(dataset, suite.rows[dataset.name], dataset_samples)
         note_missing_majority(dataset, metrics[dataset.name])
+        note_truncation(dataset, metrics[dataset.name])
     return EvalResult(metrics, samples, time.perf_counter() - start)
 
 
@@ -162,6 +163,24 @@ def note_missing_majority(dataset: EvalDataset, metrics: dict[str, Any]) -> str 
     line = (
         f"eval dataset {dataset.name}: no maj@{dataset.n}: the reward {dataset.reward} gave no answer to vote on "
         "(return {'score': s, 'answer': a} from it, or use numeric_match / exact_match / math_verify / dapo_math)"
+    )
+    logger.warning(line)
+    return line
+
+
+TRUNCATED_WARNING_FRAC = 0.5
+"""More than this share of a dataset's responses cut by ``max_new_tokens`` is worth a warning."""
+
+
+def note_truncation(dataset: EvalDataset, metrics: dict[str, Any]) -> str | None:
+    """Warn when most responses hit the token limit (their scores then measure the limit, not the model); the
+    line, or None."""
+    frac = metrics.get("truncated_frac", 0.0)
+    if frac <= TRUNCATED_WARNING_FRAC:
+        return None
+    line = (
+        f"eval dataset {dataset.name}: {frac:.0%} of the responses hit max_new_tokens={dataset.max_new_tokens} and "
+        "were scored as cut; raise the dataset's max_new_tokens (or eval.defaults.max_new_tokens) to measure the model"
     )
     logger.warning(line)
     return line
