@@ -539,6 +539,9 @@ def _dry_run(cfg: RunConfig, args: argparse.Namespace) -> int:
     # every row's schema, the prompt lengths (with the tools the prompts show); prints counts and times
     data = build_run_data(cfg, verbose=True, tools=tool_schemas(cfg.rollout.multi_turn))
     check_labels(cfg.algorithm.reward, data.train_rows, cfg.data.train)
+    from sapo_megatron.loop.learning_signal import dry_run_sft_check
+
+    print(dry_run_sft_check(cfg, data.train_rows))  # the train's check of the warm start's targets
     from sapo_megatron.loop.evaluation import describe_training_suite
 
     print("\n".join(describe_training_suite(cfg, data.tokenizer)))  # the eval datasets, read and checked

@@ -1,6 +1,6 @@
 """Warnings where a run would learn nothing, said once and early, with the likely causes.
 
-- :func:`check_sft_targets` (before the warm start): the reward scores a few SFT targets (as a response, against
+- :func:`check_sft_targets` (before the warm start, and in ``train --dry-run``: :func:`dry_run_sft_check`): the reward scores a few SFT targets (as a response, against
   their own label). When none scores above the lowest score, SFT teaches a format the reward never rewards – a
   verl GSM8K reward wants ``#### 72`` while the default target is the bare label ``72``. It names the row fields
   whose text does score (``data.response_key: extra_info.answer``).
@@ -91,6 +91,28 @@ def check_sft_targets(reward: Any, rows: Sequence[Any], *, response_key: str | N
     )
     logger.warning(message)
     return message
+
+
+def dry_run_sft_check(cfg: Any, rows: Sequence[Any]) -> str:
+    """``train --dry-run``'s line about the SFT targets: :func:`check_sft_targets` under the run's reward (inline,
+    a few targets) before any SFT step is spent on a format the reward never rewards."""
+    if cfg.sft.steps <= 0:
+        return "sft targets: no warm start (sft.steps 0)"
+    from sapo_megatron.data.thinking import reward_after_thinking
+    from sapo_megatron.rewards.runner import build_reward_runner
+
+    algorithm, data = cfg.algorithm, cfg.data
+    with build_reward_runner(
+        algorithm.reward,
+        workers=0,
+        timeout_s=algorithm.reward_timeout_s,
+        kwargs=algorithm.reward_kwargs,
+        after_thinking=reward_after_thinking(
+            algorithm.reward_after_thinking, data.tokenizer, data.chat_template_kwargs
+        ),
+    ) as reward:
+        warning = check_sft_targets(reward, rows, response_key=data.response_key)
+    return f"warning: {warning}" if warning else "sft targets OK: they score under algorithm.reward"
 
 
 class NoSignalWatch:
