@@ -27,3 +27,22 @@ def test_a_reward_file_imports_the_modules_next_to_it(tmp_path, monkeypatch):
         with build_reward_runner(f"{folder / 'score.py'}:score", workers=workers) as runner:
             assert [out.score for out in runner.score(inputs)] == [1.0, 0.0], workers
             assert runner.errors == 0
+
+
+def test_dict_returns_of_a_trl_reward_work_as_documented(tmp_path):
+    """docs/rewards.md said TRL rewards return numbers; dicts with ``score`` work and the docs say so now."""
+    from pathlib import Path
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "rewards.md").read_text()
+    assert "a dict with `score` and other fields, as every reward shape here may return" in docs
+    (tmp_path / "trl_dict.py").write_text(
+        "def fn(prompts, completions, **kwargs):\n"
+        "    return [{'score': float('7' in c), 'answer': c[-1:]} for c in completions]\n"
+    )
+    inputs = [
+        RewardInput(response="it is 7", label="7", group_id=0),
+        RewardInput(response="8", label="7", group_id=0),
+    ]
+    with build_reward_runner(f"{tmp_path / 'trl_dict.py'}:fn", workers=0) as runner:
+        outputs = runner.score(inputs)
+    assert [(o.score, o.fields.get("answer")) for o in outputs] == [(1.0, "7"), (0.0, "8")]
