@@ -571,6 +571,11 @@ class AlgorithmConfig(Section):
         "''); default: on for data.tokenizer qwen3 unless data.chat_template_kwargs.enable_thinking is false",
     )
     dynamic_sampling: bool = Field(default=False, description="DAPO: drop all-equal groups and refill")
+    mask_truncated_completions: bool = Field(
+        default=False,
+        description="responses cut by max_new_tokens count in their group's reward statistics but are not "
+        "trained on (TRL's mask_truncated_completions: loss mask 0)",
+    )
     max_refills: int = Field(default=3, ge=0, description="extra rollout rounds to refill dropped groups")
     over_sampling: float = Field(
         default=1.0,

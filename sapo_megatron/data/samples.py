@@ -94,7 +94,8 @@ class SampleLog:
             "reward": float(batch.rewards[group_index, 0]),
             "source": prompt.domain,
             "finish_reason": sample.finish_reason,
-            "response_tokens": sample.generated_tokens,  # episodes: the policy's tokens, not the observations
+            # episodes: the policy's tokens, not the observations; a masked cut response: all it generated
+            "response_tokens": sample.generated_tokens if sample.episode else len(sample.response_ids),
         }
         episode = getattr(sample, "episode", None)
         if episode is not None:
