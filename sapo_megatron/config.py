@@ -725,6 +725,13 @@ class RunConfig(Section):
                 "rollout.multi_turn renders tool observations with the model's chat template: set "
                 "data.apply_chat_template: true (with an HF tokenizer that has one)"
             )
+        mt, context = self.rollout.multi_turn, self.model.arch.max_position_embeddings
+        if mt is not None and "max_context_tokens" in mt.model_fields_set and mt.max_context_tokens > context:
+            raise ValueError(
+                f"rollout.multi_turn.max_context_tokens={mt.max_context_tokens} is above the model's context "
+                f"(model max_position_embeddings={context}): episodes would fail in the engine; lower it, or "
+                "raise the model's context (with max_position_embeddings: auto it follows max_context_tokens)"
+            )
         batch = self.rollout.n_samples * self.trainer.prompts_per_step
         if batch > MAX_SEQUENCES_PER_STEP:
             raise ValueError(
@@ -818,8 +825,15 @@ TINY = "tiny"
 def fill_auto_sizes(raw: dict[str, Any]) -> dict[str, Any]:
     """``raw`` with ``model.hf_config: tiny`` expanded and the ``"auto"`` sizes of an inline ``model.hf_config``
     taken from the tokenizer and the prompts (:mod:`sapo_megatron.data.sizing`); unchanged without any."""
-    from sapo_megatron.data.sizing import CONTEXT_FIELD, auto_fields, measured_context, token_sizes
+    from sapo_megatron.data.sizing import (
+        CONTEXT_FIELD,
+        auto_fields,
+        context_size,
+        measured_context,
+        token_sizes,
+    )
     from sapo_megatron.data.tokenizer import load_tokenizer
+    from sapo_megatron.data.tool_schemas import prompt_tool_schemas
     from sapo_megatron.eval.config import resolve_datasets
 
     model = raw.get("model") if isinstance(raw.get("model"), dict) else {}
@@ -840,7 +854,14 @@ def fill_auto_sizes(raw: dict[str, Any]) -> dict[str, Any]:
         cfg = RunConfig.model_validate({**raw, "model": {**model, "hf_config": hf}})
         sources = [(cfg.data.train, cfg.data, cfg.data.train_size, cfg.rollout.max_new_tokens)]
         sources += [(d.path, d.keys, d.size, d.max_new_tokens) for d in resolve_datasets(cfg)]
-        hf[CONTEXT_FIELD] = measured_context(sources, tokenizer, digits=cfg.data.digits, seed=cfg.seed)
+        mt = cfg.rollout.multi_turn
+        measured = measured_context(
+            sources, tokenizer, digits=cfg.data.digits, seed=cfg.seed, tools=prompt_tool_schemas(mt)
+        )
+        episode = (
+            mt.max_context_tokens if mt is not None and "max_context_tokens" in mt.model_fields_set else 0
+        )
+        hf[CONTEXT_FIELD] = max(measured, context_size(episode, 0))  # an episode set to grow longer fits
     return {**raw, "model": {**model, "hf_config": hf}}
 
 

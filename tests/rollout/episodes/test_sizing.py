@@ -1,0 +1,60 @@
+"""Multi-turn sizing (issue 38, item 5): the auto-sized context counts the tool schemas the prompts show, an
+explicit ``max_context_tokens`` grows it, and one above a fixed model context is refused before anything runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from sapo_megatron.config import ConfigError, config_from_dict
+from sapo_megatron.data.loading import build_run_data
+from sapo_megatron.data.tool_schemas import prompt_tool_schemas
+from sapo_megatron.defaults import embedded_default_dict
+from tests.data.chat_fixtures import verl_records, write_jsonl
+
+
+def _raw(tmp_path, tokenizer: str = "chat", **multi_turn) -> dict:
+    raw = embedded_default_dict()
+    raw["data"].update(train=str(write_jsonl(tmp_path / "v.jsonl", verl_records(4))), tokenizer=tokenizer)
+    raw["model"]["hf_config"] = "tiny"
+    raw["rollout"].update(max_new_tokens=40, multi_turn={"python_tool": True, **multi_turn})
+    raw["eval"] = {"datasets": []}
+    return raw
+
+
+@pytest.mark.slow  # the real Qwen3 tokenizer, loaded a few times
+def test_the_auto_context_counts_the_tool_schemas(tmp_path):
+    """Fails on 3855bb6: the prompts were measured without the schemas – ``PromptRenderer.encode_many`` (the dry
+    run's "longest prompt", the length policy, auto sizing) dropped ``tools=`` that ``encode`` passed, and auto
+    sizing passed none – so the tool user's dry run said "longest prompt 25 tokens" and sized the context 128,
+    while a template that renders them (Qwen3's) gives the engine several hundred."""
+    cfg = config_from_dict(_raw(tmp_path, "qwen3"))
+    data = build_run_data(cfg, tools=prompt_tool_schemas(cfg.rollout.multi_turn))
+    longest = max(len(data.renderer.encode(row)) for row in data.train_rows)
+    assert [len(ids) for ids in data.renderer.encode_many(data.train_rows)] == [
+        len(data.renderer.encode(row)) for row in data.train_rows
+    ]
+    assert longest > 150  # the python tool's schema in the system turn (the bare prompt: ~25)
+    assert cfg.model.arch.max_position_embeddings == -(-(longest + 40) // 64) * 64
+
+
+def test_max_context_tokens_sizes_an_auto_context_and_is_checked_against_a_fixed_one(tmp_path):
+    """Fails on 3855bb6: ``max_context_tokens: 640`` above the model's context was not flagged; the first
+    evaluation died in the engine."""
+    assert config_from_dict(_raw(tmp_path, max_context_tokens=900)).model.arch.max_position_embeddings == 960
+    raw = _raw(tmp_path, max_context_tokens=900)
+    raw["model"]["hf_config"] = {
+        **embedded_default_dict()["model"]["hf_config"],
+        "max_position_embeddings": 512,
+    }
+    with pytest.raises(ConfigError, match=r"max_context_tokens=900 is above the model's context \(model "):
+        config_from_dict(raw)
+
+
+def test_a_template_that_ignores_tools_is_named(tmp_path, caplog):
+    """Fails on 3855bb6: the shipped ``chat`` template drops ``tools=`` without a word."""
+    import logging
+
+    cfg = config_from_dict(_raw(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="sapo_megatron.data.loading"):
+        build_run_data(cfg, tools=prompt_tool_schemas(cfg.rollout.multi_turn))
+    assert "the chat template of data.tokenizer='chat' ignores tools=" in caplog.text
