@@ -58,3 +58,27 @@ def test_a_template_that_ignores_tools_is_named(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="sapo_megatron.data.loading"):
         build_run_data(cfg, tools=prompt_tool_schemas(cfg.rollout.multi_turn))
     assert "the chat template of data.tokenizer='chat' ignores tools=" in caplog.text
+
+
+def test_a_request_past_the_context_is_one_line_with_the_fix(tmp_path):
+    """Fails on 3855bb6: a plain ``ValueError`` (the first eval died with a raw traceback); now a
+    :class:`~sapo_megatron.errors.UserError` the command line prints as one line and its hint."""
+    from sapo_megatron.errors import UserError
+    from sapo_megatron.rollout.cpu.engine import ContextLengthError, CPUEngine
+    from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
+    from tests.servers import save_demo_model
+
+    engine = CPUEngine.from_pretrained(save_demo_model(tmp_path / "m"), seed=0, num_threads=1)
+    context = engine.max_context
+    request = GenerationRequest(
+        prompt_ids=[1] * (context - 4), n=1, sampling=SamplingParams(max_new_tokens=40), group_id=0
+    )
+    with pytest.raises(ContextLengthError) as error:
+        engine.generate([request])
+    assert isinstance(error.value, UserError) and isinstance(
+        error.value, ValueError
+    )  # the server's 400 still
+    assert str(error.value) == (
+        f"requested {context - 4} prompt + 40 new tokens exceeds the model's maximum context length {context}"
+    )
+    assert "max_position_embeddings" in error.value.hint
