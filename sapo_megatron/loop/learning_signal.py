@@ -115,6 +115,26 @@ def dry_run_sft_check(cfg: Any, rows: Sequence[Any]) -> str:
     return f"warning: {warning}" if warning else "sft targets OK: they score under algorithm.reward"
 
 
+def check_first_tool_call(rows: Sequence[Any], tokenizer: Any, max_new_tokens: int) -> str | None:
+    """Multi-turn warm starts: the longest first turn of the first :data:`TARGETS_SCORED` SFT targets that call
+    a tool (the target up to its first ``</tool_call>``), in tokens; a warning (also logged) when
+    ``rollout.max_new_tokens`` would cut it, so every such turn would end truncated before the tool runs."""
+    end = "</tool_call>"
+    targets = [sft_target(row) for row in rows[:TARGETS_SCORED]]
+    firsts = [t[: t.index(end) + len(end)] for t in targets if "<tool_call>" in t and end in t]
+    if not firsts:
+        return None
+    longest = max(len(tokenizer.encode(text)) for text in firsts)
+    if longest <= max_new_tokens:
+        return None
+    message = (
+        f"the SFT targets' first turn takes up to {longest} tokens to its </tool_call>, and rollout.max_new_tokens="
+        f"{max_new_tokens} cuts every such turn before the tool runs: raise rollout.max_new_tokens (a turn's budget)"
+    )
+    logger.warning(message)
+    return message
+
+
 class NoSignalWatch:
     """Counts RL steps in a row whose groups all had equal rewards; warns once after :data:`PATIENCE`."""
 

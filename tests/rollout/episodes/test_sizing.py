@@ -82,3 +82,30 @@ def test_a_request_past_the_context_is_one_line_with_the_fix(tmp_path):
         f"requested {context - 4} prompt + 40 new tokens exceeds the model's maximum context length {context}"
     )
     assert "max_position_embeddings" in error.value.hint
+
+
+def test_the_dry_run_says_when_max_new_tokens_cuts_the_first_tool_call(tmp_path, capsys):
+    """Fails on 3855bb6: a 68-token tool call with ``max_new_tokens: 40`` was cut every time, and the warning
+    came only after 3 RL steps."""
+    import json
+
+    from sapo_megatron.cli import main
+
+    call = '<tool_call>\n{"name": "python", "arguments": {"code": "print(sum(range(1, 101)) * 37 + 12345 - 678)"}}\n</tool_call>'
+    rows = [
+        {"prompt": [{"role": "user", "content": f"Q{i}?"}], "ground_truth": "1", "response": call}
+        for i in range(4)
+    ]
+    raw = _raw(tmp_path)
+    raw["data"].update(train=str(write_jsonl(tmp_path / "t.jsonl", rows)), response_key="response")
+    raw["rollout"]["max_new_tokens"] = 40
+    (tmp_path / "run.yaml").write_text(json.dumps(raw))
+    assert main(["train", str(tmp_path / "run.yaml"), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "warning: the SFT targets' first turn takes up to " in out and "rollout.max_new_tokens=40 cuts" in out
+    )
+    raw["rollout"]["max_new_tokens"] = 400
+    (tmp_path / "run.yaml").write_text(json.dumps(raw))
+    assert main(["train", str(tmp_path / "run.yaml"), "--dry-run"]) == 0
+    assert "tool calls OK" in capsys.readouterr().out
