@@ -175,3 +175,23 @@ def test_samples_file_on_a_run_shorter_than_the_interval(tmp_path):
     assert row["response"].startswith("ok<|im_end|>\n<|im_start|>user\n<tool_response>")
     n, m = len(turn), len(observation)
     assert row["loss_mask_spans"] == [[0, n], [n + m, 2 * n + m]]
+
+
+@pytest.mark.parametrize("base", ["chat", "qwen3"])
+def test_a_vl_tokenizer_for_ones_own_data_in_one_command(tmp_path, capsys, base):
+    """Fails on 3855bb6 (no such option): the VL user ran the demo generator and copied ids by hand. One command
+    writes the tokenizer with the image tokens and the processor config, and prints the ids the model needs."""
+    from sapo_megatron.data.vision import PROCESSOR_FILE
+    from sapo_megatron.data.vl_demo import main
+
+    main([str(tmp_path), "--tokenizer-only", "--base", base])
+    out = capsys.readouterr().out
+    tok = load_tokenizer(str(tmp_path / "tokenizer"))
+    pad = tok.hf.convert_tokens_to_ids("<|image_pad|>")
+    assert (tmp_path / "tokenizer" / PROCESSOR_FILE).is_file() and not (tmp_path / "train.jsonl").exists()
+    assert f"  image_token_id: {pad}\n" in out
+    expected = {
+        "chat": (513, "text_config: {vocab_size: 516}"),
+        "qwen3": (151655, "text_config: {vocab_size: 151936}"),
+    }
+    assert (pad, expected[base][1] in out) == (expected[base][0], True)

@@ -69,16 +69,18 @@ def post(url: str, path: str, body: dict) -> dict:
 
 @pytest.mark.parametrize("kwargs", [{}, {"enable_thinking": False}], ids=["thinking", "no-thinking"])
 def test_the_server_renders_and_tokenizes_prompts_as_we_do(qwen3_url, kwargs):
+    """The server's template (the model folder's Qwen3 template) and tokenizer give our ids; with tools, the
+    server serialises its own ``Tool`` objects (extra keys), so there our rendered text is tokenized by both."""
     hf = qwen3_hf()
-    ours = hf.apply_chat_template(
+    ours = hf.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True, **kwargs)
+    served = post(qwen3_url, "/tokenize", {"messages": MESSAGES, "chat_template_kwargs": kwargs})
+    assert served["tokens"] == hf(ours, add_special_tokens=False)["input_ids"]
+    with_tools = hf.apply_chat_template(
         MESSAGES, tools=[PYTHON_SCHEMA], tokenize=False, add_generation_prompt=True, **kwargs
     )
-    served = post(
-        qwen3_url,
-        "/tokenize",
-        {"messages": MESSAGES, "tools": [PYTHON_SCHEMA], "chat_template_kwargs": kwargs},
-    )
-    assert served["tokens"] == hf(ours, add_special_tokens=False)["input_ids"]
+    served = post(qwen3_url, "/tokenize", {"prompt": with_tools, "add_special_tokens": False})
+    ids = hf(with_tools, add_special_tokens=False)["input_ids"]
+    assert served["tokens"] == ids and ids.count(151657) == 2  # <tool_call> twice in the tool instructions
 
 
 TEXTS = [
