@@ -31,9 +31,12 @@ demo-vl: $(STAMP)
 	$(BIN)/python -m sapo_megatron.data.vl_demo runs/demo_vl_data --train 2000 --heldout 200 --tasks name_colour
 	$(BIN)/sapo-megatron train configs/demo_tiny_vl_moe_cpu.yaml --output-dir runs/demo_vl --resume auto
 
+# ruff (style, imports, bug patterns), then mypy on sapo_megatron/ (settings: pyproject.toml [tool.mypy];
+# docs/architecture.md, "Type checking"). make test runs lint first, and .ci/run runs make test.
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 # make test: everything, on TEST_JOBS pytest-xdist workers (0: in this process); make test-fast: the inner loop,
 # without the tests marked slow (processes, end-to-end runs; tests/conftest.py says how to mark one).

@@ -121,7 +121,8 @@ class _PolicyLossBase(BaseModel):
             )
         if ref_logp_bt is None:
             return torch.zeros((), device=logp_bt.device)
-        ref_bt = _optional_valid("ref_logp_bt", ref_logp_bt, mask_bt).detach()
+        _check_shape("ref_logp_bt", ref_logp_bt, mask_bt)
+        ref_bt = _valid(ref_logp_bt, mask_bt).detach()
         log_ref_ratio_bt = (ref_bt - logp_bt).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         k3_bt = log_ref_ratio_bt.exp() - log_ref_ratio_bt - 1.0  # Schulman's k3: unbiased, always >= 0
         metrics["kl/k3_ref"] = masked_mean(k3_bt.detach(), mask_bt)
@@ -261,7 +262,9 @@ def policy_loss(
     unknown = sorted(set(settings) - set(accepted))
     if unknown:
         raise ValueError(f"unknown setting(s) {unknown} for policy loss {name!r}; accepted: {accepted}")
-    loss_fn = POLICY_LOSSES[name](name=name, **{k: v for k, v in settings.items() if k in fields})
+    loss_fn = POLICY_LOSSES[name].model_validate(
+        {"name": name, **{k: v for k, v in settings.items() if k in fields}}
+    )
     kwargs = {k: v for k, v in settings.items() if k in COMPUTE_KWARGS}
     if isinstance(kwargs.get("correction"), Mapping):
         kwargs["correction"] = TypeAdapter(MismatchCorrectionConfig).validate_python(kwargs["correction"])

@@ -60,11 +60,12 @@ def evaluate(session: Any, state: Any, when: When) -> dict[str, float]:
         state.eval_before = state.eval_last
         state.accuracy_before = result.headline
     session.tracker.message(f"eval at RL step {state.step}: {_line(metrics)}")
-    if when != "step" or not metrics:
+    accuracy = result.headline  # None only without datasets, which returned above
+    if when != "step" or not metrics or accuracy is None:
         return {}
     from sapo_megatron.eval.metrics import headline_name
 
-    return {headline_name(next(iter(metrics.values()))): result.headline}
+    return {headline_name(next(iter(metrics.values()))): accuracy}
 
 
 def _due(cfg: Any, state: Any, when: When) -> bool:

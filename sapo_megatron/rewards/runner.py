@@ -25,7 +25,14 @@ from sapo_megatron.rewards.types import RewardError, RewardInput, RewardOutput
 
 logger = logging.getLogger(__name__)
 
-RewardSpec = str | Mapping[str, Any] | list[Any]
+
+class RewardServerSection(Protocol):
+    """A reward server's config section (``algorithm.reward: {url: ...}``, a pydantic model)."""
+
+    def model_dump(self) -> dict[str, Any]: ...
+
+
+RewardSpec = str | Mapping[str, Any] | RewardServerSection | list[Any]
 """A registered name, an import path (``file.py:fn`` / ``pkg.mod:fn``), ``{url: ..., api_key_env: ...}``, or a list
 of those (each a spec or ``{reward: SPEC, weight: W, name: N, kwargs: {...}}``): the weighted sum of their scores
 (TRL's ``reward_funcs`` with ``reward_weights``), see :class:`RewardMix`."""
@@ -69,9 +76,8 @@ class _Inline:
         pass
 
 
-def _remote_settings(spec: Any) -> RemoteSettings | None:
-    if isinstance(spec, str):
-        return None
+def _remote_settings(spec: Any) -> RemoteSettings:
+    """A reward server's settings from a non-string spec (a mapping or a config section)."""
     values = spec.model_dump() if hasattr(spec, "model_dump") else dict(spec)
     return RemoteSettings(**values)
 
@@ -94,11 +100,11 @@ def check_reward_spec(
         for index, (entry, _, _, entry_kwargs) in enumerate(mix_entries(spec)):
             check_reward_spec(entry, field=f"{field}[{index}]", kwargs=entry_kwargs)
         return
-    try:
-        remote = _remote_settings(spec)
-    except TypeError as exc:
-        raise ConfigError(f"{field}: a reward server is {{url: ..., api_key_env: ...}}: {exc}") from None
-    if remote is not None:
+    if not isinstance(spec, str):
+        try:
+            remote = _remote_settings(spec)
+        except TypeError as exc:
+            raise ConfigError(f"{field}: a reward server is {{url: ..., api_key_env: ...}}: {exc}") from None
         if not remote.url.startswith(("http://", "https://")):
             raise ConfigError(f"{field}.url={remote.url!r} must start with http:// or https://")
         return
@@ -140,17 +146,16 @@ def build_reward_runner(
     if isinstance(spec, list):
         parts = [
             (
-                entry_name,
+                part,
                 weight,
                 build_reward_runner(entry, workers=workers, timeout_s=timeout_s, kwargs=entry_kwargs),
             )
-            for entry, weight, entry_name, entry_kwargs in mix_entries(spec)
+            for entry, weight, part, entry_kwargs in mix_entries(spec)
         ]
-        return RewardMix(
-            parts, name or " + ".join(f"{w:g}×{n}" for n, w, _ in parts), after_thinking=after_thinking
-        )
-    remote = _remote_settings(spec)
-    if remote is not None:
+        title = name or " + ".join(f"{w:g}×{n}" for n, w, _ in parts)
+        return RewardMix(parts, title, after_thinking=after_thinking)
+    if not isinstance(spec, str):
+        remote = _remote_settings(spec)
         return RewardRunner(
             RemoteReward(remote), name or remote.url, group=False, after_thinking=after_thinking
         )

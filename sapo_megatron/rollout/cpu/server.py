@@ -280,7 +280,7 @@ class CPUServer:
     @property
     def url(self) -> str:
         host, port = self._httpd.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{host!s}:{port}"
 
     def start(self) -> CPUServer:
         self._serving = True

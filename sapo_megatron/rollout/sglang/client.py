@@ -24,6 +24,7 @@ The router cannot be told to skip a stale worker, so from then on generation byp
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
 import random
@@ -460,7 +461,7 @@ class SGLangClient(RolloutEngine):
                 return exc
 
         if interruptible:
-            return self._wait_all([lambda s=server: guarded(s) for server in servers])
+            return self._wait_all([functools.partial(guarded, server) for server in servers])
         return list(self._pool.map(guarded, servers))
 
     def _wait_all(self, calls: list[Callable[[], T]]) -> list[T]:
@@ -887,7 +888,7 @@ class SGLangClient(RolloutEngine):
             self._acknowledged = urls if self._acknowledged is None else self._acknowledged & urls
 
     def _all_or_raise(self, arg_tuples: list[tuple], fn: Callable[..., None]) -> None:
-        outcomes = self._wait_all([lambda a=args: _capture(fn, *a) for args in arg_tuples])
+        outcomes = self._wait_all([functools.partial(_capture, fn, *args) for args in arg_tuples])
         for args, outcome in zip(arg_tuples, outcomes):
             if isinstance(outcome, _Transient):
                 raise RolloutError(
