@@ -17,6 +17,7 @@ import random
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from sapo_megatron.data.chat_tokenizer import CHAT_TOKENIZER_DIR
 from sapo_megatron.data.logic_puzzles import SOURCE as LOGIC_SOURCE
@@ -74,11 +75,11 @@ def vl_model_ids(directory: str | Path) -> dict[str, int]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(directory))
-    start, pad, end = tok.convert_tokens_to_ids(list(VISION_TOKENS))
-    video = tok.convert_tokens_to_ids("<|video_pad|>")
+    start, pad, end = (_token_id(tok, token) for token in VISION_TOKENS)
+    found = tok.convert_tokens_to_ids("<|video_pad|>")
     size = len(tok)
-    if video is None or video == tok.unk_token_id or video >= size:
-        video, size = size, size + 1
+    video = found if isinstance(found, int) and found != tok.unk_token_id and found < size else size
+    size = max(size, video + 1)
     from sapo_megatron.data.qwen3_tokenizer import PADDED_VOCAB_SIZE
 
     vocab = PADDED_VOCAB_SIZE if size <= PADDED_VOCAB_SIZE and size > 150_000 else size
@@ -89,6 +90,13 @@ def vl_model_ids(directory: str | Path) -> dict[str, int]:
         "video_token_id": video,
         "vocab_size": vocab,
     }
+
+
+def _token_id(tok: Any, token: str) -> int:
+    found = tok.convert_tokens_to_ids(token)
+    if not isinstance(found, int):
+        raise DatasetError(f"the tokenizer has no {token} token")
+    return found
 
 
 def write_demo_data(

@@ -89,7 +89,7 @@ def prompt_metrics(samples: Sequence[ScoredSample]) -> dict[str, float]:
         out["tool_calls_mean"] = float(np.mean([s.tool_calls for s in samples]))
     if all(s.thinking_tokens is not None for s in samples):
         total = sum(s.response_tokens for s in samples)
-        out["thinking_share"] = sum(s.thinking_tokens for s in samples) / total if total else 0.0
+        out["thinking_share"] = sum(s.thinking_tokens or 0 for s in samples) / total if total else 0.0
     return out
 
 

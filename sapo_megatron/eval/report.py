@@ -127,7 +127,7 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 def _headline_word(summary: dict[str, Any]) -> str:
     """``accuracy`` for 0/1 scores; ``mean score (not 0/1)`` for a graded reward."""
     datasets = (summary.get("eval") or {}).get("datasets") or {}
-    first = next(iter(datasets.values()), {})
+    first: Any = next(iter(datasets.values()), {})
     return (
         "mean score (not 0/1)" if isinstance(first, dict) and first.get("scores") == "graded" else "accuracy"
     )

@@ -228,7 +228,13 @@ def _think_ids(tokenizer) -> tuple[int, int] | None:
 
 
 def _sample_row(
-    tokenizer, prompts: EvalPrompts, row: PromptRow, index: int, sample, scored, think=None
+    tokenizer,
+    prompts: EvalPrompts,
+    row: PromptRow,
+    index: int,
+    sample,
+    scored,
+    think: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """``think``: ``<think>`` / ``</think>`` ids when the reward scores after thinking (the row then counts the
     response's ``thinking_tokens``)."""
