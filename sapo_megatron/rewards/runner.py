@@ -302,7 +302,7 @@ def mix_entries(spec: list[Any]) -> list[tuple[Any, float, str, dict[str, Any]]]
 class RewardMix(RewardRunner):
     """Several rewards scored on the same batch, each in its own runner (inline, pool or server), combined as
     ``sum_i weight_i * score_i`` (TRL's ``(rewards_per_func * reward_weights).nansum(dim=1)``; an entry that
-    errs or is not applicable adds 0, its error still counted). Each sample's fields get every function's score
+    errs adds 0, its error still counted). Each sample's fields get every function's score
     under its name; :meth:`take_step_metrics` adds ``reward/<name>/mean`` per function (TRL's
     ``rewards/<name>/mean``)."""
 
