@@ -76,6 +76,12 @@ vl-evidence: $(STAMP)
 	$(BIN)/sapo-megatron compare --arms $(VL_EVIDENCE)/sapo.yaml,$(VL_EVIDENCE)/gspo.yaml,$(VL_EVIDENCE)/grpo_r2.yaml \
 	    --seeds 3 --steps 40 --output-dir runs/vl_evidence
 
+# docs/gpu.md: the wheels tools/gpu_check.py needs beyond what the offline GPU machine has, into .gpu_kit (git-ignored,
+# about 5 MiB; carried to that machine, where `OUT=dir bash tools/gpu_kit/run.sh` installs it and runs the check)
+.PHONY: gpu-kit
+gpu-kit:
+	tools/gpu_kit.sh
+
 bench: $(STAMP)
 	for script in bench/bench_*.py; do $(BIN)/python $$script || exit 1; done
 
