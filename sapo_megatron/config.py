@@ -1315,19 +1315,23 @@ def _drop_keys_of_other_variant(
     section: dict[str, Any], section_loc: tuple[str, ...], name: str, keep: set[str] | frozenset = frozenset()
 ) -> None:
     """Switching a variant by ``--set`` drops the old one's keys the new one does not take (``keep``: keys given
-    in the same ``--set``, left for validation) – with a warning naming them, never silently."""
+    in the same ``--set``, left for validation) – with a warning naming those set to other than the old variant's
+    defaults (a setting the switch loses), never silently; defaults (compare's arms switch from them) go quietly."""
     variants = _section_at(section_loc)
     if not isinstance(variants, dict) or name not in variants or section.get("name") == name:
         return  # not a section with variants, an unknown name, or no switch: validation reports any other key
     accepted = variants[name].model_fields
     dropped = [k for k in section if k not in accepted and k not in keep]
-    if dropped:
+    old = variants.get(str(section.get("name")))
+    defaults = {k: f.default for k, f in old.model_fields.items()} if old is not None else {}
+    lost = [k for k in dropped if k not in defaults or section[k] != defaults[k]]
+    if lost:
         where = ".".join(section_loc)
         _logger.warning(
             "--set %s.name=%s drops %s: settings of %s that %s does not take (YAML with them would be an error)",
             where,
             name,
-            ", ".join(f"{key}={section[key]!r}" for key in dropped),
+            ", ".join(f"{key}={section[key]!r}" for key in lost),
             section.get("name", "the default"),
             name,
         )
