@@ -12,6 +12,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sapo_megatron.algo.aggregation import masked_mean
+from sapo_megatron.algo.metric import MetricSet, Reduce, metric_set
 
 LOG_RATIO_CLAMP = 20.0  # exp(20) ≈ 4.9e8: finite in fp32, far beyond any meaningful ratio
 
@@ -81,17 +82,18 @@ def correction_weights(
 
 def mismatch_metrics(
     old_logp_bt: torch.Tensor, rollout_logp_bt: torch.Tensor, mask_bt: torch.Tensor
-) -> dict[str, torch.Tensor]:
+) -> MetricSet:
     """Masked means over valid tokens of ``[batch, seq]`` inputs: k3 KL estimate, mean |δ|, and the fraction of
     tokens whose ratio ``exp(δ)`` is above 2 or below 0.5."""
     delta_bt = _delta(old_logp_bt, rollout_logp_bt).detach()
     ratio_bt = delta_bt.exp()
-    return {
+    means = {
         "mismatch/k3": masked_mean(ratio_bt - delta_bt - 1.0, mask_bt),
         "mismatch/abs_delta_mean": masked_mean(delta_bt.abs(), mask_bt),
         "mismatch/frac_ratio_gt_2": masked_mean((ratio_bt > 2.0).float(), mask_bt),
         "mismatch/frac_ratio_lt_0.5": masked_mean((ratio_bt < 0.5).float(), mask_bt),
     }
+    return metric_set(means, Reduce.TOKEN_MEAN)
 
 
 def _delta(old_logp_bt: torch.Tensor, rollout_logp_bt: torch.Tensor) -> torch.Tensor:
