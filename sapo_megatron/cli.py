@@ -554,6 +554,18 @@ def _dry_run(cfg: RunConfig, args: argparse.Namespace) -> int:
     # every row's schema, the prompt lengths (with the tools the prompts show); prints counts and times
     data = build_run_data(cfg, verbose=True, tools=tool_schemas(cfg.rollout.multi_turn))
     check_labels(cfg.algorithm.reward, data.train_rows, cfg.data.train)
+    from sapo_megatron.loop.learning_signal import dry_run_sft_check
+
+    print(dry_run_sft_check(cfg, data.train_rows))  # the train's check of the warm start's targets
+    if cfg.rollout.multi_turn is not None:
+        from sapo_megatron.loop.learning_signal import check_first_tool_call
+
+        cut = check_first_tool_call(data.train_rows, data.tokenizer, cfg.rollout.max_new_tokens)
+        print(
+            f"warning: {cut}"
+            if cut
+            else "tool calls OK: the SFT targets' first tool call fits max_new_tokens"
+        )
     from sapo_megatron.loop.evaluation import describe_training_suite
 
     print("\n".join(describe_training_suite(cfg, data.tokenizer)))  # the eval datasets, read and checked

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sapo_megatron.data.tool_schemas import PYTHON_SCHEMA  # the prompts show it too (sizing)
 from sapo_megatron.errors import UserError
 from sapo_megatron.rewards.loading import RewardSpecError, load_function
 from sapo_megatron.rewards.sandbox import SandboxLimits, run_python
@@ -67,20 +68,6 @@ class ToolOutcome:
 
     text: str
     error: bool = False
-
-
-PYTHON_SCHEMA = {
-    "type": "function",
-    "function": {
-        "name": "python",
-        "description": "Run Python code in a sandbox and return what it prints (stdout, then stderr).",
-        "parameters": {
-            "type": "object",
-            "properties": {"code": {"type": "string", "description": "the Python program to run"}},
-            "required": ["code"],
-        },
-    },
-}
 
 
 def python_tool(limits: SandboxLimits, executor: ThreadPoolExecutor) -> Tool:
