@@ -17,7 +17,9 @@ def test_every_case_is_a_test_or_named_as_elsewhere():
     _, untested_3 = hostile.derived_table(3)
     assert set(untested) | set(untested_3) == set(hostile.NOT_HERE)
     listed = {(area, name) for round_ in (2, 3) for area, name, _ in hostile.listed_cases(round_)}
-    assert set(hostile.EXPECTED) <= listed, "a case() name that is not in hostile_cases.tsv / hostile_cases_3.tsv"
+    assert set(hostile.EXPECTED) <= listed, (
+        "a case() name that is not in hostile_cases.tsv / hostile_cases_3.tsv"
+    )
 
 
 def test_no_case_is_expected_to_be_bad():
@@ -38,7 +40,9 @@ def test_the_page_shows_the_derived_table():
 def test_the_page_shows_round_3_before_and_now():
     table, _ = hostile.derived_table(3)
     text = DOC.read_text()
-    assert hostile.markdown(hostile.before_table(3)) in text, "regenerate it: python -m tests.security.hostile"
+    assert hostile.markdown(hostile.before_table(3)) in text, (
+        "regenerate it: python -m tests.security.hostile"
+    )
     assert hostile.markdown(table) in text, "regenerate it: python -m tests.security.hostile"
 
 
