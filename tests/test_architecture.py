@@ -246,6 +246,7 @@ CONFIG_MODULES = [
 ]
 
 
+@pytest.mark.slow  # a fresh interpreter each (torch and pydantic load): ~3 s, more on a loaded machine
 @pytest.mark.parametrize("module", CONFIG_MODULES)
 def test_a_config_module_imports_first_in_a_fresh_interpreter(module):
     """The sections live beside their features and ``config/`` imports them all: whichever is imported first, no

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from sapo_megatron.algo.advantages import AdvantageConfig
 from sapo_megatron.algo.losses import PolicyLossConfig, SapoLoss
@@ -26,16 +26,29 @@ class RemoteRewardConfig(Section):
     batch_size: int = Field(default=256, ge=1, description="samples per request")
 
 
+class WeightedReward(Section):
+    """One entry of a list of rewards: ``algorithm.reward: [{reward: SPEC, weight: W}, ...]`` scores the weighted
+    sum (TRL's ``reward_funcs`` + ``reward_weights``)."""
+
+    reward: str | RemoteRewardConfig = Field(description="a registered name, an import path or {url: ...}")
+    weight: float = Field(default=1.0, description="its weight in the sum")
+    name: str | None = Field(
+        default=None, description="its metric name (reward/<name>/mean); default: the function's name"
+    )
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="extra keyword arguments for it")
+
+
 class AlgorithmConfig(Section):
     """The RL objective: policy loss (with its own settings), mismatch correction, advantages, sampling rules."""
 
     loss: PolicyLossConfig = Field(default_factory=SapoLoss)
     correction: MismatchCorrectionConfig = Field(default_factory=NoCorrection)
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
-    reward: str | RemoteRewardConfig = Field(
+    reward: str | RemoteRewardConfig | list[str | WeightedReward] = Field(
         default="numeric_match",
-        description="a registered reward name, an import path 'file.py:fn' / 'pkg.mod:fn', or {url: ...} for a "
-        "reward server (see docs/rewards.md)",
+        description="a registered reward name, an import path 'file.py:fn' / 'pkg.mod:fn', {url: ...} for a "
+        "reward server, or a list of them ({reward: ..., weight: ...} each: the weighted sum, with per-function "
+        "metrics; see docs/rewards.md)",
     )
     reward_workers: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
         default="auto",
@@ -48,7 +61,17 @@ class AlgorithmConfig(Section):
     reward_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="extra keyword arguments for the reward, e.g. {mode: fraction}"
     )
+    reward_after_thinking: bool | None = Field(
+        default=None,
+        description="the reward sees only the text after a response's </think> (a response cut while thinking: "
+        "''); default: on for data.tokenizer qwen3 unless data.chat_template_kwargs.enable_thinking is false",
+    )
     dynamic_sampling: bool = Field(default=False, description="DAPO: drop all-equal groups and refill")
+    mask_truncated_completions: bool = Field(
+        default=False,
+        description="responses cut by max_new_tokens count in their group's reward statistics but are not "
+        "trained on (TRL's mask_truncated_completions: loss mask 0)",
+    )
     max_refills: int = Field(default=3, ge=0, description="extra rollout rounds to refill dropped groups")
     over_sampling: float = Field(
         default=1.0,
@@ -83,3 +106,14 @@ class AlgorithmConfig(Section):
         description="the student log-prob of A_opd = teacher_logp - student_logp: the trainer's old-policy "
         "log-prob (the default) or the rollout engine's",
     )
+
+    @model_validator(mode="after")
+    def _check_reward_list(self) -> AlgorithmConfig:
+        if isinstance(self.reward, list) and not self.reward:
+            raise ValueError("algorithm.reward is an empty list: give one reward or a list of them")
+        if isinstance(self.reward, list) and self.reward_kwargs:
+            raise ValueError(
+                "algorithm.reward_kwargs with a list of rewards: give each entry its own, "
+                "[{reward: ..., weight: ..., kwargs: {...}}]"
+            )
+        return self

@@ -17,7 +17,7 @@ Each section lives beside the feature that reads it (``rollout/config.py``, ``mo
 Every name below stays importable from ``sapo_megatron.config``.
 """
 
-from sapo_megatron.algo.config import AlgorithmConfig, RemoteRewardConfig
+from sapo_megatron.algo.config import AlgorithmConfig, RemoteRewardConfig, WeightedReward
 from sapo_megatron.config.deprecated import DeprecatedConfigKey
 from sapo_megatron.config.layout import data_parallel_size, sequence_length_multiple, validate_layout
 from sapo_megatron.config.load import (
@@ -89,6 +89,7 @@ __all__ = [
     "Section",
     "SplitColocation",
     "TrainerConfig",
+    "WeightedReward",
     "apply_overrides",
     "config_from_dict",
     "data_parallel_size",

@@ -82,8 +82,15 @@ TINY = "tiny"
 def fill_auto_sizes(raw: dict[str, Any]) -> dict[str, Any]:
     """``raw`` with ``model.hf_config: tiny`` expanded and the ``"auto"`` sizes of an inline ``model.hf_config``
     taken from the tokenizer and the prompts (:mod:`sapo_megatron.data.sizing`); unchanged without any."""
-    from sapo_megatron.data.sizing import CONTEXT_FIELD, auto_fields, measured_context, token_sizes
+    from sapo_megatron.data.sizing import (
+        CONTEXT_FIELD,
+        auto_fields,
+        context_size,
+        measured_context,
+        token_sizes,
+    )
     from sapo_megatron.data.tokenizer import load_tokenizer
+    from sapo_megatron.data.tool_schemas import prompt_tool_schemas
     from sapo_megatron.eval.config import resolve_datasets
 
     model: dict[str, Any] = raw["model"] if isinstance(raw.get("model"), dict) else {}
@@ -106,7 +113,14 @@ def fill_auto_sizes(raw: dict[str, Any]) -> dict[str, Any]:
             (cfg.data.train, cfg.data, cfg.data.train_size, cfg.rollout.max_new_tokens)
         ]
         sources += [(d.path, d.keys, d.size, d.max_new_tokens) for d in resolve_datasets(cfg)]
-        hf[CONTEXT_FIELD] = measured_context(sources, tokenizer, digits=cfg.data.digits, seed=cfg.seed)
+        mt = cfg.rollout.multi_turn
+        measured = measured_context(
+            sources, tokenizer, digits=cfg.data.digits, seed=cfg.seed, tools=prompt_tool_schemas(mt)
+        )
+        episode = (
+            mt.max_context_tokens if mt is not None and "max_context_tokens" in mt.model_fields_set else 0
+        )
+        hf[CONTEXT_FIELD] = max(measured, context_size(episode, 0))  # an episode set to grow longer fits
     return {**raw, "model": {**model, "hf_config": hf}}
 
 

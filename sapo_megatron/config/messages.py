@@ -5,9 +5,12 @@ closest accepted one, a section with variants with its names and their keys), an
 from __future__ import annotations
 
 import difflib
+import logging
 from typing import Any, get_args
 
 from pydantic import BaseModel, ValidationError
+
+_logger = logging.getLogger(__name__)
 
 Sections = type[BaseModel] | dict[str, type[BaseModel]] | None
 """What sits at a location: a section's model, ``{name: model}`` for a section with variants, or None."""
@@ -82,14 +85,34 @@ def _section_type(annotation: Any) -> Sections:
 
 
 def drop_keys_of_other_variant(
-    section: dict[str, Any], section_loc: tuple[str, ...], name: str, root: type[BaseModel]
+    section: dict[str, Any],
+    section_loc: tuple[str, ...],
+    name: str,
+    root: type[BaseModel],
+    keep: set[str] | frozenset[str] = frozenset(),
 ) -> None:
-    """Switching a section with variants to ``name``: drop the keys the new variant does not accept."""
+    """Switching a variant by ``--set`` drops the old one's keys the new one does not take (``keep``: keys given
+    in the same ``--set``, left for validation) – with a warning naming those set to other than the old variant's
+    defaults (a setting the switch loses), never silently; defaults (compare's arms switch from them) go quietly."""
     variants = section_at(section_loc, root)
-    if not isinstance(variants, dict) or name not in variants:
-        return  # not a section with variants, or an unknown name (validation reports it)
+    if not isinstance(variants, dict) or name not in variants or section.get("name") == name:
+        return  # not a section with variants, an unknown name, or no switch: validation reports any other key
     accepted = variants[name].model_fields
-    for key in [k for k in section if k not in accepted]:
+    dropped = [k for k in section if k not in accepted and k not in keep]
+    old = variants.get(str(section.get("name")))
+    defaults = {k: f.default for k, f in old.model_fields.items()} if old is not None else {}
+    lost = [k for k in dropped if k not in defaults or section[k] != defaults[k]]
+    if lost:
+        where = ".".join(section_loc)
+        _logger.warning(
+            "--set %s.name=%s drops %s: settings of %s that %s does not take (YAML with them would be an error)",
+            where,
+            name,
+            ", ".join(f"{key}={section[key]!r}" for key in lost),
+            section.get("name", "the default"),
+            name,
+        )
+    for key in dropped:
         del section[key]
 
 

@@ -80,6 +80,13 @@ class RunConfig(Section):
                 "rollout.multi_turn renders tool observations with the model's chat template: set "
                 "data.apply_chat_template: true (with an HF tokenizer that has one)"
             )
+        mt, context = self.rollout.multi_turn, self.model.arch.max_position_embeddings
+        if mt is not None and "max_context_tokens" in mt.model_fields_set and mt.max_context_tokens > context:
+            raise ValueError(
+                f"rollout.multi_turn.max_context_tokens={mt.max_context_tokens} is above the model's context "
+                f"(model max_position_embeddings={context}): episodes would fail in the engine; lower it, or "
+                "raise the model's context (with max_position_embeddings: auto it follows max_context_tokens)"
+            )
         batch = self.rollout.n_samples * self.trainer.prompts_per_step
         if batch > MAX_SEQUENCES_PER_STEP:
             raise ValueError(

@@ -183,13 +183,14 @@ def _merge_section(
     section: dict[str, Any], value: dict[str, Any], loc: tuple[str, ...], root: type[BaseModel]
 ) -> None:
     """``--set 'trainer={steps: 1}'`` sets those keys of the section and keeps its others (replacing the whole
-    section would silently reset every other key to its default, ``save_every`` among them)."""
+    section would silently reset every other key to its default, ``save_every`` among them). A ``name`` in it
+    switches the variant first, and the keys given with it are validated as in YAML, in any order."""
+    if isinstance(value.get("name"), str):
+        drop_keys_of_other_variant(section, loc, value["name"], root, keep=set(value))
     for key, item in value.items():
         if isinstance(item, dict) and isinstance(section.get(key), dict):
             _merge_section(section[key], item, (*loc, str(key)), root)
             continue
-        if key == "name" and isinstance(item, str):
-            drop_keys_of_other_variant(section, loc, item, root)
         section[key] = item
 
 

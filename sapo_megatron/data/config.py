@@ -18,7 +18,8 @@ class DataConfig(DatasetKeys):
     tokenizer: str = Field(
         default="char",
         description="'char' (the demo's characters), 'chat' (the shipped byte-level BPE with a Qwen-style chat "
-        "template; apply_chat_template defaults to true with it) or an HF tokenizer directory",
+        "template), 'qwen3' (the real Qwen3 tokenizer and template, `make qwen3-tokenizer`; apply_chat_template "
+        "defaults to true with both) or an HF tokenizer directory",
     )
     digits: int = Field(default=2, ge=1, description="operand digits of the synthetic task")
     train_size: int = Field(default=4000, ge=1, description="synthetic training prompts")
@@ -26,8 +27,9 @@ class DataConfig(DatasetKeys):
     @model_validator(mode="before")
     @classmethod
     def _chat_tokenizer_renders_chat(cls, data: Any) -> Any:
-        """``tokenizer: chat`` exists to read message datasets: its template is on unless set off."""
-        if isinstance(data, dict) and data.get("tokenizer") == "chat" and "apply_chat_template" not in data:
+        """``tokenizer: chat`` / ``qwen3`` exist to read message datasets: the template is on unless set off."""
+        chat = isinstance(data, dict) and data.get("tokenizer") in ("chat", "qwen3")
+        if chat and "apply_chat_template" not in data:
             return {**data, "apply_chat_template": True}
         return data
 
