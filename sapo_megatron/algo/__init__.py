@@ -11,16 +11,15 @@ from sapo_megatron.algo.advantages import (
     overlong_penalty,
 )
 from sapo_megatron.algo.aggregation import AGG_MODES, AggMode, aggregate, masked_mean, token_weights
-from sapo_megatron.algo.losses import (
+from sapo_megatron.algo.loss_registry import (
     POLICY_LOSSES,
-    GrpoLoss,
-    GspoLoss,
     PolicyLoss,
     PolicyLossConfig,
-    SapoLoss,
     build_policy_loss,
     policy_loss,
 )
+from sapo_megatron.algo.losses import GrpoLoss, GspoLoss, SapoLoss
+from sapo_megatron.algo.losses_baselines import CispoLoss, DppoLoss, GmpoLoss, M2poLoss, m2po_keep_mask
 from sapo_megatron.algo.mismatch import (
     TIS,
     IcePop,
@@ -59,12 +58,16 @@ __all__ = [
     "TIS",
     "AdvantageConfig",
     "AggMode",
+    "CispoLoss",
+    "DppoLoss",
     "FixedFusion",
     "Fusion",
     "FusionConfig",
+    "GmpoLoss",
     "GrpoLoss",
     "GspoLoss",
     "IcePop",
+    "M2poLoss",
     "MismatchCorrection",
     "MismatchCorrectionConfig",
     "MopdFusion",
@@ -85,6 +88,7 @@ __all__ = [
     "check_fusion_loss",
     "fuse_advantages",
     "grpo_advantages",
+    "m2po_keep_mask",
     "masked_mean",
     "mismatch_metrics",
     "mopd_is_weight",
