@@ -157,9 +157,10 @@ class M2poLoss(_PolicyLossBase):
     The tokens of this call with the largest second moment ``M2_t = (rollout_logp − old_logp)²`` (behaviour vs
     proximal policy) are dropped, largest first, until the mean M2 of the rest is below ``m2_threshold`` (0.04,
     AReaL's example); the rest train on the unclipped ``l_t = −r_t·A`` (the paper's objective). Needs
-    ``rollout_logp_bt``. Dropped tokens count in the normaliser (AReaL divides by the kept tokens instead: values
-    differ by N_kept/N on one micro-batch). Like AReaL, the mask is taken per call (micro-batch), so it depends on
-    the micro-batch split whenever it drops anything.
+    ``rollout_logp_bt``. The dropped tokens leave the loss mask, so a single call divides by the kept tokens as
+    AReaL does; with the hook's global normalisers (counted before masking) they weigh 1/N like AReaL's rejection
+    masks. Like AReaL, the mask is taken per call (micro-batch), so it depends on the micro-batch split whenever
+    it drops anything (``m2po/frac_masked`` > 0).
     """
 
     name: Literal["m2po"] = "m2po"
@@ -167,7 +168,7 @@ class M2poLoss(_PolicyLossBase):
     m2_threshold: float = Field(0.04, gt=0)
 
     def compute(self, logp_bt, old_logp_bt, adv, mask_bt, **kwargs):  # type: ignore[override]
-        """As :meth:`_PolicyLossBase.compute`, after dropping the M2PO tokens (their advantage set to 0)."""
+        """As :meth:`_PolicyLossBase.compute` on the tokens M2PO keeps (:func:`m2po_keep_mask`)."""
         rollout_logp_bt = kwargs.pop("rollout_logp_bt", None)
         if rollout_logp_bt is None:
             raise ValueError(
@@ -176,15 +177,9 @@ class M2poLoss(_PolicyLossBase):
             )
         mask = mask_bt.bool()
         keep_bt = m2po_keep_mask(old_logp_bt.detach(), rollout_logp_bt.detach(), mask, self.m2_threshold)
-        adv_bt = adv[:, None].expand(mask.shape) if adv.dim() == 1 else adv
-        # A zero advantage makes a dropped token's policy term (value and gradient) exactly 0.
+        # As in AReaL, the dropped tokens leave the loss mask: policy, KL and entropy terms, local normalisers.
         loss, metrics = super().compute(
-            logp_bt,
-            old_logp_bt,
-            torch.where(keep_bt, adv_bt.float(), 0.0),
-            mask_bt,
-            rollout_logp_bt=rollout_logp_bt,
-            **kwargs,
+            logp_bt, old_logp_bt, adv, mask & keep_bt, rollout_logp_bt=rollout_logp_bt, **kwargs
         )
         m2_bt = (rollout_logp_bt.float() - old_logp_bt.float()).detach() ** 2
         metrics["m2po/frac_masked"] = masked_mean((~keep_bt).float(), mask)
