@@ -26,6 +26,8 @@ from sapo_megatron.algo.mismatch import (
     MismatchCorrection,
     MismatchCorrectionConfig,
     NoCorrection,
+    RejectRule,
+    RolloutCorrection,
     mismatch_metrics,
 )
 from sapo_megatron.algo.opd import (
@@ -75,7 +77,9 @@ __all__ = [
     "OpdFusion",
     "PolicyLoss",
     "PolicyLossConfig",
+    "RejectRule",
     "RlFusion",
+    "RolloutCorrection",
     "SAFSchedule",
     "SafAnneal",
     "SafCompress",

@@ -27,6 +27,7 @@ from sapo_megatron.algo.aggregation import AggMode, Normaliser, aggregate, maske
 from sapo_megatron.algo.mismatch import (
     LOG_RATIO_CLAMP,
     MismatchCorrection,
+    correction_metrics,
     correction_weights,
     mismatch_metrics,
 )
@@ -84,10 +85,11 @@ class _PolicyLossBase(BaseModel):
         pg_bt, metrics = self._policy_loss_bt(logp, old, adv_bt, mask)
         metrics.update(_ratio_stats("ratio/", _token_ratio(logp, old), mask))
         metrics["policy/kl_old"] = masked_mean(k3(old, logp.detach()), mask)
-        is_weight_bt = correction_weights(correction, old, rollout)  # detached inside
+        is_weight_bt = correction_weights(correction, old, rollout, mask)  # detached inside
         if is_weight_bt is not None:
             pg_bt = pg_bt * is_weight_bt
             metrics["mismatch/is_weight_mean"] = masked_mean(is_weight_bt, mask)
+            metrics.update(correction_metrics(correction, old, rollout, mask))
         if rollout is not None:
             metrics.update(mismatch_metrics(old, rollout, mask))
 
