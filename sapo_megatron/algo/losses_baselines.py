@@ -139,15 +139,16 @@ class DppoLoss(_PolicyLossBase):
 
     def _trust_region(self, logp_bt, old_logp_bt, adv_bt) -> torch.Tensor:
         p_bt, p_old_bt = logp_bt.exp(), old_logp_bt.exp()
+        low, high = float(self.delta_low or 0.0), float(self.delta_high or 0.0)  # set by _default_deltas
         if self.name == "dppo_tv":
-            valid_pos, valid_neg = p_bt - p_old_bt <= self.delta_high, p_bt - p_old_bt >= -self.delta_low
+            valid_pos, valid_neg = p_bt - p_old_bt <= high, p_bt - p_old_bt >= -low
         else:
             # verl's binary KL, with its 1e-8 guard on the complement probabilities.
             kl_bt = p_old_bt * (old_logp_bt - logp_bt) + (1.0 - p_old_bt) * torch.log(
                 (1.0 - p_old_bt + 1e-8) / (1.0 - p_bt + 1e-8)
             )
-            valid_pos = (kl_bt <= self.delta_high) | (p_bt <= p_old_bt)
-            valid_neg = (kl_bt <= self.delta_low) | (p_bt >= p_old_bt)
+            valid_pos = (kl_bt <= high) | (p_bt <= p_old_bt)
+            valid_neg = (kl_bt <= low) | (p_bt >= p_old_bt)
         return torch.where(adv_bt > 0, valid_pos, valid_neg)
 
 
@@ -167,7 +168,7 @@ class M2poLoss(_PolicyLossBase):
     agg: AggMode = "token-mean"
     m2_threshold: float = Field(0.04, gt=0)
 
-    def compute(self, logp_bt, old_logp_bt, adv, mask_bt, **kwargs):  # type: ignore[override]
+    def compute(self, logp_bt, old_logp_bt, adv, mask_bt, **kwargs):
         """As :meth:`_PolicyLossBase.compute` on the tokens M2PO keeps (:func:`m2po_keep_mask`)."""
         rollout_logp_bt = kwargs.pop("rollout_logp_bt", None)
         if rollout_logp_bt is None:
