@@ -3,11 +3,9 @@
 An episode's token ids are never re-tokenized: the engine's output ids are kept as they are, and what comes
 between two turns – the end of the assistant turn, the tool messages, the next assistant header – is the text
 the template adds for those messages, encoded alone and appended. verl renders the tool messages after a fixed
-dummy conversation of a system and a user message (no assistant turn: Qwen3's template renders the *last*
-assistant turn with a ``<think>`` block that it leaves out once other messages follow, so a dummy reply would not
-be a prefix of the longer rendering) and keeps the difference; so do we, with one more piece that verl learnt the
-hard way (its issue #3720): the engine stops *at* the end-of-turn token, and Qwen's template writes
-``<|im_end|>\\n``, so the ``\\n`` (whatever the template puts after the end-of-turn token) belongs to the delta.
+dummy conversation and keeps the difference; so do we, with one more piece that verl learnt the hard way (its
+issue #3720): the engine stops *at* the end-of-turn token, and Qwen's template writes ``<|im_end|>\\n``, so the
+``\\n`` (whatever the template puts after the end-of-turn token) belongs to the delta.
 
 With Qwen's templates the result equals ``apply_chat_template`` of the whole conversation, tokenized at once,
 because every delta starts right after a special token (tests/rollout/episodes check it on the shipped BPE).
@@ -42,19 +40,19 @@ class ObservationDeltas:
         self.end_of_turn = end_of_turn
         self.kwargs = dict(template_kwargs or {})
         self.kwargs.pop("tools", None)  # the tool list belongs to the system prompt, not to a delta
-        replied = self._render([*_DUMMY, _DUMMY_REPLY], add_generation_prompt=False)
-        cut = replied.rfind(end_of_turn)
+        before = self._render([*_DUMMY, _DUMMY_REPLY], add_generation_prompt=False)
+        cut = before.rfind(end_of_turn)
         if cut < 0:
             raise TemplateDeltaError(
                 f"the chat template does not end an assistant turn with {end_of_turn!r}",
                 hint="set rollout.multi_turn.end_of_turn to the token the template closes a turn with",
             )
-        self._before = self._render(_DUMMY, add_generation_prompt=False)
-        self._after_end = replied[cut + len(end_of_turn) :]  # Qwen: "\n"
+        self._before = before
+        self._after_end = before[cut + len(end_of_turn) :]  # Qwen: "\n"
 
     def text(self, messages: Sequence[Message]) -> str:
         """The delta as text: what follows the end-of-turn token, the messages, and the generation prompt."""
-        after = self._render([*_DUMMY, *messages], add_generation_prompt=True)
+        after = self._render([*_DUMMY, _DUMMY_REPLY, *messages], add_generation_prompt=True)
         if not after.startswith(self._before):
             raise TemplateDeltaError(
                 "the chat template rewrites earlier turns when tool messages follow (the rendering of the "
