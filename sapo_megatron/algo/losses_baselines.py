@@ -22,6 +22,7 @@ from sapo_megatron.algo.losses import (
     _row_mean,
     _token_ratio,
 )
+from sapo_megatron.algo.mismatch import mismatch_metrics
 
 
 class CispoLoss(_PolicyLossBase):
@@ -182,6 +183,8 @@ class M2poLoss(_PolicyLossBase):
         loss, metrics = super().compute(
             logp_bt, old_logp_bt, adv, mask & keep_bt, rollout_logp_bt=rollout_logp_bt, **kwargs
         )
+        # The engine–trainer mismatch is a property of the samples: measured on every token, not just the kept.
+        metrics.update(mismatch_metrics(old_logp_bt.detach(), rollout_logp_bt.detach(), mask))
         m2_bt = (rollout_logp_bt.float() - old_logp_bt.float()).detach() ** 2
         metrics["m2po/frac_masked"] = masked_mean((~keep_bt).float(), mask)
         metrics["m2po/m2_mean"] = masked_mean(torch.where(mask, m2_bt, 0.0), mask)

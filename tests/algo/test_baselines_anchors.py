@@ -255,6 +255,10 @@ def test_m2po_equals_areal(seed, threshold):
     dropped = ((mask & ~keep).sum() / mask.sum()).item()
     assert ours[2]["m2po/frac_masked"].item() == pytest.approx(dropped, rel=1e-6)
     assert ours[2]["m2po/m2_mean_kept"] < threshold
+    k3_all = torch.where(mask, torch.exp(old - rollout) - (old - rollout) - 1, 0.0).sum() / mask.sum()
+    assert ours[2]["mismatch/k3"].item() == pytest.approx(
+        k3_all.item(), rel=1e-5
+    )  # every token, not the kept
 
 
 def test_m2po_refuses_without_rollout_log_probs():
