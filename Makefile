@@ -68,12 +68,12 @@ vl-evidence: $(STAMP)
 	    --seeds 3 --steps 40 --output-dir runs/vl_evidence
 
 # docs/losses/evidence.md: SAPO against the baselines where drift is real (fp8 rollout, 16 experts top-1, 4
-# updates per rollout batch, RL lr 1e-4), 3 seeds, no routing replay (about 14 min on 2 shared cores)
+# updates per rollout batch, RL lr 1e-4), 3 seeds, without and with R3 (about 17 min on 2 shared cores)
 LOSS_EVIDENCE_STRESS := --set model.hf_config.num_experts=16 --set model.hf_config.num_experts_per_tok=1 \
     --set model.hf_config.norm_topk_prob=false --set trainer.mini_batches=4 --set trainer.prompts_per_step=16 \
     --set optimizer.lr=1e-4 --set eval.every=0
 loss-evidence: $(STAMP)
-	$(BIN)/sapo-megatron compare --losses sapo,grpo,cispo,gmpo,dppo_tv,m2po --replay none --seeds 3 --steps 8 \
+	$(BIN)/sapo-megatron compare --losses sapo,grpo,cispo,gmpo,dppo_tv,m2po --replay none,r3 --seeds 3 --steps 8 \
 	    --output-dir runs/loss_evidence $(LOSS_EVIDENCE_STRESS)
 
 bench: $(STAMP)
