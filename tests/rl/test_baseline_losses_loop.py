@@ -1,6 +1,6 @@
-"""Each baseline loss trains two RL steps of the embedded demo (after test_trainer's 40 SFT steps), with a verl-style rollout
-correction composed on some: the run finishes, every step's loss and gradient are finite and non-zero, and the
-loss's own diagnostics are logged."""
+"""Each baseline loss trains two RL steps of the embedded demo (after test_trainer's 40 SFT steps), with a
+verl-style rollout correction composed on some, and packing or R2/R3 routing replay (fp8 rollout) on others: the
+run finishes, every step's loss is finite and non-zero, the policy moves, and the loss's diagnostics are logged."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from tests.rl.test_routing_replay_loop import rl_rows
+from tests.rl.test_routing_replay_loop import ROUTED, rl_rows
 from tests.rl.test_trainer import data_files, train, write_config  # noqa: F401 - fixture reused
 
 RUNS = {
@@ -30,6 +30,13 @@ RUNS = {
     ),
     "m2po": ({"name": "m2po"}, {"name": "tis"}, "m2po/frac_masked"),
 }
+FP8_ROUTES = {k: v for k, v in ROUTED.items() if k.startswith("rollout.")}  # its steps are this test's
+EXTRA = {  # the features the baselines must compose with besides corrections: packing (GMPO's sequence ratio
+    # over packed rows) and routing replay (R3 replays the engine's routes in DPPO's and M2PO's updates)
+    "gmpo": {"parallel.max_tokens_per_micro_batch": 48},
+    "dppo_tv": {**FP8_ROUTES, "algorithm.routing_replay": "r3"},
+    "m2po": {**FP8_ROUTES, "algorithm.routing_replay": "r2"},
+}
 
 
 @pytest.mark.slow
@@ -40,6 +47,7 @@ def test_two_rl_steps(tmp_path, data_files, name):  # noqa: F811
         "trainer.steps": 2,
         "algorithm.loss": loss,
         "algorithm.correction": correction,
+        **EXTRA.get(name, {}),
     }
     train(write_config(tmp_path / "run.yaml", data_files, **overrides))
     rows = rl_rows(tmp_path / "run")
@@ -48,6 +56,12 @@ def test_two_rl_steps(tmp_path, data_files, name):  # noqa: F811
         assert math.isfinite(row["loss/total"]) and row["loss/total"] != 0
         assert math.isfinite(row["grad_norm"])
         assert 0 <= row[diagnostic] <= 1
+        replay = EXTRA.get(name, {}).get("algorithm.routing_replay")
+        if replay is not None:
+            assert row["routing/agreement"] < 1.0  # the fp8 engine routes some tokens differently
+            # R3 trains on the engine's routes; R2 on the old-log-prob pass's, which agree with the engine as live.
+            used = 1.0 if replay == "r3" else pytest.approx(row["routing/agreement"], abs=1e-12)
+            assert row["routing/agreement_used"] == used
         if correction["name"] == "rollout_corr":
             assert 0 <= row["rollout_corr/rejected_frac"] <= 1 and row["rollout_corr/weight_mean"] >= 0
     # The loss moved the policy: a gradient, and the second mini-batch's ratios are no longer all 1.
