@@ -80,6 +80,7 @@ CORRECTIONS: dict[str, dict[str, Any]] = {
     "geo_rs": {
         "name": "rollout_corr",
         "is_level": None,
+        "is_threshold": 2.0,  # unused without an IS weight; spelled out so that the arm's config reads whole
         "reject": [{"stat": "seq_mean_k1", "lower": 0.999, "upper": 1.001}],
     },
 }
@@ -95,7 +96,7 @@ WARM_START_DIR = "warm_start"
 ARM_CONFIG_FILE = "compare.yaml"
 """The config compare wrote for a run (its own resolved copy is ``config.yaml``)."""
 ARM_NAME = re.compile(
-    r"^(?P<loss>[a-z_]+)-(?P<replay>[a-z0-9]+)-(?P<correction>[a-z_]+)(?P<grid>(-[a-z0-9_.]+)*)-s(?P<seed>\d+)$"
+    r"^(?P<loss>[a-z0-9_]+)-(?P<replay>[a-z0-9]+)-(?P<correction>[a-z_]+)(?P<grid>(-[a-z0-9_.]+)*)-s(?P<seed>\d+)$"
 )
 CONFIG_ARM_NAME = re.compile(r"^(?P<label>[a-z0-9_]+)(?P<grid>(-[a-z0-9_.]+)*)-s(?P<seed>\d+)$")
 """Run directories of config arms: ``<config file stem>[-<grid point>]-s<seed>``."""
