@@ -25,9 +25,12 @@ demo-vl: $(STAMP)
 	$(BIN)/python -m sapo_megatron.data.vl_demo runs/demo_vl_data --train 2000 --heldout 200 --tasks name_colour
 	$(BIN)/sapo-megatron train configs/demo_tiny_vl_moe_cpu.yaml --output-dir runs/demo_vl --resume auto
 
+# ruff (style, imports, bug patterns), then mypy on sapo_megatron/ (settings: pyproject.toml [tool.mypy];
+# docs/architecture.md, "Type checking"). make test runs lint first, and .ci/run runs make test.
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 # make test: everything, on TEST_JOBS pytest-xdist workers (0: in this process); make test-fast: the inner loop,
 # without the tests marked slow (processes, end-to-end runs; tests/conftest.py says how to mark one).
@@ -75,6 +78,12 @@ LOSS_EVIDENCE_STRESS := --set model.hf_config.num_experts=16 --set model.hf_conf
 loss-evidence: $(STAMP)
 	$(BIN)/sapo-megatron compare --losses sapo,grpo,cispo,gmpo,dppo_tv,m2po --replay none,r3 --seeds 3 --steps 8 \
 	    --output-dir runs/loss_evidence $(LOSS_EVIDENCE_STRESS)
+
+# docs/gpu.md: the wheels tools/gpu_check.py needs beyond what the offline GPU machine has, into .gpu_kit (git-ignored,
+# about 5 MiB; carried to that machine, where `OUT=dir bash tools/gpu_kit/run.sh` installs it and runs the check)
+.PHONY: gpu-kit
+gpu-kit:
+	tools/gpu_kit.sh
 
 bench: $(STAMP)
 	for script in bench/bench_*.py; do $(BIN)/python $$script || exit 1; done

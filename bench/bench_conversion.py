@@ -53,7 +53,7 @@ RSS_GOAL = 0.25
 
 _CHILD = """
 import json, resource, sys, time
-from sapo_megatron.conversion.convert import hf_to_megatron
+from sapo_megatron.conversion.to_megatron import hf_to_megatron
 from sapo_megatron.megatron import dist_ckpt  # import cost is not conversion cost
 baseline = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 start = time.perf_counter()
@@ -222,7 +222,7 @@ def main() -> int:
         rss_ratio = peak / model_bytes
 
         start = time.perf_counter()
-        from sapo_megatron.conversion.convert import megatron_to_hf
+        from sapo_megatron.conversion.to_hf import megatron_to_hf
 
         megatron_to_hf(root / "mcore", root / "back", progress=False)
         back_s = time.perf_counter() - start

@@ -18,7 +18,7 @@ import socket
 import sys
 import traceback
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from sapo_megatron import __version__
 from sapo_megatron.errors import RunInterrupted, UserError
@@ -153,7 +153,7 @@ def _normalise_resume(argv: list[str]) -> list[str]:
 class _Parser(argparse.ArgumentParser):
     """A usage error is one line and a hint, as every other error of the command line (exit status 2)."""
 
-    def error(self, message: str) -> None:  # type: ignore[override] - argparse's NoReturn
+    def error(self, message: str) -> NoReturn:
         print(f"{self.prog}: error: {message}", file=sys.stderr)
         print(f"hint: {self.prog} --help lists the options", file=sys.stderr)
         sys.exit(2)
@@ -596,7 +596,7 @@ def _plan(args: argparse.Namespace) -> int:
     except ConfigError as err:
         if not args.suggest:
             raise
-        invalid = str(err)
+        invalid: str | None = str(err)
     else:
         invalid = None
     suggestions = suggest_layouts(cfg, settings, args.suggest) if args.suggest else None
@@ -611,7 +611,7 @@ def _print_plan(cfg: RunConfig, settings, suggestions, invalid: str | None, *, a
 
     plan = None if invalid else build_plan(cfg, settings)
     if as_json:
-        out = (
+        out: dict[str, Any] = (
             plan_to_json(plan) if plan else {"schema": PLAN_SCHEMA, "invalid_layout": invalid, "fits": False}
         )
         if suggestions is not None:

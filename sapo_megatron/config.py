@@ -8,6 +8,7 @@ Every error names the field and the fix. :func:`load_config` returns a :class:`R
 from __future__ import annotations
 
 import difflib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -115,6 +116,8 @@ class ModelConfig(Section):
         """The parsed architecture (read once)."""
         if self._arch is None:
             source = self.hf_config
+            if source is None:
+                raise ConfigError("model.hf_config is not set (an HF config.json, its folder, or a mapping)")
             self._arch = (
                 QwenArch.from_hf_dict(source) if isinstance(source, dict) else QwenArch.from_path(source)
             )
@@ -783,7 +786,7 @@ def fill_auto_sizes(raw: dict[str, Any]) -> dict[str, Any]:
     from sapo_megatron.data.tokenizer import load_tokenizer
     from sapo_megatron.eval.config import resolve_datasets
 
-    model = raw.get("model") if isinstance(raw.get("model"), dict) else {}
+    model: dict[str, Any] = raw["model"] if isinstance(raw.get("model"), dict) else {}
     if model.get("hf_config") == TINY:
         from sapo_megatron.defaults import tiny_model
 
@@ -792,14 +795,16 @@ def fill_auto_sizes(raw: dict[str, Any]) -> dict[str, Any]:
     fields = auto_fields(model.get("hf_config"))
     if not fields:
         return raw
-    data = raw.get("data") if isinstance(raw.get("data"), dict) else {}
+    data: dict[str, Any] = raw["data"] if isinstance(raw.get("data"), dict) else {}
     tokenizer = load_tokenizer(str(data.get("tokenizer", "char")))
     hf = {**model["hf_config"], **token_sizes(tokenizer, fields)}
     hf = {key: value for key, value in hf.items() if value is not None}
     if CONTEXT_FIELD in fields:
         hf[CONTEXT_FIELD] = 1 << 20  # provisional: the prompts are measured with the validated settings
         cfg = RunConfig.model_validate({**raw, "model": {**model, "hf_config": hf}})
-        sources = [(cfg.data.train, cfg.data, cfg.data.train_size, cfg.rollout.max_new_tokens)]
+        sources: list[tuple[str, Any, int | None, int]] = [
+            (cfg.data.train, cfg.data, cfg.data.train_size, cfg.rollout.max_new_tokens)
+        ]
         sources += [(d.path, d.keys, d.size, d.max_new_tokens) for d in resolve_datasets(cfg)]
         hf[CONTEXT_FIELD] = measured_context(sources, tokenizer, digits=cfg.data.digits, seed=cfg.seed)
     return {**raw, "model": {**model, "hf_config": hf}}
@@ -918,6 +923,8 @@ def _batch_problems(cfg: RunConfig, world_size: int) -> list[str]:
 def _packing_problems(cfg: RunConfig) -> list[str]:
     budget, longest = cfg.parallel.max_tokens_per_micro_batch, cfg.rollout.max_new_tokens
     mt = cfg.rollout.multi_turn
+    if budget is None:  # not packed: nothing to check
+        return []
     if cfg.trainer.steps and mt is not None and budget < mt.max_context_tokens - 1:
         return [
             f"parallel.max_tokens_per_micro_batch={budget} is smaller than an episode of "
@@ -1183,20 +1190,21 @@ def _format_validation_error(err: ValidationError) -> str:
     return "invalid configuration:\n" + "\n".join(lines)
 
 
-def _explain(item: dict[str, Any]) -> str:
+def _explain(item: Mapping[str, Any]) -> str:
     if item["type"] == "extra_forbidden":
         return "unknown key" + _suggestion(item)
     if item["type"] == "missing":
         return "required field is missing"
-    if isinstance(_section_at(tuple(item["loc"])), dict):  # algorithm.loss / correction: name the variants
-        return _variant_problem(item)
+    variants = _section_at(tuple(item["loc"]))
+    if isinstance(variants, dict):  # algorithm.loss / correction: name the variants
+        return _variant_problem(item, variants)
     message = str(item["msg"]).removeprefix("Value error, ")
     if "input" in item and item["type"] not in ("value_error",):
         message += f" (got {item['input']!r})"
     return message
 
 
-def _suggestion(item: dict[str, Any]) -> str:
+def _suggestion(item: Mapping[str, Any]) -> str:
     key, section_loc = str(item["loc"][-1]), item["loc"][:-1]
     known = _known_keys(section_loc)
     close = difflib.get_close_matches(key, known, n=1)
@@ -1251,10 +1259,9 @@ def _drop_keys_of_other_variant(section: dict[str, Any], section_loc: tuple[str,
         del section[key]
 
 
-def _variant_problem(item: dict[str, Any]) -> str:
+def _variant_problem(item: Mapping[str, Any], variants: dict[str, type[BaseModel]]) -> str:
     """An unknown or missing ``name`` in a section with variants: list the names and their keys."""
     loc = tuple(str(p) for p in item["loc"])
-    variants = _section_at(loc)
     given = item.get("input")
     if not isinstance(given, dict):
         problem = f"expected a mapping with a 'name', got {given!r}"

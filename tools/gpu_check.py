@@ -1,35 +1,67 @@
 #!/usr/bin/env python
-"""One prepared GPU check: build the tiny Qwen3 / Qwen3-MoE models on CUDA (Transformer Engine spec when TE
-imports, else the local spec), check logit parity against HF transformers, run training steps (SFT, SAPO hook,
-bf16, FP8 with TE), run each FP8 recipe (delayed, tensorwise, blockwise, mxfp8) against bf16 on the same weights
-and tokens (loss and logit deltas, step time), report which fused kernels are active (TE, apex, flash-attn, or
-Megatron's torch fallbacks), compare the planner's activation estimate with the allocator, compare packed (THD
-with TE) with padded micro-batches, compare the chunked vocab-parallel log-probs with a naive log_softmax in
-memory and value, check the Qwen3-VL-MoE model (text + images, DeepStack, interleaved MRoPE) against transformers
-and train it a few steps (fp32, bf16, FP8 with TE), and print a table of what was verified.
-A recipe the GPU cannot run (mxfp8 before Blackwell) or that needs a missing TE is a SKIP with the reason.
+"""One prepared GPU check (docs/gpu.md): on one CUDA device, in one process (plus one receiving process), build the
+tiny Qwen3 / Qwen3-MoE / Qwen3-VL-MoE models and check logit parity against HF transformers (fp32 and bf16; the
+Transformer Engine spec when TE imports), run SFT and SAPO steps (fp32, bf16, FP8 with TE) and the VL model with
+images, each FP8 recipe against bf16, packed (block mask; THD with TE) against padded micro-batches, trainer
+offload to pinned memory with its bitwise check, the chunked log-prob kernel's memory and values, the planner
+against the allocator, the NCCL process group of one, and CUDA-IPC tensor transport to a second process; report
+which fused kernels are active; print a table of what was verified.
 
-    python tools/gpu_check.py                 # on a CUDA machine; exit code 1 if any check FAILs
-    python tools/gpu_check.py --allow-cpu     # the same checks on CPU (used by the CPU test suite)
+Before anything runs it checks that every module the rows import is there (a missing one: one line naming it and
+the kit, exit 3) and prints which rows will SKIP here and why (no TE: the TE spec, FP8, THD packing; a recipe
+the GPU cannot run). A row that fails prints its traceback and FAIL; the others still run.
 
-Needs: torch with CUDA, megatron-core, transformers (Transformer Engine optional). Single GPU, single process.
+    python tools/gpu_check.py                       # on a CUDA machine; exit 1 if any row FAILs
+    python tools/gpu_check.py --out DIR             # also writes DIR/gpu_check_table.md and DIR/gpu_check.json
+    python tools/gpu_check.py --allow-cpu           # the same rows on CPU (the CPU test suite; the kit's proof)
+
+Needs: torch, transformers, megatron-core, pydantic (tools/gpu_kit.sh brings those the GPU machine lacks).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
+import json
+import os
 import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# What the rows import, project modules first: each missing third-party module is reported with the project
+# module that needs it (the kit must hold its wheel).
+NEEDED_MODULES = (
+    "sapo_megatron.config",
+    "sapo_megatron.model.tiny",
+    "sapo_megatron.model.arch",
+    "sapo_megatron.model.batching",
+    "sapo_megatron.model.packing",
+    "sapo_megatron.model.precision",
+    "sapo_megatron.megatron.parallel",
+    "sapo_megatron.megatron.model",
+    "sapo_megatron.megatron.train_step",
+    "sapo_megatron.megatron.loss_hook",
+    "sapo_megatron.megatron.sft",
+    "sapo_megatron.megatron.offload",
+    "sapo_megatron.megatron.logprobs",
+    "sapo_megatron.megatron.activation_probe",
+    "sapo_megatron.plan.activations",
+    "sapo_megatron.rollout.tensor_transport",
+    "megatron.core.models.backends",
+    "megatron.core.optimizer",
+    "transformers",
+)
+NO_TE = "transformer_engine is not installed"
 
 
 @dataclass
@@ -37,501 +69,184 @@ class Check:
     name: str
     status: str  # PASS / FAIL / SKIP
     detail: str
+    seconds: float = 0.0
 
 
-def run_check(results: list[Check], name: str, fn: Callable[[], str]) -> None:
+def runs_anywhere() -> str | None:
+    return None
+
+
+@dataclass
+class Row:
+    name: str
+    run: Callable[[], str]
+    skip: Callable[[], str | None] = runs_anywhere  # the reason it cannot run here, known before it starts
+
+
+def run_check(results: list[Check], row: Row, reason: str | None) -> None:
+    from gpu_check_rows import SkipCheck
+
     start = time.perf_counter()
-    try:
-        detail = fn()
-        status = "PASS"
-    except SkipCheck as skip:
-        status, detail = "SKIP", str(skip)
-    except Exception as err:  # a failed check is reported in the table, with its traceback on stderr
-        traceback.print_exc()
-        status, detail = "FAIL", f"{type(err).__name__}: {err}"
-    results.append(Check(name, status, f"{detail} ({time.perf_counter() - start:.1f} s)"))
-    print(f"[{status}] {name}: {detail}", flush=True)
+    if reason:
+        status, detail = "SKIP", reason
+    else:
+        try:
+            detail = row.run()
+            status = "PASS"
+        except SkipCheck as skip:
+            status, detail = "SKIP", str(skip)
+        except Exception as err:  # a failed check is reported in the table, with its traceback on stderr
+            traceback.print_exc()
+            status, detail = "FAIL", f"{type(err).__name__}: {err}"
+    seconds = time.perf_counter() - start
+    results.append(Check(row.name, status, f"{detail} ({seconds:.1f} s)", round(seconds, 2)))
+    print(f"[{status}] {row.name}: {detail}", flush=True)
 
 
-class SkipCheck(Exception):
-    """A check that cannot run here (the reason is reported)."""
-
-
-def have(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
-
-
-class Checks:
-    """The checks, sharing one parallel state and one tiny checkpoint per model kind."""
-
-    def __init__(self, workdir: Path, device: torch.device) -> None:
-        from sapo_megatron.model.tiny import make_tiny_hf_checkpoint
-
-        self.device = device
-        self.workdir = workdir
-        self.recipe_runs: dict[str | None, dict] = {}
-        self.hf_dirs = {
-            kind: make_tiny_hf_checkpoint(workdir / kind, kind, seed=0) for kind in ("moe", "dense", "vl_moe")
-        }
-
-    def config(self, kind: str, dtype: str = "fp32"):
-        from sapo_megatron.config import config_from_dict
-
-        hf_dir = str(self.hf_dirs[kind])
-        return config_from_dict(
-            {
-                "model": {"hf_config": hf_dir, "init": "hf", "init_path": hf_dir},
-                "precision": {"dtype": dtype},
-                "optimizer": {"lr": 1e-3},
-            }
-        )
-
-    def parity(self, kind: str, use_te: bool) -> str:
-        import transformers
-
-        from sapo_megatron.megatron.model import BuildOptions, build_gpt_model
-        from sapo_megatron.megatron.train_step import init_weights
-
-        if use_te and not have("transformer_engine"):
-            raise SkipCheck("transformer_engine is not installed")
-        cfg = self.config(kind)
-        model = build_gpt_model(BuildOptions(cfg.model, cfg.parallel, cfg.precision, use_te=use_te))
-        init_weights(model, cfg)
-        model = model.to(self.device).eval()
-        hf = transformers.AutoModelForCausalLM.from_pretrained(self.hf_dirs[kind], dtype=torch.float32)
-        hf = hf.to(self.device).eval()
-        ids = torch.randint(0, 64, (2, 32), generator=torch.Generator().manual_seed(0)).to(self.device)
-        with torch.no_grad():
-            ref = hf(ids).logits.float()
-            got = model(ids, torch.arange(32, device=self.device).expand(2, -1), attention_mask=None).float()
-        diff = (ref - got).abs().max().item()
-        tolerance = 1e-4 if not use_te else 5e-3  # TE fuses norms/GEMMs (TF32 may be on)
-        if diff > tolerance:
-            raise AssertionError(f"max |Δlogit| {diff:.3g} > {tolerance}")
-        return f"max |Δlogit| {diff:.2e} (tolerance {tolerance})"
-
-    def vl_batch(self) -> dict:
-        from sapo_megatron.model.arch import QwenArch
-        from sapo_megatron.model.tiny import vl_batch
-
-        arch = QwenArch.from_path(self.hf_dirs["vl_moe"])
-        rows = [[5, (32, 48), 7, (16, 16), 3], [4, (40, 24), 9], [12], [2, (16, 32), 8]]
-        return vl_batch(arch, rows, seed=2)
-
-    def vl_parity(self, use_te: bool) -> str:
-        """Qwen3-VL-MoE: logits on text + image rows (images of several sizes, a text-only row) vs transformers."""
-        import transformers
-
-        from sapo_megatron.megatron.model import BuildOptions, build_gpt_model
-        from sapo_megatron.megatron.train_step import init_weights
-
-        if use_te and not have("transformer_engine"):
-            raise SkipCheck("transformer_engine is not installed")
-        cfg = self.config("vl_moe")
-        model = build_gpt_model(BuildOptions(cfg.model, cfg.parallel, cfg.precision, use_te=use_te))
-        init_weights(model, cfg)
-        model = model.to(self.device).eval()
-        hf = transformers.Qwen3VLMoeForConditionalGeneration.from_pretrained(
-            self.hf_dirs["vl_moe"], dtype=torch.float32
-        )
-        hf = hf.to(self.device).eval()
-        batch = _to(self.vl_batch(), self.device)
-        images = {k: batch[k] for k in ("pixel_values", "image_grid_thw")}
-        with torch.no_grad():
-            ref = hf(**batch).logits.float()
-            got = model(batch["input_ids"], None, None, **images).float()
-        real = batch["attention_mask"].bool()
-        diff = (ref - got)[real].abs().max().item()
-        tolerance = 1e-4 if not use_te else 5e-3
-        if diff > tolerance:
-            raise AssertionError(f"max |Δlogit| {diff:.3g} > {tolerance}")
-        return f"max |Δlogit| {diff:.2e} over {int(real.sum())} tokens, {len(batch['image_grid_thw'])} images (tolerance {tolerance})"
-
-    def vl_train_steps(self, dtype: str) -> str:
-        """Qwen3-VL-MoE: SFT steps on text + image rows (gradients reach the vision tower)."""
-        from sapo_megatron.megatron.sft import sft_loss
-        from sapo_megatron.megatron.train_step import TrainEngine
-
-        if dtype == "fp8" and not have("transformer_engine"):
-            raise SkipCheck("FP8 needs transformer_engine, which is not installed")
-        engine = TrainEngine(self.config("vl_moe", dtype))
-        batch = self.vl_batch()
-        ids, mask = batch["input_ids"], batch["attention_mask"]
-        micro = _to(
-            {
-                "input_ids": ids[:, :-1].contiguous(),
-                "labels": ids[:, 1:].contiguous(),
-                "loss_mask": mask[:, 1:].contiguous(),
-                "num_tokens_global": mask[:, 1:].sum().float(),
-                "pixel_values": batch["pixel_values"],
-                "image_grid_thw": batch["image_grid_thw"],
-            },
-            self.device,
-        )
-        patch = next(
-            p for n, p in engine.module.named_parameters() if n.endswith("visual.patch_embed.proj.weight")
-        )
-        before = patch.detach().float().clone()
-        first = engine.train_step([micro], sft_loss)
-        for _ in range(3):
-            last = engine.train_step([micro], sft_loss)
-        if not last.loss < first.loss:
-            raise AssertionError(f"SFT loss did not fall: {first.loss:.4f} -> {last.loss:.4f}")
-        moved = (patch.detach().float() - before).abs().max().item()
-        if not moved > 0:
-            raise AssertionError("the vision tower's patch embedding did not change")
-        return f"SFT loss {first.loss:.3f} -> {last.loss:.3f}; patch embedding moved by {moved:.2e}"
-
-    def train_steps(self, kind: str, dtype: str) -> str:
-        from sapo_megatron.megatron.loss_hook import LogprobOutput, PolicyLossHook, add_global_normalisers
-        from sapo_megatron.megatron.sft import sft_loss
-        from sapo_megatron.megatron.train_step import TrainEngine
-        from sapo_megatron.model.batching import TrainSequence, build_micro_batches
-
-        if dtype == "fp8" and not have("transformer_engine"):
-            raise SkipCheck("FP8 needs transformer_engine, which is not installed")
-        engine = TrainEngine(self.config(kind, dtype))
-        gen = torch.Generator().manual_seed(1)
-        seqs = [
-            TrainSequence(
-                torch.randint(3, 64, (8,), generator=gen).tolist(),
-                torch.randint(3, 64, (8,), generator=gen).tolist(),
-                advantage=float(i % 3 - 1),
+def missing_module() -> str | None:
+    """One line naming the first module the rows need that does not import, and what to do; None when all do."""
+    for module in NEEDED_MODULES:
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as err:
+            return (
+                f"gpu_check: cannot import {err.name} (needed by {module}): its wheel is not installed here. On "
+                "the GPU machine install the kit first (docs/gpu.md); if the kit has it not, add its pin to "
+                "tools/gpu_kit/kit.txt and run tools/gpu_kit.sh again"
             )
-            for i in range(16)
+    return None
+
+
+def build_rows(checks) -> list[Row]:
+    from gpu_check_rows import FP8_RECIPES, have
+    from gpu_check_transport import group_of_one, tensor_transport
+
+    from sapo_megatron.model.precision import fp8_runtime_problem
+
+    def te(reason: str = NO_TE) -> Callable[[], str | None]:
+        return lambda: None if have("transformer_engine") else reason
+
+    rows: list[Row] = []
+    for kind in ("dense", "moe"):
+        rows += [
+            Row(f"{kind}: logit parity vs HF, local spec", lambda k=kind: checks.parity(k, False)),
+            Row(f"{kind}: logit parity vs HF, local spec, bf16", lambda k=kind: checks.parity_bf16(k)),
+            Row(f"{kind}: logit parity vs HF, TE spec", lambda k=kind: checks.parity(k, True), te()),
         ]
-        micro = add_global_normalisers(
-            [
-                _to(b, self.device)
-                for b in build_micro_batches(seqs, dp_rank=0, dp_size=1, micro_batches=2, pad_id=0)
-            ]
-        )
-        first = engine.train_step(micro, sft_loss)
-        for _ in range(3):
-            last = engine.train_step(micro, sft_loss)
-        if not last.loss < first.loss:
-            raise AssertionError(f"SFT loss did not fall: {first.loss:.4f} -> {last.loss:.4f}")
-        for batch, logp in zip(micro, engine.forward_only(micro, LogprobOutput())):
-            batch["old_logp"] = logp
-        start = time.perf_counter()
-        rl = engine.train_step(micro, PolicyLossHook({"name": "sapo"}))
-        step_ms = (time.perf_counter() - start) * 1e3
-        if not (torch.isfinite(torch.tensor(rl.loss)) and torch.isfinite(torch.tensor(rl.grad_norm))):
-            raise AssertionError(f"SAPO step not finite: loss {rl.loss}, grad norm {rl.grad_norm}")
-        return f"SFT loss {first.loss:.3f} -> {last.loss:.3f}; SAPO step loss {rl.loss:.4f}, {step_ms:.0f} ms"
-
-    def offload_round_trip(self, kind: str) -> str:
-        """Trainer offload (colocation): after a step, offload everything, check the device memory it frees
-        (allocator figures on a GPU), onload, and compare parameters and optimizer state bit for bit."""
-        from sapo_megatron.megatron.loss_hook import add_global_normalisers
-        from sapo_megatron.megatron.offload import TrainerOffload
-        from sapo_megatron.megatron.sft import sft_loss
-        from sapo_megatron.megatron.train_step import TrainEngine
-        from sapo_megatron.model.batching import TrainSequence, build_micro_batches
-
-        engine = TrainEngine(self.config(kind, "bf16"))
-        gen = torch.Generator().manual_seed(3)
-        seqs = [
-            TrainSequence(torch.randint(3, 64, (12,), generator=gen).tolist(), [5, 6, 7]) for _ in range(8)
-        ]
-        batches = build_micro_batches(seqs, dp_rank=0, dp_size=1, micro_batches=1, pad_id=0)
-        micro = add_global_normalisers([_to(b, self.device) for b in batches])
-        engine.train_step(micro, sft_loss)
-        offload = TrainerOffload(engine.model, engine.optimizer)
-        before = [t.detach().clone() for t in _trainer_state(engine)]
-        _sync(self.device)
-        allocated = torch.cuda.memory_allocated() if self.device.type == "cuda" else 0
-        moved = offload.offload()
-        _sync(self.device)
-        freed = allocated - torch.cuda.memory_allocated() if self.device.type == "cuda" else moved
-        if freed < 0.9 * moved:
-            raise AssertionError(
-                f"offload moved {moved / 2**20:.1f} MiB but the allocator freed {freed / 2**20:.1f}"
-            )
-        offload.onload()
-        after = _trainer_state(engine)
-        if not all(torch.equal(a, b) for a, b in zip(before, after)):
-            raise AssertionError("parameters or optimizer state changed across offload and onload")
-        step = engine.train_step(micro, sft_loss)
-        if not torch.isfinite(torch.tensor(step.loss)):
-            raise AssertionError(f"the step after onload is not finite: {step.loss}")
-        return (
-            f"{moved / 2**20:.1f} MiB moved, {freed / 2**20:.1f} MiB freed; state bitwise equal after onload"
-        )
-
-    def packing(self, kind: str) -> str:
-        """Packed micro-batches (THD through TE's attention when TE imports, else the block mask) against padded
-        ones: per-sequence log-probs of one forward-only pass, and its time per layout."""
-        from sapo_megatron.megatron.loss_hook import LogprobOutput
-        from sapo_megatron.megatron.train_step import TrainEngine
-        from sapo_megatron.model.batching import SEQUENCE_INDEX, TrainSequence, build_micro_batches
-        from sapo_megatron.model.packing import SequenceView
-
-        dtype = "bf16" if have("transformer_engine") else "fp32"  # TE's THD kernels are fp16/bf16 ones
-        engine = TrainEngine(self.config(kind, dtype))
-        gen = torch.Generator().manual_seed(2)
-        lengths = [(int(p), int(r)) for p, r in torch.randint(2, 40, (16, 2), generator=gen)]
-        seqs = [
-            TrainSequence(
-                torch.randint(3, 64, (p,), generator=gen).tolist(),
-                torch.randint(3, 64, (r,), generator=gen).tolist(),
-            )
-            for p, r in lengths
-        ]
-        logp, ms = {}, {}
-        for name, budget in (("padded", None), ("packed", 128)):
-            micro = [
-                _to(b, self.device)
-                for b in build_micro_batches(
-                    seqs, dp_rank=0, dp_size=1, micro_batches=2, pad_id=0, max_tokens_per_micro_batch=budget
+        for dtype in ("fp32", "bf16", "fp8"):
+            rows.append(
+                Row(
+                    f"{kind}: SFT + SAPO steps, {dtype}",
+                    lambda k=kind, d=dtype: checks.train_steps(k, d),
+                    te("FP8 needs transformer_engine, which is not installed")
+                    if dtype == "fp8"
+                    else runs_anywhere,
                 )
-            ]
-            engine.forward_only(micro, LogprobOutput())  # warm-up
-            _sync(self.device)
-            start = time.perf_counter()
-            outputs = engine.forward_only(micro, LogprobOutput())
-            _sync(self.device)
-            ms[name] = (time.perf_counter() - start) * 1e3
-            for batch, value in zip(micro, outputs):
-                view = SequenceView(batch)
-                rows, mask = view(value), view(batch["loss_mask"]).bool()
-                for row, index in enumerate(batch[SEQUENCE_INDEX].tolist()):
-                    logp.setdefault(index, {})[name] = rows[row][mask[row]].float()
-        diff = max(float((v["padded"] - v["packed"]).abs().max()) for v in logp.values())
-        tolerance = 5e-2 if dtype == "bf16" else 1e-5
-        if diff > tolerance:
-            raise AssertionError(f"packed vs padded max |Δlogp| {diff:.3g} > {tolerance} ({dtype})")
-        path = "THD (TE)" if have("transformer_engine") else "block mask (local spec)"
-        return (
-            f"{path}, {dtype}: max |Δlogp| {diff:.2e} (tolerance {tolerance}); forward-only "
-            f"{ms['padded']:.1f} ms padded, {ms['packed']:.1f} ms packed"
-        )
-
-    def logprob_memory(self) -> str:
-        from sapo_megatron.megatron.logprobs import vocab_parallel_logprobs
-
-        if self.device.type != "cuda":
-            raise SkipCheck("memory is measured with the CUDA allocator")
-        tokens, vocab = 4096, 151_936
-        logits = torch.randn(tokens, vocab, device=self.device, dtype=torch.bfloat16, requires_grad=True)
-        labels = torch.randint(0, vocab, (tokens,), device=self.device)
-
-        def peak(fn) -> tuple[float, torch.Tensor]:
-            logits.grad = None
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            out = fn()
-            out.sum().backward()
-            torch.cuda.synchronize()
-            return (torch.cuda.max_memory_allocated() - base) / 2**20, out.detach()
-
-        def naive():
-            logp_all = torch.log_softmax(logits.float(), dim=-1)
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
-            return logp_all.gather(-1, labels[:, None]).squeeze(-1) + 0 * entropy
-
-        naive_mb, ref = peak(naive)
-        chunked_mb, got = peak(
-            lambda: vocab_parallel_logprobs(logits, labels, tp_group=None, with_entropy=True)[0]
-        )
-        diff = (ref - got).abs().max().item()
-        if chunked_mb > 0.25 * naive_mb or diff > 1e-3:
-            raise AssertionError(f"peak {chunked_mb:.0f} MiB vs naive {naive_mb:.0f} MiB, max |Δ| {diff:.2e}")
-        return f"peak extra {chunked_mb:.0f} MiB vs naive {naive_mb:.0f} MiB ({chunked_mb / naive_mb:.2f}x), max |Δ| {diff:.1e}"
-
-    # -- FP8 recipes against bf16 ------------------------------------------------------------------------
-
-    def fp8_config(self, precision: dict):
-        """A Qwen3-MoE shape whose GEMM dimensions are multiples of 32 (MXFP8 blocks), same weights every time."""
-        from sapo_megatron.config import config_from_dict
-        from sapo_megatron.model.tiny import make_tiny_hf_checkpoint
-
-        if "fp8" not in self.hf_dirs:
-            self.hf_dirs["fp8"] = make_tiny_hf_checkpoint(self.workdir / "fp8", "moe", seed=0, **FP8_SHAPE)
-        hf_dir = str(self.hf_dirs["fp8"])
-        return config_from_dict(
-            {
-                # grouped expert GEMMs with TE (they pad each expert's tokens to the FP8 multiple), as on clusters
-                "model": {
-                    "hf_config": hf_dir,
-                    "init": "hf",
-                    "init_path": hf_dir,
-                    "moe_grouped_gemm": have("transformer_engine"),
-                },
-                "precision": precision,
-                "optimizer": {"lr": 1e-4},
-            }
-        )
-
-    def recipe_run(self, recipe: str | None) -> dict:
-        """Logits, first loss and median step time of the SFT step under ``recipe`` (None: bf16), cached."""
-        from sapo_megatron.config import sequence_length_multiple
-        from sapo_megatron.megatron.loss_hook import add_global_normalisers
-        from sapo_megatron.megatron.sft import sft_loss
-        from sapo_megatron.megatron.train_step import TrainEngine
-        from sapo_megatron.model.batching import TrainSequence, build_micro_batches
-
-        if recipe in self.recipe_runs:
-            return self.recipe_runs[recipe]
-        precision = {"dtype": "bf16"} if recipe is None else {"dtype": "fp8", "fp8_recipe": recipe}
-        cfg = self.fp8_config(precision)
-        engine = TrainEngine(cfg)
-        gen = torch.Generator().manual_seed(2)
-        seqs = [
-            TrainSequence(
-                torch.randint(3, 1000, (40,), generator=gen).tolist(),
-                torch.randint(3, 1000, (200,), generator=gen).tolist(),
             )
-            for _ in range(8)
+        rows += [
+            Row(f"{kind}: packed vs padded micro-batches", lambda k=kind: checks.packing(k)),
+            Row(
+                f"{kind}: packed THD through TE vs padded",
+                lambda k=kind: checks.packing_thd(k),
+                te("THD packing runs through Transformer Engine's attention, which is not installed"),
+            ),
+            Row(f"{kind}: trainer offload and onload", lambda k=kind: checks.offload_round_trip(k)),
         ]
-        micro = add_global_normalisers(
-            [
-                _to(b, self.device)
-                for b in build_micro_batches(
-                    seqs,
-                    dp_rank=0,
-                    dp_size=1,
-                    micro_batches=2,
-                    pad_id=0,
-                    length_multiple=sequence_length_multiple(cfg),
-                )
-            ]
-        )
-        logits = engine.forward_only(micro, lambda out, batch: out.float())
-        times, losses = [], []
-        for _ in range(6):
-            _sync(self.device)
-            start = time.perf_counter()
-            losses.append(engine.train_step(micro, sft_loss).loss)
-            _sync(self.device)
-            times.append(time.perf_counter() - start)
-        run = {
-            "logits": torch.cat([x.flatten() for x in logits]),
-            "loss": losses[0],
-            "step_s": sorted(times[1:])[2],
-        }
-        self.recipe_runs[recipe] = run
-        return run
-
-    def fp8_recipe(self, recipe: str) -> str:
-        from sapo_megatron.model.precision import fp8_runtime_problem
-
-        problem = fp8_runtime_problem(recipe)
-        if problem:
-            raise SkipCheck(problem)
-        ref, got = self.recipe_run(None), self.recipe_run(recipe)
-        logit_err = ((got["logits"] - ref["logits"]).norm() / ref["logits"].norm()).item()
-        loss_err = abs(got["loss"] - ref["loss"]) / abs(ref["loss"])
-        detail = (
-            f"loss {got['loss']:.4f} vs bf16 {ref['loss']:.4f} (rel {loss_err:.1e}), logits rel RMS error "
-            f"{logit_err:.3f}; step {got['step_s'] * 1e3:.1f} ms vs bf16 {ref['step_s'] * 1e3:.1f} ms "
-            f"({got['step_s'] / ref['step_s']:.2f}x)"
-        )
-        if not (loss_err < FP8_LOSS_TOLERANCE and logit_err < FP8_LOGIT_TOLERANCE):
-            raise AssertionError(
-                f"{detail}; tolerances: loss {FP8_LOSS_TOLERANCE}, logits {FP8_LOGIT_TOLERANCE}"
+    rows += [
+        Row("vl_moe: logit parity vs HF (images), local spec", lambda: checks.vl_parity(False)),
+        Row("vl_moe: logit parity vs HF (images), TE spec", lambda: checks.vl_parity(True), te()),
+    ]
+    for dtype in ("fp32", "bf16", "fp8"):
+        rows.append(
+            Row(
+                f"vl_moe: SFT steps with images, {dtype}",
+                lambda d=dtype: checks.vl_train_steps(d),
+                te("FP8 needs transformer_engine, which is not installed")
+                if dtype == "fp8"
+                else runs_anywhere,
             )
-        return detail
-
-    # -- which fused kernels Megatron picked --------------------------------------------------------------
-
-    def fused_paths(self) -> str:
-        import megatron.core.models.backends as backends
-        import megatron.core.optimizer as mc_optimizer
-        import megatron.core.optimizer.optimizer as mc_optimizer_impl
-
-        te = f"transformer_engine {_version('transformer_engine')}" if have("transformer_engine") else "no TE"
-        spec = "TE layer spec" if have("transformer_engine") else "local spec (pure torch)"
-        apex = "apex" if have("apex") else "no apex"
-        norm = backends.LNImpl.__name__ + (
-            " (apex)" if getattr(backends, "HAVE_APEX", False) else " (torch fallback)"
         )
-        adam = f"{mc_optimizer.Adam.__module__}.{mc_optimizer.Adam.__name__}"
-        applier = mc_optimizer_impl.multi_tensor_applier
-        applier = (
-            getattr(applier, "__module__", "") + "." + getattr(applier, "__name__", type(applier).__name__)
+    for recipe in FP8_RECIPES:
+        rows.append(
+            Row(
+                f"fp8 {recipe} vs bf16: loss, logits, step time",
+                lambda r=recipe: checks.fp8_recipe(r),
+                lambda r=recipe: fp8_runtime_problem(r),
+            )
         )
-        flash = "flash_attn" if have("flash_attn") else "no flash_attn"
-        return f"{te}, {apex}, {flash}; {spec}; local-spec norm {norm}; Adam {adam}; multi_tensor_applier {applier}"
+    return [
+        *rows,
+        Row("fused paths active", checks.fused_paths),
+        Row("planner: activations vs measured", checks.planner_activations),
+        Row("chunked log-probs: memory and values vs naive", checks.logprob_memory),
+        Row("process group of one: collectives", lambda: group_of_one(checks.device)),
+        Row("tensor transport to a second process", lambda: tensor_transport(checks.device)),
+    ]
 
-    # -- the planner against the allocator ----------------------------------------------------------------
 
-    def planner_activations(self) -> str:
-        from sapo_megatron.megatron.activation_probe import measure_activations
-        from sapo_megatron.megatron.model import BuildOptions, build_gpt_model
-        from sapo_megatron.plan.activations import MicroBatchShape, stage_activations
-
-        cfg = self.fp8_config({"dtype": "bf16"})
-        spec = "te" if have("transformer_engine") else "local"
-        model = build_gpt_model(BuildOptions(cfg.model, cfg.parallel, cfg.precision)).to(self.device)
-        batch, seq = (2, 512) if self.device.type == "cuda" else (1, 64)  # the CPU profiler is slow
-        ids = torch.randint(
-            0, cfg.model.arch.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(3)
+def announce(plan: list[tuple[Row, str | None]], device: torch.device) -> None:
+    skips = [(row, reason) for row, reason in plan if reason]
+    print(f"gpu_check: {len(plan)} rows, {len(plan) - len(skips)} to run, {len(skips)} will SKIP here:")
+    for row, reason in skips:
+        print(f"  SKIP  {row.name}: {reason}")
+    if device.type != "cuda":
+        print(
+            "  on CPU: the process group is gloo (NCCL on a GPU), the transport uses shared-memory files (CUDA IPC "
+            "on a GPU), the log-prob row checks values only (memory needs the CUDA allocator), offload copies are "
+            "pageable (pinned on a GPU)"
         )
-        measured = measure_activations(model, ids.to(self.device))
-        est = stage_activations(
-            cfg, MicroBatchShape(batch, seq), 0, (0, cfg.model.arch.num_hidden_layers), spec=spec
-        )
-        kept_ratio = est.per_micro_batch / measured.saved
-        peak_ratio = (est.per_micro_batch + est.transient) / measured.peak
-        detail = (
-            f"{spec} spec, {batch}x{seq} tokens: kept {measured.saved / 2**20:.1f} MiB (planner {kept_ratio:.3f}x), "
-            f"allocator peak {measured.peak / 2**20:.1f} MiB (planner {peak_ratio:.3f}x)"
-        )
-        if spec == "local" and abs(kept_ratio - 1) > 0.05:  # the local-spec terms are exact on CPU
-            raise AssertionError(detail)
-        return detail
+    print(flush=True)
 
 
-FP8_SHAPE = dict(
-    hidden_size=256,
-    intermediate_size=512,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    head_dim=32,
-    vocab_size=1024,
-    num_experts=16,
-    num_experts_per_tok=4,
-    moe_intermediate_size=128,
-)
-FP8_RECIPES = ("delayed", "tensorwise", "blockwise", "mxfp8")
-FP8_LOSS_TOLERANCE = 0.02  # relative, first SFT loss (random weights: ln(vocab) ≈ 6.9)
-FP8_LOGIT_TOLERANCE = 0.15  # relative RMS error of the logits; e4m3 carries 3 mantissa bits
+def environment(device: torch.device) -> dict:
+    from gpu_check_rows import _version, have
 
-
-def _sync(device: torch.device) -> None:
+    kit = ROOT / os.environ.get("GPU_KIT_DIR", ".gpu_kit") / "manifest.txt"
+    env = {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": _kit_commit(kit),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "transformers": _version("transformers"),
+        "megatron-core": _version("megatron_core"),
+        "transformer_engine": _version("transformer_engine") if have("transformer_engine") else None,
+    }
     if device.type == "cuda":
-        torch.cuda.synchronize()
+        env["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
+    return env
 
 
-def _version(module: str) -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(module.replace("_", "-"))
-    except PackageNotFoundError:
-        return "?"
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+def _kit_commit(manifest: Path) -> str:
+    """The commit the kit was built at (its manifest's ``commit`` line), else 'unknown'."""
+    if manifest.is_file():
+        for line in manifest.read_text().splitlines():
+            if line.startswith("commit "):
+                return line.split(maxsplit=1)[1]
+    return "unknown (no kit manifest)"
 
 
-def _trainer_state(engine) -> list[torch.Tensor]:
-    """Parameters, then every optimizer state tensor and main parameter (ChainedOptimizer included)."""
-    state = [p for p in engine.module.parameters()]
-    for wrapped in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer]):
-        inner = wrapped.optimizer
-        state += [p for group in inner.param_groups for p in group["params"]]
-        state += [v for entry in inner.state.values() for v in entry.values() if isinstance(v, torch.Tensor)]
-    return state
+def table(results: list[Check]) -> str:
+    lines = ["| check | status | detail |", "|---|---|---|"]
+    lines += [f"| {c.name} | {c.status} | {_cell(c.detail)} |" for c in results]
+    return "\n".join(lines)
 
 
-def _to(batch: dict, device: torch.device) -> dict:
-    return {k: v.to(device) for k, v in batch.items()}
+def _cell(text: str) -> str:
+    """A detail as one Markdown table cell (its ``|`` escaped: "max \\|Δlogit\\|")."""
+    return text.replace("|", "\\|")
+
+
+def write_outputs(out: Path, env: dict, results: list[Check]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    counts = {s: sum(c.status == s for c in results) for s in ("PASS", "FAIL", "SKIP")}
+    head = ", ".join(f"{k} {v}" for k, v in env.items() if v is not None)
+    summary = ", ".join(f"{v} {k}" for k, v in counts.items())
+    (out / "gpu_check_table.md").write_text(f"{head}\n\n{summary}\n\n{table(results)}\n")
+    (out / "gpu_check.json").write_text(
+        json.dumps({"environment": env, "counts": counts, "rows": [asdict(c) for c in results]}, indent=1)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -539,58 +254,37 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--allow-cpu", action="store_true", help="run on CPU when no GPU is present")
+    parser.add_argument("--out", type=Path, help="write gpu_check_table.md and gpu_check.json here")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() and not args.allow_cpu:
         print(
             "gpu_check: no CUDA device here; nothing was checked (use --allow-cpu to exercise the script on CPU)"
         )
         return 2
+    problem = missing_module()
+    if problem:
+        print(problem, flush=True)
+        return 3
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    from gpu_check_rows import Checks
+
     from sapo_megatron.config import ParallelConfig
     from sapo_megatron.megatron.parallel import init_parallel, shutdown_parallel
 
-    print(
-        f"torch {torch.__version__}, device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, "
-        f"transformer_engine: {have('transformer_engine')}"
-    )
+    env = environment(device)
+    print(", ".join(f"{k} {v}" for k, v in env.items()))
     init_parallel(ParallelConfig(), seed=0)
     results: list[Check] = []
     with tempfile.TemporaryDirectory() as tmp:
         checks = Checks(Path(tmp), device)
-        for kind in ("dense", "moe"):
-            run_check(
-                results, f"{kind}: logit parity vs HF, local spec", lambda k=kind: checks.parity(k, False)
-            )
-            run_check(results, f"{kind}: logit parity vs HF, TE spec", lambda k=kind: checks.parity(k, True))
-            for dtype in ("fp32", "bf16", "fp8"):
-                run_check(
-                    results,
-                    f"{kind}: SFT + SAPO steps, {dtype}",
-                    lambda k=kind, d=dtype: checks.train_steps(k, d),
-                )
-            run_check(results, f"{kind}: packed vs padded micro-batches", lambda k=kind: checks.packing(k))
-            run_check(
-                results, f"{kind}: trainer offload and onload", lambda k=kind: checks.offload_round_trip(k)
-            )
-        run_check(results, "vl_moe: logit parity vs HF (images), local spec", lambda: checks.vl_parity(False))
-        run_check(results, "vl_moe: logit parity vs HF (images), TE spec", lambda: checks.vl_parity(True))
-        for dtype in ("fp32", "bf16", "fp8"):
-            run_check(
-                results, f"vl_moe: SFT steps with images, {dtype}", lambda d=dtype: checks.vl_train_steps(d)
-            )
-        for recipe in FP8_RECIPES:
-            run_check(
-                results,
-                f"fp8 {recipe} vs bf16: loss, logits, step time",
-                lambda r=recipe: checks.fp8_recipe(r),
-            )
-        run_check(results, "fused paths active", checks.fused_paths)
-        run_check(results, "planner: activations vs measured", checks.planner_activations)
-        run_check(results, "chunked log-probs: memory and values vs naive", checks.logprob_memory)
+        plan = [(row, row.skip()) for row in build_rows(checks)]
+        announce(plan, device)
+        for row, reason in plan:
+            run_check(results, row, reason)
     shutdown_parallel()
-    print("\n| check | status | detail |\n|---|---|---|")
-    for check in results:
-        print(f"| {check.name} | {check.status} | {check.detail} |")
+    print("\n" + table(results))
+    if args.out:
+        write_outputs(args.out, env, results)
     return 1 if any(c.status == "FAIL" for c in results) else 0
 
 

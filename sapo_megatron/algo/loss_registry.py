@@ -58,7 +58,9 @@ def policy_loss(
     unknown = sorted(set(settings) - set(accepted))
     if unknown:
         raise ValueError(f"unknown setting(s) {unknown} for policy loss {name!r}; accepted: {accepted}")
-    loss_fn = POLICY_LOSSES[name](name=name, **{k: v for k, v in settings.items() if k in fields})
+    loss_fn = POLICY_LOSSES[name].model_validate(
+        {"name": name, **{k: v for k, v in settings.items() if k in fields}}
+    )
     kwargs = {k: v for k, v in settings.items() if k in COMPUTE_KWARGS}
     if isinstance(kwargs.get("correction"), Mapping):
         kwargs["correction"] = TypeAdapter(MismatchCorrectionConfig).validate_python(kwargs["correction"])

@@ -121,7 +121,8 @@ class _PolicyLossBase(BaseModel):
             )
         if ref_logp_bt is None:
             return torch.zeros((), device=logp_bt.device)
-        ref_bt = _optional_valid("ref_logp_bt", ref_logp_bt, mask_bt).detach()
+        _check_shape("ref_logp_bt", ref_logp_bt, mask_bt)
+        ref_bt = _valid(ref_logp_bt, mask_bt).detach()
         log_ref_ratio_bt = (ref_bt - logp_bt).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         k3_bt = log_ref_ratio_bt.exp() - log_ref_ratio_bt - 1.0  # Schulman's k3: unbiased, always >= 0
         metrics["kl/k3_ref"] = masked_mean(k3_bt.detach(), mask_bt)

@@ -303,7 +303,7 @@ def fuse_advantages(
     if adv_opd is not None:
         metrics.update(_opd_metrics(adv_opd, mask, domains))
 
-    if fusion.mode == "rl":
+    if fusion.mode == "rl" or adv_opd is None:  # _check_opd: None only for rl
         adv_bt = adv_rl_bt
     elif fusion.mode == "opd":
         adv_bt = adv_opd

@@ -15,7 +15,7 @@ Tensors are ``[batch, seq]``; the mask is 1 (True) on response tokens.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 
@@ -56,6 +56,14 @@ def saf_compress(adv_bt: torch.Tensor, c: float = 0.1) -> torch.Tensor:
     return c * torch.tanh(adv_bt.float())
 
 
+class _ScheduleSettings(TypedDict):
+    warmup_steps: int | None
+    kl_drop: float
+    anneal_steps: int | None
+    floor: float
+    anneal_total_steps: int | None
+
+
 class SAFSchedule:
     """SAF's warm-up and anneal: the per-step multiplier ``scale · coef`` of the OPD term (the authors' Stage 3
     and Stage 4 of ``_apply_token_kl_regularizer``).
@@ -91,7 +99,7 @@ class SAFSchedule:
             )
         if not 0.0 <= floor <= 1.0:
             raise ValueError(f"SAFSchedule needs 0 <= floor <= 1 (the final coef), got floor={floor}")
-        self._settings = {
+        self._settings: _ScheduleSettings = {
             "warmup_steps": warmup_steps,
             "kl_drop": float(kl_drop),
             "anneal_steps": anneal_steps,
@@ -122,7 +130,7 @@ class SAFSchedule:
         if warmup_steps is None:
             return 1.0
         if self.warmup_ended:
-            return self._scale  # frozen at its value at the end of warm-up
+            return self._last("scale", self._scale)  # frozen at its value at the end of warm-up
         if self._kl_first is None and kl is not None:
             self._kl_first = kl
         delta, kl_first = self._settings["kl_drop"], self._kl_first
@@ -139,15 +147,18 @@ class SAFSchedule:
 
     def _next_coef(self) -> float:
         anneal_steps, floor = self._settings["anneal_steps"], self._settings["floor"]
-        if anneal_steps is None or not self.warmup_ended:
+        end = self._warmup_end_step
+        if anneal_steps is None or end is None:  # off, or warm-up not ended
             return 1.0
         if self._anneal_t is None:
             self._anneal_t = 0
             total = self._settings["anneal_total_steps"]
-            self._anneal_span = anneal_steps if total is None else max(1, total - self._warmup_end_step)
+            self._anneal_span = anneal_steps if total is None else max(1, total - end)
         else:
             self._anneal_t += 1
-        return floor + (1.0 - floor) * max(0.0, 1.0 - self._anneal_t / self._anneal_span)
+        span = self._anneal_span
+        assert span is not None  # set together with _anneal_t
+        return floor + (1.0 - floor) * max(0.0, 1.0 - self._anneal_t / span)
 
     @property
     def step(self) -> int:
@@ -205,10 +216,10 @@ class SAFSchedule:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a saved schedule; its settings must equal this one's (a changed schedule cannot resume exactly)."""
-        saved = state["settings"]
-        changed = sorted(k for k in self._settings if saved.get(k) != self._settings[k])
+        saved, mine = state["settings"], dict(self._settings)
+        changed = sorted(k for k in mine if saved.get(k) != mine[k])
         if changed:
-            diffs = ", ".join(f"{k}: saved {saved.get(k)!r}, now {self._settings[k]!r}" for k in changed)
+            diffs = ", ".join(f"{k}: saved {saved.get(k)!r}, now {mine[k]!r}" for k in changed)
             raise ValueError(
                 f"SAF schedule settings differ from the checkpoint's ({diffs}); resume with the saved ones"
             )

@@ -136,7 +136,8 @@ class ContiguousFileSystemWriter(FileSystemWriter):
     @staticmethod
     def split(items: Sequence[WriteItem], parts: int) -> list[list[WriteItem]]:
         sizes = [_item_bytes(item) for item in items]
-        total, groups, acc = sum(sizes), [[]], 0
+        groups: list[list[WriteItem]] = [[]]
+        total, acc = sum(sizes), 0
         for item, size in zip(items, sizes):
             if groups[-1] and acc >= total * len(groups) / parts and len(groups) < parts:
                 groups.append([])
@@ -187,7 +188,9 @@ class _RegionLoadPlanner(DefaultLoadPlanner):
         for i, region in enumerate(self._regions):
             by_key.setdefault(region.key, []).append(i)
         items: list[ReadItem] = []
-        self._target_of: dict[tuple[str, int], int] = {}
+        self._target_of: dict[tuple[str, int | None], int] = {}
+        if self.metadata is None:
+            raise RuntimeError("the planner reads regions only after set_up_planner gave it the metadata")
         for key, indices in by_key.items():
             stored = self.metadata.state_dict_metadata.get(key)
             if not isinstance(stored, TensorStorageMetadata):

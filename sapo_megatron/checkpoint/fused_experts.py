@@ -197,7 +197,7 @@ def fuse_specs(names_and_shapes: Sequence[tuple[str, tuple[int, ...]]]) -> list[
         positions = [i for i, (n, _) in enumerate(names_and_shapes) if n in set(group.members)]
         last[max(positions)] = group
     members = {n for g in groups for n in g.members}
-    out = []
+    out: list[tuple[str, tuple[int, ...]]] = []
     for i, (name, shape) in enumerate(names_and_shapes):
         if i in last:
             out += [last[i].gate_up, last[i].down]

@@ -114,7 +114,8 @@ class HFCheckpointReader:
         begin, end = info["data_offsets"]
         dtype, shape = _SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"])
         raw = torch.empty(end - begin, dtype=torch.uint8)
-        view, done = memoryview(raw.numpy()), 0
+        # numpy's stubs declare ndarray's buffer protocol (__buffer__) for Python >= 3.12 only
+        view, done = memoryview(raw.numpy()), 0  # type: ignore[arg-type]
         while done < len(view):
             got = os.preadv(fd, [view[done:]], data_start + begin + done)
             if got == 0:
@@ -148,7 +149,8 @@ class HFCheckpointReader:
         if first_row < 0 or first_row + rows > (shape[0] if shape else 1):
             raise ValueError(f"{name}: rows {first_row}..{first_row + rows} out of range for shape {shape}")
         offset = data_start + info["data_offsets"][0] + first_row * row_numel * out.element_size()
-        view, done = memoryview(out.view(-1).view(torch.uint8).numpy()), 0
+        # numpy's stubs declare ndarray's buffer protocol (__buffer__) for Python >= 3.12 only
+        view, done = memoryview(out.view(-1).view(torch.uint8).numpy()), 0  # type: ignore[arg-type]
         while done < len(view):
             got = os.preadv(fd, [view[done:]], offset + done)
             if got == 0:

@@ -283,7 +283,7 @@ def hf_expected_shapes(arch: QwenArch) -> dict[str, tuple[int, ...]]:
     text = _text_shapes(arch)
     if not arch.is_vl:
         return text
-    shapes = {f"model.visual.{name}": shape for name, shape in arch.vision.tensor_shapes().items()}
+    shapes = {f"model.visual.{name}": shape for name, shape in arch.vl.vision.tensor_shapes().items()}
     shapes.update({_vl_hf_name(name): shape for name, shape in text.items()})
     return shapes
 
@@ -310,7 +310,7 @@ def _text_shapes(arch: QwenArch) -> dict[str, tuple[int, ...]]:
                 f"{p}.self_attn.k_norm.weight": (hd,),
             }
         )
-        shapes.update(_mlp_shapes(p, arch, is_moe))
+        shapes.update(_mlp_shapes(p, arch, bool(is_moe)))
     return shapes
 
 
@@ -324,7 +324,7 @@ def _mlp_shapes(prefix: str, arch: QwenArch, is_moe: bool) -> dict[str, tuple[in
             f"{prefix}.mlp.down_proj.weight": (h, f),
         }
     f = arch.moe_intermediate_size
-    shapes = {f"{prefix}.mlp.gate.weight": (arch.num_experts, h)}
+    shapes: dict[str, tuple[int, ...]] = {f"{prefix}.mlp.gate.weight": (arch.num_experts, h)}
     for e in range(arch.num_experts):
         shapes[f"{prefix}.mlp.experts.{e}.gate_proj.weight"] = (f, h)
         shapes[f"{prefix}.mlp.experts.{e}.up_proj.weight"] = (f, h)

@@ -109,7 +109,8 @@ def write_shard(path: Path, shard: Shard, tensors: Iterator[tuple[str, torch.Ten
                     f"got {name} {tuple(tensor.shape)} {tensor.dtype}"
                 )
             data = tensor.detach().to("cpu").contiguous().reshape(-1)
-            handle.write(memoryview(data.view(torch.uint8).numpy()))
+            # numpy's stubs declare ndarray's buffer protocol (__buffer__) for Python >= 3.12 only
+            handle.write(memoryview(data.view(torch.uint8).numpy()))  # type: ignore[arg-type]
         handle.flush()
         os.fsync(handle.fileno())
 

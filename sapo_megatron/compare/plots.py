@@ -81,6 +81,7 @@ def _eval_plots(results: Sequence[ArmResult]) -> list[tuple[str, str, tuple[str,
 
 
 def _draw(results: Sequence[ArmResult], series: Sequence[str], title: str, colours, path: Path) -> None:
+    from matplotlib.artist import Artist
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
@@ -88,10 +89,11 @@ def _draw(results: Sequence[ArmResult], series: Sequence[str], title: str, colou
     figure = Figure(figsize=(FIGURE_SIZE[0] + 3.0 * (len(series) - 1), FIGURE_SIZE[1]), layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.subplots(1, len(series), squeeze=False)[0]
-    legend = {}  # label → handle, over every panel (one panel may lack an arm)
+    legend: dict[str, Artist] = {}  # label → handle, over every panel (one panel may lack an arm)
     for ax, name in zip(axes, series):
         if _panel(ax, results, name, colours):
-            legend.update(zip(*reversed(ax.get_legend_handles_labels())))
+            handles, labels = ax.get_legend_handles_labels()
+            legend.update(zip(labels, handles))
         else:
             ax.text(0.5, 0.5, "not logged by these runs", ha="center", va="center", transform=ax.transAxes)
         ax.set_xlabel("RL step")

@@ -37,6 +37,7 @@ from sapo_megatron.compare.arms import (
     CONFIG_ARM_NAME,
     TEACHERS_DIR,
     WARM_START_DIR,
+    Arm,
     CompareError,
     ComparePlan,
     PlannedRun,
@@ -204,7 +205,7 @@ def _arm(
     assert run.arm is not None
     prefix = f"{label} {run.name} ..."
     if is_finished(run):
-        _say(out, f"{prefix} finished earlier: {_verdict(run)}")
+        _say(out, f"{prefix} finished earlier: {_verdict(run.arm, run.run_dir)}")
         return None
     _say(out, prefix, end=" ")
     started = time.monotonic()
@@ -216,12 +217,12 @@ def _arm(
         error = error or f"exit status {rc}"
         _say(out, f"failed (exit {rc}) after {seconds:.0f} s: {error}; log: {run.run_dir / 'train.log'}")
         return error
-    _say(out, f"done in {seconds:.0f} s: {_verdict(run)}")
+    _say(out, f"done in {seconds:.0f} s: {_verdict(run.arm, run.run_dir)}")
     return None
 
 
-def _verdict(run: PlannedRun) -> str:
-    result = load_arm_result(run.arm, run.run_dir)
+def _verdict(arm: Arm, run_dir: Path) -> str:
+    result = load_arm_result(arm, run_dir)
     reward = result.final["reward"]
     reward_text = "n/a" if reward is None else f"{reward:.3g}"
     collapsed = f"yes ({'; '.join(result.reasons)})" if result.reasons else "no"

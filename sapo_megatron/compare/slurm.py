@@ -84,7 +84,7 @@ def run_compare_slurm(
 
 def _stage(
     what: str,
-    runs: list[PlannedRun],
+    runs: Sequence[PlannedRun],
     guard: InterruptGuard,
     out: TextIO,
     ran: list[str],
@@ -97,7 +97,10 @@ def _stage(
     todo = []
     for run in runs:
         if is_finished(run):
-            _say(out, f"{run.name} finished earlier" + (f": {_verdict(run)}" if run.arm else ""))
+            _say(
+                out,
+                f"{run.name} finished earlier" + (f": {_verdict(run.arm, run.run_dir)}" if run.arm else ""),
+            )
         else:
             todo.append(run)
     if not todo:
@@ -110,7 +113,11 @@ def _stage(
     failures = {}
     for index, run in enumerate(todo):
         if is_finished(run):
-            _say(out, f"{run.name} ({job}_{index}) done" + (f": {_verdict(run)}" if run.arm else ""))
+            _say(
+                out,
+                f"{run.name} ({job}_{index}) done"
+                + (f": {_verdict(run.arm, run.run_dir)}" if run.arm else ""),
+            )
             continue
         failures[run.name] = _task_error(run) or f"task {job}_{index} ended without summary.json"
         _say(

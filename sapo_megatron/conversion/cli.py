@@ -101,7 +101,7 @@ MappingError is a UserError: its module imports torch, so it is not named here).
 
 
 def run_hf_to_megatron(args: argparse.Namespace) -> int:
-    from sapo_megatron.conversion.convert import hf_to_megatron
+    from sapo_megatron.conversion.to_megatron import hf_to_megatron
 
     try:
         out = hf_to_megatron(
@@ -114,7 +114,7 @@ def run_hf_to_megatron(args: argparse.Namespace) -> int:
 
 
 def run_megatron_to_hf(args: argparse.Namespace) -> int:
-    from sapo_megatron.conversion.convert import megatron_to_hf
+    from sapo_megatron.conversion.to_hf import megatron_to_hf
 
     reference = args.hf_reference or run_tokenizer_reference(Path(args.megatron), Path(args.out))
     if reference is not None and args.hf_reference is None:
@@ -138,7 +138,7 @@ def run_megatron_to_hf(args: argparse.Namespace) -> int:
 def run_tokenizer_reference(run_dir: Path, out: Path) -> Path | None:
     """For a training run's output_dir: the folder holding its tokenizer files (its final HF export, else the
     rollout weights), so that the export is complete without ``--hf-reference``; None for other inputs."""
-    from sapo_megatron.conversion.convert import TOKENIZER_FILES
+    from sapo_megatron.conversion.params import TOKENIZER_FILES
 
     if not (run_dir / atomic.RUN_CHECKPOINTS).is_dir():
         return None
@@ -150,7 +150,7 @@ def run_tokenizer_reference(run_dir: Path, out: Path) -> Path | None:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    from sapo_megatron.conversion.convert import verify
+    from sapo_megatron.conversion.verify import verify
 
     parallel = {k: getattr(args, k) for k in ("tp", "pp", "ep", "etp") if getattr(args, k) is not None}
     if args.sequence_parallel:

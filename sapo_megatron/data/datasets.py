@@ -522,7 +522,9 @@ def _images(
             f"{len(values)} images",
             hint=f"put one {IMAGE_PLACEHOLDER} in the prompt where each image goes, in the images' order",
         )
-    if values and policy is None:
+    if not values:
+        return ()
+    if policy is None:
         raise DatasetError(
             f"{where}: the row has images, and this model has no image processor",
             hint="set data.tokenizer to the VL model's directory (with its preprocessor_config.json)",

@@ -77,7 +77,12 @@ class ImageRef:
         """The resized RGB image (PIL)."""
         from PIL import Image
 
-        raw = self.data if self.data is not None else Path(self.path).read_bytes()
+        if self.data is not None:
+            raw = self.data
+        elif self.path is not None:
+            raw = Path(self.path).read_bytes()
+        else:
+            raise ValueError(f"{self.where}: the image holds neither bytes nor a path")
         with Image.open(io.BytesIO(raw)) as image:
             rgb = image.convert("RGB")
         height, width = self.size
@@ -121,8 +126,8 @@ def image_values(value: Any) -> list[Any]:
 
 def check_image(value: Any, where: str, folder: Path, policy: ImagePolicy) -> ImageRef:
     """Open, check and size one image of a row; ``where`` names the file, row and field in every error."""
-    data, path = _source(value, where, folder, policy)
-    raw = data if data is not None else _read(path, where, policy)
+    source = _source(value, where, folder, policy)
+    raw = source if isinstance(source, bytes) else _read(source, where, policy)
     height, width = _decode(raw, where, policy)
     try:
         size = smart_resize(height, width, policy.factor, policy.min_pixels, policy.max_pixels)
@@ -130,33 +135,37 @@ def check_image(value: Any, where: str, folder: Path, policy: ImagePolicy) -> Im
         raise DatasetError(f"{where}: image of {width}x{height} pixels: {exc}") from None
     digest = hashlib.sha256(raw).hexdigest()[:12]
     return ImageRef(
-        where=where, size=size, digest=digest, data=data, path=None if path is None else str(path)
+        where=where,
+        size=size,
+        digest=digest,
+        data=source if isinstance(source, bytes) else None,
+        path=None if isinstance(source, bytes) else str(source),
     )
 
 
-def _source(value: Any, where: str, folder: Path, policy: ImagePolicy) -> tuple[bytes | None, Path | None]:
-    """``(bytes, None)`` or ``(None, path)`` of an image value."""
+def _source(value: Any, where: str, folder: Path, policy: ImagePolicy) -> bytes | Path:
+    """An image value's bytes, or the path of its file."""
     if isinstance(value, dict):
         if value.get("bytes") is not None:
             data = value["bytes"]
             if not isinstance(data, bytes | bytearray):
                 raise DatasetError(f"{where}: 'bytes' must be binary, got {type(data).__name__}")
             _check_bytes(len(data), where, policy)
-            return bytes(data), None
+            return bytes(data)
         if isinstance(value.get("path"), str) and value["path"]:
-            return None, _path(value["path"], where, folder, policy)
+            return _path(value["path"], where, folder, policy)
         raise DatasetError(f"{where}: an image object needs 'bytes' or 'path', got keys {sorted(value)}")
     if isinstance(value, bytes | bytearray):
         _check_bytes(len(value), where, policy)
-        return bytes(value), None
+        return bytes(value)
     if isinstance(value, str) and value:
         if value.startswith("data:"):
-            return _data_uri(value, where, policy), None
+            return _data_uri(value, where, policy)
         if value.startswith(("http://", "https://")):
             raise DatasetError(
                 f"{where}: image URLs are not fetched ({value[:60]}); store the image in the dataset's folder"
             )
-        return None, _path(value.removeprefix("file://"), where, folder, policy)
+        return _path(value.removeprefix("file://"), where, folder, policy)
     raise DatasetError(
         f"{where}: an image must be a path, a data URI or an object with 'bytes' / 'path', got "
         f"{type(value).__name__}"

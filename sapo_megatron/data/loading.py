@@ -16,8 +16,8 @@ from typing import Any
 from sapo_megatron.data.datasets import Dataset, read_dataset
 from sapo_megatron.data.prompts import PromptRow, check_encodable
 from sapo_megatron.data.render import PromptRenderer, apply_length_policy
-from sapo_megatron.data.synthetic import TASKS, make_mixed_rows
-from sapo_megatron.data.tokenizer import load_tokenizer
+from sapo_megatron.data.synthetic import TASKS, Split, make_mixed_rows
+from sapo_megatron.data.tokenizer import Tokenizer, load_tokenizer
 from sapo_megatron.data.vision import VisionSpec, load_image_processor, vision_spec
 
 
@@ -45,7 +45,8 @@ def build_run_data(
     renderer = PromptRenderer(tokenizer, data, vision, tools=tools)
     out = RunData(tokenizer, renderer, [], vision=vision)
     limit, reason = _context_limit(cfg)
-    for split, source, size in (("train", data.train, data.train_size),):
+    sources: tuple[tuple[Split, str | None, int], ...] = (("train", data.train, data.train_size),)
+    for split, source, size in sources:
         if source is None:
             continue
         started = time.perf_counter()
@@ -68,7 +69,7 @@ def _print(line: str) -> None:
     print(line, flush=True)
 
 
-def build_tokenizer(cfg: Any):
+def build_tokenizer(cfg: Any) -> Tokenizer:
     """``data.tokenizer``, refused when it has more tokens than the model's vocabulary."""
     from sapo_megatron.errors import ConfigError
 
@@ -128,7 +129,7 @@ def _context_limit(cfg: Any) -> tuple[int, str | None]:
 
 
 def _rows(
-    cfg: Any, source: str, split: str, size: int, vision: VisionSpec | None
+    cfg: Any, source: str, split: Split, size: int, vision: VisionSpec | None
 ) -> tuple[list[PromptRow], Dataset | None]:
     if not source.startswith("synthetic:"):
         policy = None

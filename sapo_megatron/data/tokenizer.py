@@ -20,7 +20,7 @@ import json
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from sapo_megatron.errors import UserError
 
@@ -215,7 +215,10 @@ class HFTokenizer:
         return [*ids, self.eos_id] if add_eos else ids
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        text = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return cast(
+            str, text
+        )  # one flat id list decodes to one string (transformers types it str | list[str])
 
     def fingerprint(self) -> str:
         """Equal for tokenizers with the same vocabulary (token → id, added tokens included) and special ids."""
@@ -271,7 +274,11 @@ def _digest(data: Any) -> str:
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def load_tokenizer(spec: str) -> CharTokenizer | HFTokenizer:
+Tokenizer = CharTokenizer | HFTokenizer
+"""Either tokenizer (both have encode / decode, pad_id / bos_id / eos_id, vocab_size, save)."""
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
     """``"char"`` for the demo's character tokenizer, ``"chat"`` for the shipped byte-level BPE with a chat
     template (:mod:`~sapo_megatron.data.chat_tokenizer`), a directory with ``char_tokenizer.json``, or an HF
     tokenizer directory."""

@@ -35,7 +35,7 @@ from sapo_megatron.data.tokenizer import load_tokenizer
 from sapo_megatron.distill.config import TeacherConfig, default_teacher, domain_teachers
 from sapo_megatron.errors import UserError
 from sapo_megatron.model.batching import TrainSequence
-from sapo_megatron.rollout.base import RolloutEngine, RolloutError
+from sapo_megatron.rollout.base import LocalServer, RolloutEngine, RolloutError
 from sapo_megatron.rollout.collect import RolloutBatch, prompt_images
 from sapo_megatron.rollout.types import ImageInputs, Sample
 
@@ -55,7 +55,7 @@ class Teacher:
 
     cfg: TeacherConfig
     engine: RolloutEngine
-    server: object | None = None
+    server: LocalServer | None = None
     model_info: dict | None = None
     """An SGLang teacher's ``GET /get_model_info`` (its ``tokenizer_path`` / ``model_path``)."""
 
@@ -188,6 +188,8 @@ def _build_teacher(cfg: TeacherConfig, *, seed: int, log: Log) -> Teacher:
         return _sglang_teacher(cfg, log)
     from sapo_megatron.rollout.cpu.engine import CPUEngine
 
+    if not cfg.model_path:  # TeacherConfig refuses this for engine cpu
+        raise TeacherError(f"teachers[{cfg.name}] (engine cpu) needs model_path")
     path = Path(cfg.model_path)
     if not (path / "config.json").is_file():
         raise TeacherError(
@@ -295,7 +297,7 @@ class TeacherScoring:
         self.teachers = teachers
         # the tokenizer's <|image_pad|>: prompts with images are scored with them
         self.image_pad_id = image_pad_id
-        self._domain_ids = {domain: index for index, domain in enumerate(domains)}
+        self._domain_ids: dict[str | None, int] = {domain: index for index, domain in enumerate(domains)}
         self._jobs: list[Future] = []
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="teacher") if teachers is not None else None
         self._busy_s = 0.0
@@ -304,25 +306,26 @@ class TeacherScoring:
 
     def submit(self, prompts: Sequence[PromptRow], groups: Sequence[Sequence[Sample]]) -> None:
         """Start scoring the samples of the groups that nothing aborted (aborted groups are never trained)."""
-        if self._pool is None:
+        teachers = self.teachers
+        if self._pool is None or teachers is None:
             return
         by_teacher: dict[str, list[tuple[Sample, ImageInputs | None]]] = {}
         for row, group in zip(prompts, groups):
             if any(s.finish_reason == "abort" for s in group):
                 continue
             images = prompt_images(row, self.image_pad_id)
-            name = self.teachers.teacher_for(row.domain).name
+            name = teachers.teacher_for(row.domain).name
             by_teacher.setdefault(name, []).extend((sample, images) for sample in group)
-        self._jobs.append(self._pool.submit(self._score, by_teacher))
+        self._jobs.append(self._pool.submit(self._score, teachers, by_teacher))
 
     def _score(
-        self, by_teacher: dict[str, list[tuple[Sample, ImageInputs | None]]]
+        self, teachers: Teachers, by_teacher: dict[str, list[tuple[Sample, ImageInputs | None]]]
     ) -> dict[int, tuple[Sample, str, list[float]]]:
         started = time.perf_counter()
         scored: dict[int, tuple[Sample, str, list[float]]] = {}
         for name, pairs in by_teacher.items():
             samples, images = [s for s, _ in pairs], [i for _, i in pairs]
-            for sample, logp in zip(samples, self.teachers.teachers[name].score(samples, images)):
+            for sample, logp in zip(samples, teachers.teachers[name].score(samples, images)):
                 scored[id(sample)] = (sample, name, logp)  # holding the sample keeps its id unique
             self._unscored += sum(len(s.response_ids) - scorable_tokens(s, i) for s, i in pairs)
         self._busy_s += time.perf_counter() - started
@@ -331,7 +334,8 @@ class TeacherScoring:
     def attach(self, sequences: list[TrainSequence], batch: RolloutBatch) -> list[TrainSequence]:
         """``sequences`` (in ``batch``'s sample order) with ``teacher_logp`` and ``domain_id`` set; adds the
         teacher metrics to ``batch.metrics``. Raises :class:`TeacherError` when a teacher failed."""
-        if self._pool is None:
+        teachers = self.teachers
+        if self._pool is None or teachers is None:
             return sequences
         started = time.perf_counter()
         try:
@@ -344,18 +348,18 @@ class TeacherScoring:
         samples = [(row, s) for row, group in zip(batch.prompts, batch.groups) for s in group]
         if len(samples) != len(sequences):
             raise RuntimeError(f"{len(sequences)} training sequences for {len(samples)} samples")
-        out, per_teacher = [], dict.fromkeys(self.teachers.teachers, 0)
+        out, per_teacher = [], dict.fromkeys(teachers.teachers, 0)
         for seq, (row, sample) in zip(sequences, samples):
             held, name, logp = scored.get(id(sample), (None, "", []))
             if held is not sample:
                 raise RuntimeError(f"{seq.sample_id}: no teacher scored it (was it generated by collect?)")
             per_teacher[name] += 1
             out.append(replace(seq, teacher_logp=logp, domain_id=self._domain_ids.get(row.domain, -1)))
-        batch.metrics.update(self._metrics(per_teacher, waited))
+        batch.metrics.update(self._metrics(teachers, per_teacher, waited))
         return out
 
-    def _metrics(self, per_teacher: dict[str, int], waited: float) -> dict[str, float]:
-        after = self.teachers.counters()
+    def _metrics(self, teachers: Teachers, per_teacher: dict[str, int], waited: float) -> dict[str, float]:
+        after = teachers.counters()
         errors = {key: after[key] - self._counters_before.get(key, 0.0) for key in after}
         metrics = {
             "time/teacher_s": self._busy_s,

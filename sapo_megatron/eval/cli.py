@@ -170,7 +170,7 @@ def resolve_model(model: str, out_dir: Path) -> tuple[Path, Path | None]:
 
 def _convert(checkpoint: Path, out: Path, run_config: Path | None) -> Path:
     from sapo_megatron.conversion.cli import run_tokenizer_reference
-    from sapo_megatron.conversion.convert import megatron_to_hf
+    from sapo_megatron.conversion.to_hf import megatron_to_hf
 
     reference = run_tokenizer_reference(run_config.parent, out) if run_config else None
     print(f"converting {checkpoint} to an HF checkpoint in {out}")

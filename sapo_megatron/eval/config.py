@@ -35,6 +35,24 @@ KEY_FIELDS = tuple(DatasetKeys.model_fields)
 """The dataset keys (docs/data.md) an eval dataset may set; unset, they are ``data``'s."""
 
 
+def _common_fields() -> tuple[Any, Any, Any]:
+    """``max_new_tokens``, ``reward`` and ``size``: the same in ``eval.defaults`` and in each dataset."""
+    return (
+        Field(default=None, ge=1, description="default: rollout.max_new_tokens"),
+        Field(default=None, description="reward name; default: algorithm.reward"),
+        Field(
+            default=None,
+            ge=1,
+            description=f"prompts used: a synthetic task draws this many (default {SYNTHETIC_SIZE}), a file's "
+            "first `size` rows (default: all)",
+        ),
+    )
+
+
+_MAX_NEW_TOKENS, _REWARD, _SIZE = _common_fields()
+_DATASET_MAX_NEW_TOKENS, _DATASET_REWARD, _DATASET_SIZE = _common_fields()
+
+
 class EvalDefaults(DatasetKeys):
     """Settings of every eval dataset that does not set its own (and the dataset keys of ``data``, which unset
     keys take). Greedy (n 1, temperature 0) by default."""
@@ -48,26 +66,25 @@ class EvalDefaults(DatasetKeys):
     temperature: float = Field(default=0.0, ge=0.0, description="0: greedy")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=-1, description="-1: the whole vocabulary")
-    max_new_tokens: int | None = Field(default=None, ge=1, description="default: rollout.max_new_tokens")
-    reward: str | None = Field(default=None, description="reward name; default: algorithm.reward")
-    size: int | None = Field(
-        default=None,
-        ge=1,
-        description=f"prompts used: a synthetic task draws this many (default {SYNTHETIC_SIZE}), a file's first "
-        "`size` rows (default: all)",
-    )
+    max_new_tokens: int | None = _MAX_NEW_TOKENS
+    reward: str | None = _REWARD
+    size: int | None = _SIZE
 
 
-class EvalDatasetConfig(EvalDefaults):
+class EvalDatasetConfig(DatasetKeys):
     """One evaluation dataset: a name (used in metric names) and a path (jsonl / parquet, or ``synthetic:TASK``,
-    whose held-out split is used). Every other field overrides ``eval.defaults`` for this dataset."""
+    whose held-out split is used). Every other field overrides ``eval.defaults`` for this dataset (unset: None).
+    Its fields are ``eval.defaults``' in the same order, then ``name`` and ``path``."""
 
-    name: str = Field(pattern=NAME_PATTERN)
-    path: str
     n: int | None = Field(default=None, ge=1, le=4096)  # rollout.n_samples' bound: 1e9 would run for ever
     temperature: float | None = Field(default=None, ge=0.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = None
+    max_new_tokens: int | None = _DATASET_MAX_NEW_TOKENS
+    reward: str | None = _DATASET_REWARD
+    size: int | None = _DATASET_SIZE
+    name: str = Field(pattern=NAME_PATTERN)
+    path: str
 
 
 class EvalConfig(_Section):

@@ -101,7 +101,10 @@ class EvalPrompts:
         """The row's images as the rollout sends them (PNG bytes; the engine expands the pads)."""
         if not row.images:
             return None
-        return ImageInputs(png=tuple(image.png() for image in row.images), pad_id=self.renderer.vision.pad_id)
+        vision = self.renderer.vision
+        if vision is None:  # loading refuses image rows for a text-only model (check_model_takes_images)
+            raise ValueError("a row with images, and the model takes none")
+        return ImageInputs(png=tuple(image.png() for image in row.images), pad_id=vision.pad_id)
 
     def text(self, row: PromptRow) -> str:
         """The prompt as rendered for the model (chat template included)."""

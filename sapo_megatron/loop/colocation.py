@@ -79,8 +79,9 @@ class Colocation:
             self._phase("onload", self.offload.onload)
         self._memory("train")
         yield
-        if self.offload is not None:
-            self._phase("offload", lambda: self.offload.offload(["grads", "optimizer"]))
+        offload = self.offload
+        if offload is not None:
+            self._phase("offload", lambda: offload.offload(["grads", "optimizer"]))
             _return_cached_memory()
 
     def push(self, inner: WeightSync, module: torch.nn.Module) -> dict[str, float]:
@@ -96,8 +97,9 @@ class Colocation:
             metrics = self._phase("sync", lambda: inner.push(module))
         finally:
             inner.on_bucket = None
-        if self.offload is not None and self.released:
-            self._phase("offload_params", lambda: self.offload.offload(["params"]))
+        offload = self.offload
+        if offload is not None and self.released:
+            self._phase("offload_params", lambda: offload.offload(["params"]))
         _return_cached_memory()  # verl PR #6912: the KV cache's resume runs out of memory otherwise
         self._barrier()
         if self.released:
@@ -113,14 +115,15 @@ class Colocation:
     @contextlib.contextmanager
     def resident(self) -> Iterator[None]:
         """The whole trainer on its device for a while (a checkpoint, the final export), then back as it was."""
-        away = [] if self.offload is None else sorted(self.offload.offloaded)
-        if away:
-            self.offload.onload(away)
+        offload = self.offload
+        away = [] if offload is None else sorted(offload.offloaded)
+        if offload is not None and away:
+            offload.onload(away)
         try:
             yield
         finally:
-            if away:
-                self.offload.offload(away)
+            if offload is not None and away:
+                offload.offload(away)
 
     # ------------------------------------------------------------------ pieces (engine calls: main rank)
     def engine_release(self) -> None:

@@ -58,7 +58,8 @@ def evaluate(session: Any, state: Any, when: When) -> dict[str, float]:
         state.eval_before = state.eval_last
         state.accuracy_before = result.headline
     session.tracker.message(f"eval at RL step {state.step}: {_line(metrics)}")
-    return {"accuracy": result.headline} if when == "step" else {}
+    accuracy = result.headline  # None only without datasets, which returned above
+    return {"accuracy": accuracy} if when == "step" and accuracy is not None else {}
 
 
 def _due(cfg: Any, state: Any, when: When) -> bool:

@@ -37,7 +37,7 @@ def _inputs(cfg: RunConfig) -> list[tuple[str, str, str]]:
     if model.init != "random" and model.init_path:
         inputs.append(("model.init_path", model.init_path, "dir"))
     for teacher in cfg.teachers:
-        if teacher.engine == "cpu":
+        if teacher.engine == "cpu" and teacher.model_path is not None:  # TeacherConfig requires it for cpu
             inputs.append((f"teachers[{teacher.name}].model_path", teacher.model_path, "dir"))
         if teacher.tokenizer and teacher.tokenizer not in ("char", "chat"):
             inputs.append((f"teachers[{teacher.name}].tokenizer", teacher.tokenizer, "dir"))

@@ -19,6 +19,7 @@ from sapo_megatron.data.loading import RunData, build_run_data
 from sapo_megatron.data.prompts import PromptRow
 from sapo_megatron.data.render import PromptRenderer
 from sapo_megatron.data.samples import SampleLog, resume_point
+from sapo_megatron.data.tokenizer import Tokenizer
 from sapo_megatron.distill.config import check_domains_served, prompt_domains
 from sapo_megatron.distill.step import DistillStep
 from sapo_megatron.errors import UserError
@@ -33,7 +34,7 @@ from sapo_megatron.megatron.parallel import RankInfo, init_parallel
 from sapo_megatron.megatron.train_step import TrainEngine
 from sapo_megatron.rewards.registry import check_labels
 from sapo_megatron.rewards.runner import RewardRunner, build_reward_runner, check_reward_available
-from sapo_megatron.rollout.base import RolloutEngine
+from sapo_megatron.rollout.base import LocalServer, RolloutEngine
 from sapo_megatron.rollout.episodes import tool_schemas, with_run_episodes
 from sapo_megatron.rollout.sglang.topology import Topology, resolve_topology
 from sapo_megatron.runtime.interrupts import InterruptGuard, print_line
@@ -55,7 +56,7 @@ class Session:
     cfg: RunConfig
     info: RankInfo
     start: RunStart
-    tokenizer: object
+    tokenizer: Tokenizer
     train_rows: list[PromptRow]
     eval_suite: EvalSuite
     engine: TrainEngine
@@ -65,12 +66,12 @@ class Session:
     tracker: Tracker
     guard: InterruptGuard
     bad_steps: BadStepGuard
+    distill: DistillStep
+    renderer: PromptRenderer  # prompt rows -> the ids the engine receives (data/render.py)
+    samples: SampleLog  # samples.jsonl (data/samples.py)
     checkpointer: Any = None  # set by the trainer (it needs the loop's start time)
-    _server: object | None = None
-    distill: DistillStep | None = None
+    _server: LocalServer | None = None
     teachers: Any = None  # distill.teachers.Teachers on the main rank of a run with teachers, else None
-    renderer: PromptRenderer | None = None  # prompt rows -> the ids the engine receives (data/render.py)
-    samples: SampleLog | None = None  # samples.jsonl (data/samples.py)
     colocation: Any = field(default_factory=NoColocation)  # rollout.colocate (colocation.py)
 
     @property
@@ -117,6 +118,7 @@ def open_session(cfg: RunConfig, *, mode: str) -> Iterator[Session]:
     ):
         if data_error is not None:
             raise data_error
+        assert data is not None  # built, or data_error was raised above
         session = build_session(cfg, info, start, guard, data)
         guard.started()  # the first signal now asks for a checkpoint (before: it exits at once)
         try:
@@ -301,11 +303,17 @@ def build_weight_sync(
         staging = Path(cfg.rollout.weight_sync_dir or run_dir / "rollout_weights").absolute()
         return DiskSync(rollout, arch, staging_dir=staging, tokenizer=tokenizer)
     api_key = None if cfg.rollout.engine == "cpu" else rollout_api_key(cfg)
+
+    def make_client() -> RolloutEngine:
+        if topology is None:  # the in-process engine has no workers to broadcast to
+            raise UserError("rollout.weight_sync distributed needs rollout workers (SGLang or cpu_http)")
+        return _sglang_client(cfg, topology, api_key)
+
     return DistributedSync(
         rollout,
         arch,
         stage=info.pp_rank,
-        make_client=lambda: _sglang_client(cfg, topology, api_key),
+        make_client=make_client,
         timeout_s=cfg.rollout.weight_sync_timeout_s,
     )
 

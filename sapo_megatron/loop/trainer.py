@@ -253,6 +253,8 @@ def _rollout(session: Session, prompts: PromptIterator, step: int):
     teacher = TeacherScoring(  # no-op without teachers; scores with each prompt's images
         session.teachers, session.distill.domain_names, image_pad_id=settings.image_pad_id
     )
+    if session.rollout is None:  # the engine lives on the main rank, which alone calls this
+        raise RuntimeError("rollout on a rank without the rollout engine")
     batch = collect(
         session.rollout,
         rows,

@@ -33,7 +33,7 @@ import contextlib
 import importlib.util
 import sys
 import types
-from typing import Any
+from typing import Any, overload
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -95,7 +95,7 @@ class _NullStream:
 
 def _patch_torch_cuda() -> None:
     """Patches 2 and 3: device queries, streams, events, NVTX and synchronisation."""
-    cuda = torch.cuda
+    cuda: Any = torch.cuda  # its typed functions and classes are replaced on purpose
     cuda.current_device = lambda: torch.device("cpu")
     cuda.synchronize = lambda *args, **kwargs: None
     cuda.Stream = _NullStream
@@ -176,10 +176,19 @@ def _patch_moe_utils() -> None:
         moe_utils.te_general_gemm = None
 
 
+@overload
+def _as_int_list(sizes: None) -> None: ...
+@overload
+def _as_int_list(sizes: Any) -> list[int]: ...
 def _as_int_list(sizes: Any) -> list[int] | None:
     return (
         None if sizes is None else [int(v) for v in (sizes.tolist() if hasattr(sizes, "tolist") else sizes)]
     )
+
+
+def _mark_patched(fn: Any) -> None:
+    """Mark a replacement so that a second ``apply()`` sees the patch in place."""
+    fn.__dict__["_sapo_patched"] = True
 
 
 def _patch_all_to_all() -> None:
@@ -195,7 +204,7 @@ def _patch_all_to_all() -> None:
             ctx, group, input, _as_int_list(output_split_sizes), _as_int_list(input_split_sizes), *rest
         )
 
-    patched._sapo_patched = True
+    _mark_patched(patched)
     mappings._AllToAll.forward = staticmethod(patched)
 
 
@@ -230,7 +239,7 @@ def _patch_uneven_collectives() -> None:
         padded = torch.cat([_pad_rows(piece, rows) for piece in input_.split(sizes)])
         return scatter(padded, group)[: sizes[group.rank()]]
 
-    gather_uneven._sapo_patched = True
+    _mark_patched(gather_uneven)
     mappings._gather_along_first_dim = gather_uneven
     mappings._reduce_scatter_along_first_dim = scatter_uneven
 
@@ -255,7 +264,7 @@ def _patch_torch_norm() -> None:
             param.sequence_parallel = sequence_parallel
         return norm
 
-    new._sapo_patched = True
+    _mark_patched(new)
     torch_norm.WrappedTorchNorm.__new__ = new
 
 
@@ -273,10 +282,12 @@ def register_import_stubs() -> None:
     if _PAGED_STASH_OPS in sys.modules or importlib.util.find_spec("triton") is not None:
         return
     stub = types.ModuleType(_PAGED_STASH_OPS)
-    stub.GLOBAL_BLOCK_SIZE = 1024
-    stub.paged_stash_copy_kernel = _unavailable_kernel
-    stub.paged_stash_pop_kernel = _unavailable_kernel
-    stub.__all__ = ["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"]
+    vars(stub).update(
+        GLOBAL_BLOCK_SIZE=1024,
+        paged_stash_copy_kernel=_unavailable_kernel,
+        paged_stash_pop_kernel=_unavailable_kernel,
+        __all__=["GLOBAL_BLOCK_SIZE", "paged_stash_copy_kernel", "paged_stash_pop_kernel"],
+    )
     sys.modules[_PAGED_STASH_OPS] = stub
 
 

@@ -9,8 +9,7 @@ writes the completion marker and ``hf_config.json``, renames the directory into 
 moves the ``latest`` pointer. Loads refuse a directory without the marker.
 
 Also here, because they need ``megatron.core``: the single-process Megatron state that offline tools run in,
-the reference (TP1) checkpoint layout that offline conversion writes and reads, and a logits forward used by
-the parity check.
+and the reference (TP1) checkpoint layout that offline conversion writes and reads.
 """
 
 from __future__ import annotations
@@ -37,7 +36,6 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, ShardedTensorFactory
 from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 from megatron.core.models.gpt import GPTModel
-from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from sapo_megatron.checkpoint import atomic, dcp_io
 from sapo_megatron.checkpoint.atomic import IncompleteCheckpointError
@@ -630,77 +628,6 @@ def load_latest_train_state(engine, root: str | Path) -> dict[str, Any]:
     return load_train_state(engine, root)
 
 
-# --------------------------------------------------------------------------------------------------------
-# Verification support: full-vocabulary logits under any layout
-# --------------------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def parallel_context(cfg, *, seed: int = 0) -> Iterator[None]:
-    """Megatron parallel state for ``cfg.parallel`` for the duration of the block.
-
-    Reuses the caller's state when Megatron's parallel state already exists (the caller chose the layout);
-    otherwise creates it (and the process group, from the launcher's environment, when there is none) and
-    tears down what it created.
-    """
-    from sapo_megatron.megatron.parallel import init_parallel, shutdown_parallel
-
-    if dist.is_initialized() and parallel_state.model_parallel_is_initialized():
-        yield
-        return
-    created_group = not dist.is_initialized()
-    init_parallel(cfg.parallel, seed=seed, cfg=cfg)
-    try:
-        yield
-    finally:
-        if created_group:
-            shutdown_parallel()
-        else:
-            parallel_state.destroy_model_parallel()
-
-
-def is_reporting_rank() -> bool:
-    """The one rank that reports for the model: last pipeline stage, first TP and DP rank."""
-    return (
-        parallel_state.is_pipeline_last_stage(ignore_virtual=True)
-        and parallel_state.get_tensor_model_parallel_rank() == 0
-        and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
-    )
-
-
-@torch.no_grad()
-def forward_logits(
-    model: torch.nn.Module, input_ids: torch.Tensor, **vision: torch.Tensor
-) -> torch.Tensor | None:
-    """Logits ``[b, s, vocab]`` (float32) for ``input_ids [b, s]`` through the pipeline schedule; returned on
-    the last pipeline stage (gathered over tensor parallelism), ``None`` on the other stages. A
-    vision-language model also takes ``pixel_values`` and ``image_grid_thw``."""
-    model.eval()
-    batch, seq = input_ids.shape
-
-    def loss_func(logits: torch.Tensor):
-        full = tensor_parallel.gather_from_tensor_model_parallel_region(logits).float()
-        return torch.zeros((), device=logits.device), full
-
-    def forward_step(data_iterator, chunk):
-        ids = next(data_iterator)
-        positions = torch.arange(seq, device=ids.device).expand_as(ids)
-        images = {k: v.to(ids.device) for k, v in vision.items()}
-        return chunk(ids, positions, attention_mask=None, **images), loss_func
-
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    outputs = get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iter([input_ids.to(device)]),
-        model=[model],
-        num_microbatches=1,
-        seq_length=seq,
-        micro_batch_size=batch,
-        forward_only=True,
-    )
-    return outputs[0] if parallel_state.is_pipeline_last_stage(ignore_virtual=True) else None
-
-
 __all__ = [
     "CheckpointMismatchError",
     "IncompleteCheckpointError",
@@ -708,12 +635,9 @@ __all__ = [
     "ReferenceLayout",
     "build_meta_model",
     "checkpoint_tensor_dtypes",
-    "forward_logits",
-    "is_reporting_rank",
     "load_latest_train_state",
     "load_model_weights",
     "load_train_state",
-    "parallel_context",
     "read_params",
     "reference_layout",
     "save_model_weights",

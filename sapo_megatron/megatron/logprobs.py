@@ -91,7 +91,7 @@ def vocab_parallel_logprobs(
 
 
 def _resolve_group(tp_group: GroupArg) -> dist.ProcessGroup | None:
-    if tp_group is not MEGATRON_GROUP:
+    if not isinstance(tp_group, _MegatronGroup):
         return tp_group
     from megatron.core import parallel_state
 
@@ -146,13 +146,13 @@ class _VocabParallelLogprobs(torch.autograd.Function):
                 logits_nv[rows], local_n[rows], owned_n[rows], temperature, with_entropy, group, world
             )
             lse_n[rows], logp_n[rows] = lse, logp
-            if with_entropy:
+            if entropy_n is not None:  # with_entropy
                 entropy_n[rows] = entropy
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(logits, local_n, owned_n, lse_n, entropy_n)
         ctx.params = (temperature, chunk_tokens, inplace_backward)
         shape = labels.shape
-        if with_entropy:
+        if entropy_n is not None:  # with_entropy
             return logp_n.view(shape), entropy_n.view(shape)
         return logp_n.view(shape)
 

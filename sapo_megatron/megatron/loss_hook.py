@@ -26,7 +26,7 @@ keys (``advantages`` ``[n]``) already are.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -46,6 +46,7 @@ from sapo_megatron.megatron.logprobs import (
     DEFAULT_CHUNK_TOKENS,
     MEGATRON_GROUP,
     GroupArg,
+    _MegatronGroup,
     vocab_parallel_logprobs,
 )
 from sapo_megatron.megatron.train_step import Metrics, MicroBatch
@@ -205,7 +206,7 @@ class LogprobOutput:
         if self.with_unit_temperature:  # the same forward's logits at temperature 1 (what teachers score at)
             unit_bt = unit_temperature_logprobs(logits, labels, self.tp_group, self.chunk_tokens)
             return torch.stack((logp_bt, unit_bt))
-        return torch.stack((logp_bt, entropy_bt)) if self.with_entropy else logp_bt
+        return torch.stack((logp_bt, entropy_bt)) if entropy_bt is not None else logp_bt  # with_entropy
 
 
 def global_normalisers(
@@ -250,6 +251,10 @@ class _PerSequence:
     def __call__(self, x_bt: torch.Tensor) -> torch.Tensor:
         return self.view(x_bt)
 
+    @overload
+    def get(self, key: str, *, optional: Literal[False] = False) -> torch.Tensor: ...
+    @overload
+    def get(self, key: str, *, optional: bool) -> torch.Tensor | None: ...
     def get(self, key: str, *, optional: bool = False) -> torch.Tensor | None:
         if optional and self.batch.get(key) is None:
             return None
@@ -318,7 +323,7 @@ def _get(batch: MicroBatch, key: str, device: torch.device) -> torch.Tensor:
 
 
 def _resolve_dp_group(dp_group: GroupArg) -> dist.ProcessGroup | None:
-    if dp_group is not MEGATRON_GROUP:
+    if not isinstance(dp_group, _MegatronGroup):  # MEGATRON_GROUP: resolved below
         return dp_group
     from megatron.core import parallel_state
 

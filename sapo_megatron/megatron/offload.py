@@ -122,7 +122,7 @@ class TrainerOffload:
         return {key for p in earlier for key in self._parts.get(p, {})}
 
     def _param_tensors(self) -> list[torch.Tensor]:
-        out = []
+        out: list[torch.Tensor] = []
         for chunk in self.model_chunks:
             out.extend(p.data for p in chunk.parameters())
             for buffer in _ddp_buffers(chunk):
@@ -135,13 +135,13 @@ class TrainerOffload:
         for chunk in self.model_chunks:
             for buffer in _ddp_buffers(chunk):
                 out.append(buffer.grad_data)
-            out.extend(p.main_grad for p in chunk.parameters() if getattr(p, "main_grad", None) is not None)
+            out.extend(g for p in chunk.parameters() if (g := getattr(p, "main_grad", None)) is not None)
         return out
 
     def _optimizer_tensors(self) -> list[tuple[torch.Tensor, bool]]:
         """(tensor, keep): main parameters and state are kept; the main parameters' ``.grad`` (rewritten from
         ``main_grad`` before every step) is dropped."""
-        out = []
+        out: list[tuple[torch.Tensor, bool]] = []
         for inner in _inner_optimizers(self.optimizer):
             for group in inner.param_groups:
                 out.extend((p.data, True) for p in group["params"])

@@ -141,8 +141,10 @@ VISION_INPUTS = ("pixel_values", "image_grid_thw")
 
 
 def _is_vl(model: torch.nn.Module) -> bool:
-    while not isinstance(model, GPTModel) and hasattr(model, "module"):
-        model = model.module
+    while not isinstance(model, GPTModel) and isinstance(
+        inner := getattr(model, "module", None), torch.nn.Module
+    ):
+        model = inner
     arch = getattr(model, "arch", None)
     return arch is not None and arch.is_vl
 
@@ -160,7 +162,8 @@ def rope_at_positions(position_ids: torch.Tensor):
 def _gpt(model: torch.nn.Module) -> GPTModel:
     """The GPTModel inside Megatron's wrappers (DDP, Float16Module)."""
     while not isinstance(model, GPTModel):
-        if not hasattr(model, "module"):
+        inner = getattr(model, "module", None)
+        if not isinstance(inner, torch.nn.Module):
             raise TypeError(f"no GPTModel inside {type(model).__name__}")
-        model = model.module
+        model = inner
     return model

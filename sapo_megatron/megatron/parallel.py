@@ -7,7 +7,9 @@ process with an in-memory store.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -16,7 +18,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-from sapo_megatron.config import ParallelConfig, validate_layout
+from sapo_megatron.config import ParallelConfig, RunConfig, validate_layout
 from sapo_megatron.megatron import cpu_compat
 
 
@@ -47,7 +49,12 @@ def world_from_env() -> tuple[int, int, int]:
 
 
 def init_parallel(
-    par: ParallelConfig, *, seed: int, timeout_minutes: int = 30, cfg=None, cpu_threads: int | None = None
+    par: ParallelConfig,
+    *,
+    seed: int,
+    timeout_minutes: int = 30,
+    cfg: RunConfig | None = None,
+    cpu_threads: int | None = None,
 ) -> RankInfo:
     """Create the process group and Megatron's parallel state; seed the (model-parallel) RNGs.
 
@@ -110,3 +117,35 @@ def shutdown_parallel() -> None:
         parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def parallel_context(cfg: RunConfig, *, seed: int = 0) -> Iterator[None]:
+    """Megatron parallel state for ``cfg.parallel`` for the duration of the block (offline tools: the parity
+    check, tests).
+
+    Reuses the caller's state when Megatron's parallel state already exists (the caller chose the layout);
+    otherwise creates it (and the process group, from the launcher's environment, when there is none) and
+    tears down what it created.
+    """
+    if dist.is_initialized() and parallel_state.model_parallel_is_initialized():
+        yield
+        return
+    created_group = not dist.is_initialized()
+    init_parallel(cfg.parallel, seed=seed, cfg=cfg)
+    try:
+        yield
+    finally:
+        if created_group:
+            shutdown_parallel()
+        else:
+            parallel_state.destroy_model_parallel()
+
+
+def is_reporting_rank() -> bool:
+    """The one rank that reports for the model: last pipeline stage, first TP and DP rank."""
+    return (
+        parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        and parallel_state.get_tensor_model_parallel_rank() == 0
+        and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
+    )

@@ -51,6 +51,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -60,6 +61,9 @@ from megatron.core.transformer.moe.router_replay import RouterReplay, RouterRepl
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from sapo_megatron.model.batching import ENGINE_ROUTES, NO_ROUTE, RoutingReplayError
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
 
 __all__ = [
     "ENGINE_ROUTES",
@@ -101,7 +105,7 @@ class RoutingReplay:
     micro-batch in schedule order :meth:`before_forward` / :meth:`after_forward` around the model call, then
     :meth:`clear` (always, in a ``finally``)."""
 
-    def __init__(self, chunks: Sequence[torch.nn.Module], config: TransformerConfig, num_layers: int) -> None:
+    def __init__(self, chunks: Sequence[GPTModel], config: TransformerConfig, num_layers: int) -> None:
         check_supported(config)
         self.routers = local_routers(chunks)
         self.config = config
@@ -163,6 +167,7 @@ class RoutingReplay:
     def before_forward(self, batch: MicroBatch) -> None:
         start = time.perf_counter()
         if self._mode is RouteMode.REPLAY:
+            assert self._key is not None  # begin() checked the REPLAY source key
             for router, targets in zip(self.routers, self._targets(batch[self._key])):
                 router.replay.set_target_indices(targets)  # also queued for REPLAY_BACKWARD
             self._set_action(RouterReplayAction.REPLAY_FORWARD)
@@ -297,7 +302,7 @@ def _gather_sequence(stacked: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
-def local_routers(chunks: Sequence[torch.nn.Module]) -> list[LocalRouter]:
+def local_routers(chunks: Sequence[GPTModel]) -> list[LocalRouter]:
     """This rank's MoE routers with their global layer index (``TransformerLayer.layer_number`` is 1-based and
     already includes the pipeline offset), in layer order."""
     routers = []

@@ -297,14 +297,19 @@ def _run_schedule(
 
 def init_weights(module: torch.nn.Module, cfg: RunConfig) -> None:
     """Load initial weights before DDP and the optimizer exist (so bf16 main params start from them)."""
+    path = cfg.model.init_path
+    if cfg.model.init == "random":
+        return
+    if path is None:  # ModelConfig requires it
+        raise ValueError(f"model.init={cfg.model.init} needs model.init_path")
     if cfg.model.init == "hf":
-        reader = HFCheckpointReader(cfg.model.init_path)
+        reader = HFCheckpointReader(path)
         reader.validate(cfg.model.arch)
         load_hf_weights(module, reader.get, cfg.model.arch)
     elif cfg.model.init == "megatron":
         from sapo_megatron.megatron.dist_ckpt import load_model_weights
 
-        load_model_weights(module, cfg.model.init_path)
+        load_model_weights(module, path)
 
 
 def _forward_step(loss_fn, routes: RoutingReplay | None, data_iterator: Iterator[MicroBatch], model):

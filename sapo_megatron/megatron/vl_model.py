@@ -25,7 +25,7 @@ built here:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from megatron.core import parallel_state
@@ -183,23 +183,25 @@ class VLGPTModel(GPTModel):
         # built; with "mrope" set, GPTModel calls rotary_pos_emb(position_ids [3, b, s], mrope_section).
         super().__init__(position_embedding_type="rope", **gpt_kwargs)
         self.arch = arch
+        vl = arch.vl
         self.position_embedding_type = "mrope"
-        self.mrope_section = list(arch.mrope_section)
-        self.rotary_pos_emb = InterleavedMRoPE(arch.head_dim, arch.rope_theta, arch.mrope_section)
+        self.mrope_section = list(vl.mrope_section)
+        self.rotary_pos_emb = InterleavedMRoPE(arch.head_dim, arch.rope_theta, vl.mrope_section)
+        self.visual: nn.Module | None
         if not self.pre_process:
             self.visual = None
         elif layout_only:  # names and shapes only (the meta model of offline conversion)
-            self.visual = vision_layout(arch.vision)
+            self.visual = vision_layout(vl.vision)
         else:
-            self.visual = build_vision_tower(arch.vision, arch.model_type)
+            self.visual = build_vision_tower(vl.vision, arch.model_type)
         self.freeze_vision = freeze_vision
         if self.visual is not None:
             for param in self.visual.parameters():
                 param.requires_grad_(not freeze_vision)
                 # gradients from a sequence-parallel slice are partial: Megatron all-reduces these over TP
-                param.sequence_parallel = self.config.sequence_parallel
+                param.sequence_parallel = self.config.sequence_parallel  # type: ignore[attr-defined]  # Megatron reads flags set on the parameter
         self._visual_rows: tuple[Tensor, list[Tensor]] | None = None
-        levels = len(arch.vision.deepstack_visual_indexes)
+        levels = len(vl.vision.deepstack_visual_indexes)
         for layer in self.decoder.layers:
             if layer.layer_number - 1 < levels:
                 layer.register_forward_hook(self._deepstack_hook(layer.layer_number - 1))
@@ -223,8 +225,8 @@ class VLGPTModel(GPTModel):
                 input_ids,
                 position_ids,
                 image_grid_thw,
-                image_token_id=self.arch.image_token_id,
-                spatial_merge_size=self.arch.vision.spatial_merge_size,
+                image_token_id=self.arch.vl.image_token_id,
+                spatial_merge_size=self.arch.vl.vision.spatial_merge_size,
                 image_mask=image_mask,
             )
         self._visual_rows = None
@@ -247,15 +249,19 @@ class VLGPTModel(GPTModel):
         """Word embeddings ``[s_local, b, H]`` with the image tokens in place; keeps this slice's image index
         and the DeepStack features for the hooks."""
         embeddings = self.embedding(input_ids=input_ids, position_ids=None)
-        is_image = _image_tokens(input_ids, self.arch.image_token_id, image_mask)
+        is_image = _image_tokens(input_ids, self.arch.vl.image_token_id, image_mask)
         if pixel_values is None:
             if bool(is_image.any()):
                 raise VisionInputError("the token ids hold image tokens but no pixel_values were given")
             return embeddings
-        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.freeze_vision):
-            vision = self.visual(
-                pixel_values.to(self.visual.dtype), grid_thw=image_grid_thw, return_dict=True
+        visual = self.visual
+        if visual is None:
+            raise VisionInputError(
+                "pixel_values go to the first pipeline stage, which holds the vision tower"
             )
+        dtype = cast(torch.dtype, visual.dtype)  # a transformers model: its parameters' dtype
+        with torch.set_grad_enabled(torch.is_grad_enabled() and not self.freeze_vision):
+            vision = visual(pixel_values.to(dtype), grid_thw=image_grid_thw, return_dict=True)
         image_embeds, deepstack = vision.pooler_output, list(vision.deepstack_features)
         if image_embeds.shape[0] != int(is_image.sum()):
             raise VisionInputError(
@@ -300,7 +306,7 @@ def _add_rows(hidden: Tensor, index: Tensor, rows: Tensor) -> Tensor:
 
 def check_vl_layout(arch: QwenArch, *, pp: int, cp: int, recompute: str) -> None:
     """Refuse layouts this model cannot run faithfully, before any weight exists."""
-    levels = len(arch.vision.deepstack_visual_indexes)
+    levels = len(arch.vl.vision.deepstack_visual_indexes)
     first_stage = arch.num_hidden_layers // pp
     if levels > first_stage:
         raise ConfigError(

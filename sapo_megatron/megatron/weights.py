@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,9 @@ from megatron.core import parallel_state
 
 from sapo_megatron.checkpoint.mapping import MappingError, Resolved, ShardInfo, hf_expected_shapes, resolve
 from sapo_megatron.model.arch import QwenArch
+
+if TYPE_CHECKING:
+    from megatron.core.models.gpt import GPTModel
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 VISION_PREFIX = "visual."  # a vision-language model's tower (Megatron names), ...
@@ -39,10 +43,10 @@ class LocalParam:
         return self.resolved.rule.expert
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+def unwrap(model: torch.nn.Module) -> GPTModel:
     """The GPTModel inside DDP / Float16Module wrappers."""
-    while hasattr(model, "module"):
-        model = model.module
+    while isinstance(inner := getattr(model, "module", None), torch.nn.Module):
+        model = inner
     return model
 
 
@@ -75,8 +79,9 @@ def _layer_offset(gpt: torch.nn.Module) -> int:
 
 def _num_local_experts(gpt: torch.nn.Module) -> int:
     for module in gpt.modules():
-        if hasattr(module, "num_local_experts"):
-            return int(module.num_local_experts)
+        count = getattr(module, "num_local_experts", None)
+        if count is not None:
+            return int(count)
     return 0
 
 
@@ -199,7 +204,8 @@ def _export_units(
     gathered: list[list] = [[] for _ in range(dist.get_world_size())]
     dist.all_gather_object(gathered, mine)
     order = {name: i for i, name in enumerate(expected)}
-    units, seen = [], {}
+    units: list[_ExportUnit] = []
+    seen: dict[str, int] = {}
     for rank, owned in enumerate(gathered):
         for megatron_name, hf_names, dtype, expert in owned:
             for name in hf_names:
@@ -208,7 +214,7 @@ def _export_units(
                 seen[name] = rank
             shapes = tuple(expected[n] for n in hf_names)
             units.append(_ExportUnit(megatron_name, hf_names, shapes, getattr(torch, dtype), expert, rank))
-    missing = sorted(set(expected) - set(seen), key=order.get)
+    missing = sorted(set(expected) - set(seen), key=order.__getitem__)
     if missing:
         raise MappingError(f"no rank publishes {len(missing)} HF tensors, e.g. {', '.join(missing[:5])}")
     return sorted(units, key=lambda u: order[u.hf_names[0]])

@@ -8,6 +8,7 @@ A Qwen3-VL-MoE config is read as its language model (``text_config``: the same f
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -123,6 +124,18 @@ class VisionArch(BaseModel):
         return total
 
 
+@dataclass(frozen=True)
+class VLParts:
+    """What a vision-language :class:`QwenArch` adds to its language model, with every field set."""
+
+    vision: VisionArch
+    mrope_section: tuple[int, int, int]
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+
+
 class QwenArch(BaseModel):
     """Architecture fields of Qwen3 (dense) and Qwen3-MoE. Unknown HF keys are kept in ``extra_hf`` only."""
 
@@ -187,6 +200,28 @@ class QwenArch(BaseModel):
     def is_vl(self) -> bool:
         """A vision-language model: a vision tower feeds the LM (image tokens, MRoPE, DeepStack)."""
         return self.model_type in VL_MODEL_TYPES
+
+    @property
+    def vl(self) -> VLParts:
+        """The parts only a vision-language model has, all set (the validator checked them); raises
+        :class:`ArchError` for a text-only model."""
+        if (
+            self.vision is None
+            or self.mrope_section is None
+            or self.image_token_id is None
+            or self.video_token_id is None
+            or self.vision_start_token_id is None
+            or self.vision_end_token_id is None
+        ):
+            raise ArchError(f"model_type={self.model_type!r} is not a vision-language model")
+        return VLParts(
+            self.vision,
+            self.mrope_section,
+            self.image_token_id,
+            self.video_token_id,
+            self.vision_start_token_id,
+            self.vision_end_token_id,
+        )
 
     def moe_layer_pattern(self) -> list[int]:
         """1 for each layer whose MLP is a sparse MoE block, 0 for a dense MLP (HF's rule)."""
@@ -255,7 +290,7 @@ class QwenArch(BaseModel):
                 "mrope_interleaved": True,
             },
         )
-        vision = {**self.vision.model_dump(), "model_type": f"{self.model_type}_vision"}
+        vision = {**self.vl.vision.model_dump(), "model_type": f"{self.model_type}_vision"}
         vision["deepstack_visual_indexes"] = list(vision["deepstack_visual_indexes"])
         return {
             "architectures": [_VL_CLASSES[self.model_type]],

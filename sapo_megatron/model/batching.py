@@ -243,9 +243,10 @@ def per_sequence_values(sequences: Sequence[TrainSequence]) -> MicroBatch:
 def image_values(sequences: Sequence[TrainSequence]) -> MicroBatch:
     """``pixel_values`` and ``image_grid_thw`` of the sequences with images, concatenated in sequence order
     (nothing when none has images). Raises ValueError naming a sequence whose patches do not match its grids."""
-    with_images = [(i, s) for i, s in enumerate(sequences) if s.images is not None]
-    for index, seq in with_images:
-        pixels, grids = seq.images[PIXEL_VALUES], seq.images[IMAGE_GRID_THW]
+    with_images = [(i, s.images) for i, s in enumerate(sequences) if s.images is not None]
+    for index, images in with_images:
+        seq = sequences[index]
+        pixels, grids = images[PIXEL_VALUES], images[IMAGE_GRID_THW]
         if grids.dim() != 2 or grids.shape[1] != 3 or int(grids.prod(-1).sum()) != pixels.shape[0]:
             raise ValueError(
                 f"{seq.sample_id or f'sequence {index}'}: {pixels.shape[0]} image patches for image_grid_thw "
@@ -253,7 +254,7 @@ def image_values(sequences: Sequence[TrainSequence]) -> MicroBatch:
             )
     if not with_images:
         return {}
-    return {key: torch.cat([s.images[key] for _, s in with_images]) for key in IMAGE_KEYS}
+    return {key: torch.cat([images[key] for _, images in with_images]) for key in IMAGE_KEYS}
 
 
 def _pad_value(key: str, pad_id: int) -> int | float:
@@ -290,7 +291,7 @@ def to_tensors(
         batch[key] = out
     batch.update(per_sequence_values(sequences))
     if route_layout is not None:
-        batch[ENGINE_ROUTES] = routes_tensor([s.routed_experts for s in sequences], length, route_layout)
+        batch[ENGINE_ROUTES] = routes_tensor([_routes_of(s) for s in sequences], length, route_layout)
     return batch
 
 
@@ -342,8 +343,15 @@ def _packed_routes(
 ) -> torch.Tensor:
     out = np.broadcast_to(layout.padding_row(), (1, length, layout.num_layers, layout.top_k)).copy()
     for seq, start in zip(sequences, _offsets(slots)):
-        out[0, start : start + len(seq.routed_experts)] = seq.routed_experts
+        routes = _routes_of(seq)
+        out[0, start : start + len(routes)] = routes
     return torch.from_numpy(out)
+
+
+def _routes_of(seq: TrainSequence) -> np.ndarray:
+    if seq.routed_experts is None:  # check_routes ran first: every sequence has its routes
+        raise RoutingReplayError(f"{seq.sample_id or 'a sequence'}: no routed_experts to replay")
+    return seq.routed_experts
 
 
 def routes_tensor(routes: Sequence[np.ndarray], length: int, layout: RouteLayout) -> torch.Tensor:

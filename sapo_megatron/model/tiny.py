@@ -145,7 +145,7 @@ def image_processor(arch: QwenArch):
     (patch, temporal patch, merge size; Qwen3-VL's mean = std = 0.5), for images up to 64×64 pixels."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    vision = arch.vision
+    vision = arch.vl.vision
     unit = vision.patch_size * vision.spatial_merge_size
     return Qwen2VLImageProcessorPil(
         patch_size=vision.patch_size,
@@ -169,13 +169,14 @@ def vl_batch(
     image, ``pixel_values`` [patches, C·T·P·P] and ``image_grid_thw`` [images, 3] in reading order.
     """
     gen = torch.Generator().manual_seed(seed)
-    text_vocab = min(arch.vision_start_token_id, arch.image_token_id, arch.vocab_size)
+    vl = arch.vl
+    text_vocab = min(vl.vision_start_token_id, vl.image_token_id, arch.vocab_size)
     sizes = [item for row in rows for item in row if isinstance(item, tuple)]
     images = (
         image_processor(arch)(images=synthetic_images(sizes, seed=seed), return_tensors="pt") if sizes else {}
     )
     grids = iter(images["image_grid_thw"].tolist()) if sizes else iter(())
-    merge = arch.vision.spatial_merge_size**2
+    merge = vl.vision.spatial_merge_size**2
     token_rows = []
     for row in rows:
         ids: list[int] = []
@@ -184,8 +185,8 @@ def vl_batch(
                 ids += torch.randint(0, text_vocab, (item,), generator=gen).tolist()
             else:
                 t, h, w = next(grids)
-                pads = [arch.image_token_id] * (t * h * w // merge)
-                ids += [arch.vision_start_token_id, *pads, arch.vision_end_token_id]
+                pads = [vl.image_token_id] * (t * h * w // merge)
+                ids += [vl.vision_start_token_id, *pads, vl.vision_end_token_id]
         token_rows.append(ids)
     width = max(len(ids) for ids in token_rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -196,7 +197,7 @@ def vl_batch(
     out = {
         "input_ids": input_ids,
         "attention_mask": mask,
-        "mm_token_type_ids": (input_ids == arch.image_token_id).long(),
+        "mm_token_type_ids": (input_ids == vl.image_token_id).long(),
     }
     if sizes:
         out["pixel_values"] = images["pixel_values"]

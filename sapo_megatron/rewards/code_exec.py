@@ -156,7 +156,7 @@ def _call_case(name: str, args: Any, expected: Any):
 def _assert_case(script: str):
     def run(code: str, limits: SandboxLimits, require: bool) -> bool:
         verdict = run_checked({"solution.py": code}, script, limits, require_isolation=require).verdict
-        return bool(verdict) and verdict.get("ok") is True
+        return verdict is not None and bool(verdict) and verdict.get("ok") is True
 
     return run
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 import pickle
 import struct
-from typing import Any, BinaryIO
+from typing import IO, Any
 
 HEADER = struct.Struct(">Q")
 
 
-def write_frame(stream: BinaryIO, message: Any) -> None:
+def write_frame(stream: IO[bytes], message: Any) -> None:
     payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     stream.write(HEADER.pack(len(payload)) + payload)
     stream.flush()

@@ -38,7 +38,7 @@ class PoolError(RewardError):
 
 @dataclass
 class _Worker:
-    process: subprocess.Popen
+    process: subprocess.Popen[bytes]
     started: float = field(default_factory=time.monotonic)
     ready: bool = False
     task: int | None = None

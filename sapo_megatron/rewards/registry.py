@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 class RewardFn(Protocol):
     """Scores one decoded response against its label; returns a float or a dict with ``score``."""
 
-    def __call__(self, response: str, label: str) -> float: ...
+    def __call__(self, response: str, label: str) -> float | dict[str, Any]: ...
 
 
 _REGISTRY: dict[str, RewardFn] = {}

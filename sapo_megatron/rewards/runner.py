@@ -25,7 +25,14 @@ from sapo_megatron.rewards.types import RewardError, RewardInput, RewardOutput
 
 logger = logging.getLogger(__name__)
 
-RewardSpec = str | Mapping[str, Any]
+
+class RewardServerSection(Protocol):
+    """A reward server's config section (``algorithm.reward: {url: ...}``, a pydantic model)."""
+
+    def model_dump(self) -> dict[str, Any]: ...
+
+
+RewardSpec = str | Mapping[str, Any] | RewardServerSection
 """A registered name, an import path (``file.py:fn`` / ``pkg.mod:fn``) or ``{url: ..., api_key_env: ...}``."""
 
 INLINE_BY_DEFAULT = frozenset({"exact_match", "numeric_match", "dapo_math", "knights_knaves"})
@@ -67,9 +74,8 @@ class _Inline:
         pass
 
 
-def _remote_settings(spec: Any) -> RemoteSettings | None:
-    if isinstance(spec, str):
-        return None
+def _remote_settings(spec: Any) -> RemoteSettings:
+    """A reward server's settings from a non-string spec (a mapping or a config section)."""
     values = spec.model_dump() if hasattr(spec, "model_dump") else dict(spec)
     return RemoteSettings(**values)
 
@@ -88,11 +94,11 @@ def check_reward_spec(
     name, missing dependency, not importable, not callable, a signature it cannot be called with."""
     from sapo_megatron.errors import ConfigError
 
-    try:
-        remote = _remote_settings(spec)
-    except TypeError as exc:
-        raise ConfigError(f"{field}: a reward server is {{url: ..., api_key_env: ...}}: {exc}") from None
-    if remote is not None:
+    if not isinstance(spec, str):
+        try:
+            remote = _remote_settings(spec)
+        except TypeError as exc:
+            raise ConfigError(f"{field}: a reward server is {{url: ..., api_key_env: ...}}: {exc}") from None
         if not remote.url.startswith(("http://", "https://")):
             raise ConfigError(f"{field}.url={remote.url!r} must start with http:// or https://")
         return
@@ -126,8 +132,8 @@ def build_reward_runner(
     """The runner for ``spec`` (checked with :func:`check_reward_spec` first, errors naming ``field``);
     ``workers``: 0 inline, N a pool, ``"auto"`` (module docstring)."""
     check_reward_spec(spec, kwargs=kwargs, field=field)
-    remote = _remote_settings(spec)
-    if remote is not None:
+    if not isinstance(spec, str):
+        remote = _remote_settings(spec)
         return RewardRunner(RemoteReward(remote), name or remote.url, group=False)
     spec = absolute_spec(spec)
     count = default_workers(spec) if workers == "auto" else int(workers)

@@ -24,10 +24,15 @@ import contextlib
 import json
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 MAX_MESSAGE = 16 << 20
 _dumps, _loads = json.dumps, json.loads  # taken before a solution's module could replace them
 SCALARS = (type(None), bool, int, float, str)
+_CONTAINER_TAGS: dict[type, str] = {list: "l", tuple: "t", set: "s", frozenset: "f"}
+_BASES: tuple[type, ...] = (bool, int, float, str, bytes, complex, list, tuple, dict, set, frozenset)
+"""The host sends an instance of a subclass of these as its base value."""
 UNSAFE_MODULES = {
     "antigravity",
     "this",
@@ -79,7 +84,7 @@ def _exactly(fd: int, size: int) -> bytes:
     return data
 
 
-def encode(value, handle, depth: int = 0):
+def encode(value: Any, handle: Callable[[Any], list[Any]], depth: int = 0) -> list[Any]:
     """``value`` as tagged JSON: ``["v", scalar]``, ``["b", latin-1 text]``, ``["c", re, im]``, ``["l" | "t" |
     "s" | "f", [items]]``, ``["d", [[key, value], ...]]``; anything else goes to ``handle`` (which returns its
     encoding or raises)."""
@@ -92,7 +97,7 @@ def encode(value, handle, depth: int = 0):
         return ["b", value.decode("latin-1")]
     if kind is complex:
         return ["c", value.real, value.imag]
-    tag = {list: "l", tuple: "t", set: "s", frozenset: "f"}.get(kind)
+    tag = _CONTAINER_TAGS.get(kind)
     if tag:
         return [tag, [encode(item, handle, depth + 1) for item in value]]
     if kind is dict:
@@ -100,7 +105,7 @@ def encode(value, handle, depth: int = 0):
     return handle(value)
 
 
-def decode(message, handle, depth: int = 0):
+def decode(message: Any, handle: Callable[[list[Any]], Any], depth: int = 0) -> Any:
     """The inverse of :func:`encode`, strict: anything malformed raises :class:`ProtocolError`; ``["h", id]`` and
     ``["m", name, id]`` go to ``handle``."""
     if depth > 100 or type(message) is not list or not message or type(message[0]) is not str:
@@ -138,10 +143,7 @@ def host(requests: int, replies: int, path: str) -> None:
         if isinstance(value, types.ModuleType):
             objects.append(value)
             return ["m", value.__name__, len(objects) - 1]
-        for base in (bool, int, float, str, bytes, complex):  # subclasses as their base value
-            if isinstance(value, base):
-                return encode(base(value), handle)
-        for base in (list, tuple, dict, set, frozenset):
+        for base in _BASES:  # subclasses as their base value
             if isinstance(value, base):
                 return encode(base(value), handle)
         objects.append(value)
@@ -152,7 +154,7 @@ def host(requests: int, replies: int, path: str) -> None:
             raise ProtocolError("an unknown handle")
         return objects[message[-1]]
 
-    operations = {
+    operations: dict[str, Callable[..., Any]] = {
         "eq": operator.eq,
         "lt": operator.lt,
         "le": operator.le,
@@ -177,6 +179,8 @@ def host(requests: int, replies: int, path: str) -> None:
         try:
             if request[0] == "load":
                 spec = importlib.util.spec_from_file_location("solution", path)
+                if spec is None or spec.loader is None:
+                    raise ImportError(f"cannot load {path} as a module")
                 module = importlib.util.module_from_spec(spec)
                 sys.modules["solution"] = module
                 with contextlib.suppress(SystemExit):  # a script's exit(): the tests judge the names so far
@@ -200,7 +204,7 @@ def host(requests: int, replies: int, path: str) -> None:
         send(replies, reply)
 
 
-def _encode_or_handle(value, handle, objects: list):
+def _encode_or_handle(value: Any, handle: Callable[[Any], list[Any]], objects: list[Any]) -> list[Any]:
     try:
         return encode(value, handle)
     except (ValueError, RecursionError):  # e.g. a constant nested too deep: the checker gets a handle to it
@@ -389,8 +393,8 @@ def check(requests: int, replies: int, tests: int, verdict: int) -> None:
         ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE
     with open(tests, encoding="utf-8") as stream:
         script = stream.read()
-    reported = []
-    result = {"ok": False}
+    reported: list[Any] = []  # what the tests passed to __report__
+    result: dict[str, Any] = {"ok": False}
     try:
         connection = Connection(requests, replies)
         names = connection.load()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import abc
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
+from typing import Protocol
 
 import torch
 
@@ -34,6 +35,13 @@ class RolloutError(UserError, RuntimeError):
             if value is not None
         )
         super().__init__(f"{message} [{context}]" if context else message)
+
+
+class LocalServer(Protocol):
+    """A server a run started in its own process (the CPU engine behind SGLang's HTTP API,
+    ``rollout.cpu.server``, imported only where it is used); stopped when the run ends."""
+
+    def stop(self) -> None: ...
 
 
 class RolloutEngine(abc.ABC):

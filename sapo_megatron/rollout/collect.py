@@ -135,7 +135,12 @@ def collect(
     batch cannot be completed without them.
     """
     start, wanted = time.perf_counter(), len(prompts)
-    score_round = score_batch if score_batch is not None else per_sample(score)
+    if score_batch is not None:
+        score_round = score_batch
+    elif score is not None:
+        score_round = per_sample(score)
+    else:
+        raise ValueError("collecting a batch needs score or score_batch")
     pool = _GroupPool()
     over_sampled = _extra(wanted, settings.over_sampling)
     batch_prompts, rounds = [*prompts, *(refill(over_sampled) if over_sampled else ())], 0

@@ -55,12 +55,15 @@ from __future__ import annotations
 import math
 import types
 from collections.abc import Iterator
-from typing import Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from sapo_megatron.errors import UserError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 Precision = Literal["fp32", "bf16", "fp8"]
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp8")
@@ -150,7 +153,7 @@ class EngineNumerics:
         self.compute_dtype = torch.float32 if precision == "fp32" else torch.bfloat16
         self.quantized: frozenset[str] = frozenset()
 
-    def install(self, model: torch.nn.Module) -> None:
+    def install(self, model: PreTrainedModel) -> None:
         """Cast ``model``'s parameters (in place), and for fp8 quantise its linear layers and hook their forwards."""
         if self.precision == "fp32":
             return
@@ -192,7 +195,7 @@ def _fake_quantize_(param_name: str, weight: torch.Tensor) -> None:
     units.copy_(fake_quantize_weight(units))
 
 
-def _install_fp8(model: torch.nn.Module) -> Iterator[str]:
+def _install_fp8(model: PreTrainedModel) -> Iterator[str]:
     """Hook the decoder's quantised layers (fp32 dequantised weights, fp8 activations); yields their weight names."""
     decoder_layers = model.get_decoder().layers
     prefix = _module_name(model, decoder_layers)
@@ -200,7 +203,7 @@ def _install_fp8(model: torch.nn.Module) -> Iterator[str]:
         full_name = f"{prefix}.{name}"
         if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] not in _UNQUANTIZED_LINEARS:
             module.weight.data = module.weight.data.float()
-            module.forward = types.MethodType(_fp8_linear_forward, module)
+            module.forward = types.MethodType(_fp8_linear_forward, module)  # type: ignore[method-assign]  # this instance's forward, on purpose
             yield f"{full_name}.weight"
         elif _is_fused_experts(module):
             _check_fused_experts(full_name, module)
@@ -247,8 +250,18 @@ def _fp8_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return out if self.bias is None else out + self.bias
 
 
+class _FusedExperts(Protocol):
+    """transformers' fused experts of one MoE layer (:func:`_is_fused_experts`)."""
+
+    num_experts: int
+    gate_up_proj: torch.Tensor
+    down_proj: torch.Tensor
+
+    def act_fn(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
 def _fp8_experts_forward(
-    self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    self: _FusedExperts, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
 ) -> torch.Tensor:
     """The fused experts of one MoE layer in W8A8 fp8, as SGLang's fused MoE kernel with block fp8 computes them.
 

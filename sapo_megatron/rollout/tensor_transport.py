@@ -335,7 +335,7 @@ class _SharedFd(resource_sharer.DupFd):
         ident = state.get("_id") if isinstance(state, dict) else None
         if not (isinstance(ident, tuple) and len(ident) == 2 and isinstance(ident[1], int)):
             raise _refuse("a DupFd handle without an (address, key) identifier")
-        own = getattr(resource_sharer._resource_sharer, "_address", None)
+        own = getattr(getattr(resource_sharer, "_resource_sharer", None), "_address", None)  # private
         if ident[0] != own:
             _own_unix_socket(ident[0], "DupFd address")
         self._id = ident
@@ -470,7 +470,7 @@ def _pending_filename(
         if cached is None:  # not this process's own storage: the file must be the sender's, already that big
             _own_unix_socket(manager, "torch shared-memory manager")
             try:
-                info = os.stat(SHM_DIR / name.lstrip("/"))
+                info = os.stat(SHM_DIR / match.string.lstrip("/"))  # match.string: name, a str
             except OSError:
                 raise _refuse(f"shared-memory file {name!r} does not exist") from None
             if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_size < nbytes:

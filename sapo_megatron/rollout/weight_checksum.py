@@ -39,7 +39,8 @@ _FUSED = {  # served name suffix: the checkpoint suffixes concatenated along dim
 def tensor_checksum(tensor: torch.Tensor) -> str:
     """SGLang's checksum of one CPU tensor (``_hash_tensor``)."""
     data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-    return hashlib.sha256(memoryview(data.numpy())).digest()[:8].hex()
+    # numpy's stubs declare ndarray's buffer protocol (__buffer__) for Python >= 3.12 only
+    return hashlib.sha256(memoryview(data.numpy())).digest()[:8].hex()  # type: ignore[arg-type]
 
 
 def served_layout(named: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -212,8 +212,8 @@ def _build_group(
     backend: str, url: str, world_size: int, rank: int, group_name: str, timeout: datetime.timedelta
 ) -> dist.ProcessGroup:
     new_group_helper, world = _private_api()
-    store = _tcp_store(url, rank, world_size, timeout)
-    store = dist.PrefixStore(group_name, store)  # SGLang's layout: keys of different groups cannot collide
+    # SGLang's layout: keys of different groups cannot collide
+    store = dist.PrefixStore(group_name, _tcp_store(url, rank, world_size, timeout))
     options_keyword = (
         "backend_options"
         if "backend_options" in inspect.signature(new_group_helper).parameters
@@ -242,6 +242,8 @@ def _tcp_store(url: str, rank: int, world_size: int, timeout: datetime.timedelta
     makes every rank a client of a store that torchrun's agent would host, so for this group nobody would host
     it and all ranks would wait until the timeout (measured: a trainer under torchrun hung here)."""
     parts = urlsplit(url)
+    if parts.hostname is None or parts.port is None:
+        raise WeightGroupError(f"the group's address {url!r} is not tcp://host:port")
     return dist.TCPStore(
         parts.hostname,
         parts.port,
@@ -298,9 +300,12 @@ def _raise_if_refused(reply: Future | None) -> None:
         return
     error = reply.exception()
     result = reply.result() if error is None else None
-    if error is None and not (isinstance(result, dict) and result.get("success") is False):
+    if error is not None:
+        reason: object = error
+    elif isinstance(result, dict) and result.get("success") is False:
+        reason = result.get("message")
+    else:
         return
-    reason = error if error is not None else result.get("message")
     raise WeightGroupError(
         f"the server refused the weight update while the trainer was broadcasting: {reason}",
         hint="destroy the weight-update group on both sides (POST /destroy_weights_update_group) and form it "

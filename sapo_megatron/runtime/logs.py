@@ -145,7 +145,7 @@ def console(*, is_main: bool = True, debug: bool = False, verbose: bool = False)
     handlers: list[logging.Handler] = [stream_handler]
     run_log = RunLog() if is_main else None
     if run_log is not None:
-        file_handler = logging.StreamHandler(run_log)  # type: ignore[arg-type] - RunLog has write()
+        file_handler = logging.StreamHandler(run_log)
         file_handler.setLevel(logging.INFO)
         if not verbose:
             file_handler.addFilter(_quiet_libraries)

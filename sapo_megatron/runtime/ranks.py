@@ -16,7 +16,8 @@ T = TypeVar("T")
 class HasMainRank(Protocol):
     """What :func:`on_main_rank` reads of a rank's description (``megatron.parallel.RankInfo``)."""
 
-    is_main: bool
+    @property
+    def is_main(self) -> bool: ...
 
 
 class MainRankFailed(UserError):

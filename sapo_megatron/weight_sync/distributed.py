@@ -21,6 +21,7 @@ import socket
 from collections.abc import Callable
 from concurrent.futures import wait
 from datetime import timedelta
+from typing import Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
 import torch
@@ -33,6 +34,18 @@ from sapo_megatron.weight_sync.hf_export import DEFAULT_BUCKET_BYTES, Bucket, bu
 from sapo_megatron.weight_sync.modes import WeightSync
 
 ADDRESS_ENV = "SAPO_WEIGHT_SYNC_ADDR"
+
+
+@runtime_checkable
+class _WorkerFleet(Protocol):
+    """What a broadcast needs of an engine beyond :class:`RolloutEngine`: its workers (the SGLang client)."""
+
+    @property
+    def urls(self) -> list[str]: ...
+
+    def weight_group_layout(self) -> tuple[int, list[int]]: ...
+
+    def destroy_weights_update_group(self, group_name: str = ...) -> None: ...
 
 
 class DistributedSync(WeightSync):
@@ -56,7 +69,7 @@ class DistributedSync(WeightSync):
         self.group_name = f"sapo_weights_pp{stage}"
         self.backend = "nccl" if torch.cuda.is_available() else "gloo"
         self._client: RolloutEngine | None = None
-        self._group = None
+        self._group: dist.ProcessGroup | None = None
 
     def _push(self, module: torch.nn.Module) -> int:
         sent, error = 0, None
@@ -76,16 +89,14 @@ class DistributedSync(WeightSync):
     def _broadcast(self, bucket: Bucket) -> int:
         from sapo_megatron.rollout.weight_group import broadcast_bucket, tensor_metadata
 
-        client = self._ensure_group()
+        client, group = self._ensure_group()
         names, dtypes, shapes = tensor_metadata(bucket)
         acknowledged = client.update_weights_from_distributed(
             names, dtypes, shapes, group_name=self.group_name
         )
         try:
             # ``reply``: a worker that refuses the bucket fails the broadcast at once, not after the group timeout
-            broadcast_bucket(
-                self._group, [t for _, t in bucket], reply=acknowledged, timeout_s=self.timeout_s
-            )
+            broadcast_bucket(group, [t for _, t in bucket], reply=acknowledged, timeout_s=self.timeout_s)
             wait_for([acknowledged], "update_weights_from_distributed")
             acknowledged.result(timeout=self.timeout_s)
         except Exception:
@@ -93,12 +104,16 @@ class DistributedSync(WeightSync):
             raise
         return bucket_bytes_of(bucket)
 
-    def _ensure_group(self) -> RolloutEngine:
-        if self._group is not None:
-            return self._client
+    def _ensure_group(self) -> tuple[RolloutEngine, dist.ProcessGroup]:
+        if self._group is not None and self._client is not None:
+            return self._client, self._group
         from sapo_megatron.rollout.weight_group import init_custom_process_group
 
         client = self._client = self.engine if self.engine is not None else self.make_client()
+        if not isinstance(client, _WorkerFleet):
+            raise RolloutError(
+                f"weight sync 'distributed' broadcasts to SGLang workers; {type(client).__name__} has none"
+            )
         world_size, rank_offsets = client.weight_group_layout()
         address = local_address_towards(client.urls[0])
         port = free_port_on(address)
@@ -106,9 +121,10 @@ class DistributedSync(WeightSync):
             address, port, world_size, rank_offsets, group_name=self.group_name, backend=self.backend
         )
         wait([joined], timeout=1.0)  # a worker that refuses at once (bad backend, group exists) fails fast
-        if joined.done() and joined.exception() is not None:
-            raise joined.exception()
-        self._group = init_custom_process_group(
+        refused = joined.exception() if joined.done() else None
+        if refused is not None:
+            raise refused
+        group = self._group = init_custom_process_group(
             backend=self.backend,
             master_address=address,
             master_port=port,
@@ -119,7 +135,7 @@ class DistributedSync(WeightSync):
         )
         wait_for([joined], "init_weights_update_group")
         joined.result(timeout=self.timeout_s)
-        return client
+        return client, group
 
     def _drop_group(self) -> None:
         from sapo_megatron.rollout.weight_group import destroy_custom_process_group
@@ -128,7 +144,8 @@ class DistributedSync(WeightSync):
         if group is None:
             return
         with contextlib.suppress(Exception):  # best effort: the group may already be broken
-            self._client.destroy_weights_update_group(self.group_name)
+            if isinstance(self._client, _WorkerFleet):
+                self._client.destroy_weights_update_group(self.group_name)
         with contextlib.suppress(Exception):
             destroy_custom_process_group(group)
 

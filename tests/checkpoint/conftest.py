@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from sapo_megatron.conversion.convert import hf_to_megatron
+from sapo_megatron.conversion.to_megatron import hf_to_megatron
 from sapo_megatron.model.tiny import make_tiny_hf_checkpoint
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

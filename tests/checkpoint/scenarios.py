@@ -13,10 +13,10 @@ import torch.distributed as dist
 
 from sapo_megatron.checkpoint.atomic import IncompleteCheckpointError
 from sapo_megatron.config import RunConfig, config_from_dict
-from sapo_megatron.conversion.convert import verify
+from sapo_megatron.conversion.verify import verify
 from sapo_megatron.megatron import dist_ckpt
 from sapo_megatron.megatron.model import BuildOptions, build_gpt_model
-from sapo_megatron.megatron.parallel import init_parallel, rank_info
+from sapo_megatron.megatron.parallel import init_parallel, parallel_context, rank_info
 from sapo_megatron.megatron.sft import sft_loss
 from sapo_megatron.megatron.train_step import MicroBatch, TrainEngine
 from sapo_megatron.megatron.weights import iter_hf_buckets, iter_hf_weights
@@ -59,7 +59,7 @@ def layouts(payload: dict[str, Any]) -> dict[str, Any]:
     for case in payload["cases"]:
         cfg = _config(case["hf_dir"], case["parallel"], case["dtype"])
         arch = cfg.model.arch
-        with dist_ckpt.parallel_context(cfg):
+        with parallel_context(cfg):
             model = build_gpt_model(BuildOptions(cfg.model, cfg.parallel, cfg.precision))
             dist_ckpt.load_model_weights(model, case["mc_dir"])
             owned = {n: t.clone() for n, t in iter_hf_weights(model, arch, owned_only=True)}

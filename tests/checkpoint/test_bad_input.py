@@ -19,7 +19,8 @@ from safetensors.torch import load_file, save_file
 
 from sapo_megatron.checkpoint import atomic
 from sapo_megatron.checkpoint.atomic import IncompleteCheckpointError
-from sapo_megatron.conversion import cli, convert
+from sapo_megatron.conversion import cli, convert, to_megatron
+from sapo_megatron.conversion import verify as parity
 from sapo_megatron.conversion.convert import ConversionError, hf_to_megatron, megatron_to_hf
 from sapo_megatron.data.tokenizer import CharTokenizer
 from tests.checkpoint.conftest import assert_bitwise_equal, read_hf_tensors
@@ -107,7 +108,7 @@ def test_refuses_non_empty_output_unless_forced(hf_checkpoints, tmp_path):
 
 def test_error_inside_conversion_leaves_nothing(hf_checkpoints, tmp_path, monkeypatch):
     calls = []
-    build = convert._Materializer._build
+    build = to_megatron._Materializer._build
 
     def failing_build(self, p_idx):
         calls.append(p_idx)
@@ -115,7 +116,7 @@ def test_error_inside_conversion_leaves_nothing(hf_checkpoints, tmp_path, monkey
             raise OSError("disk on fire")
         return build(self, p_idx)
 
-    monkeypatch.setattr(convert._Materializer, "_build", failing_build)
+    monkeypatch.setattr(to_megatron._Materializer, "_build", failing_build)
     out = tmp_path / "out"
     with pytest.raises(OSError, match="disk on fire"):
         hf_to_megatron(hf_checkpoints["moe-fp32"], out, progress=False, workers=1)
@@ -124,14 +125,14 @@ def test_error_inside_conversion_leaves_nothing(hf_checkpoints, tmp_path, monkey
 
 _SLOW_CONVERSION = """
 import sys, time
-from sapo_megatron.conversion import convert
-build = convert._Materializer._build
+from sapo_megatron.conversion import convert, to_megatron
+build = to_megatron._Materializer._build
 def slow_build(self, p_idx):
     if p_idx == 10:
         print("WRITING", flush=True)
         time.sleep(120)
     return build(self, p_idx)
-convert._Materializer._build = slow_build
+to_megatron._Materializer._build = slow_build
 convert.hf_to_megatron(sys.argv[1], sys.argv[2], progress=False, workers=1)
 """
 
@@ -197,7 +198,7 @@ def test_cli_verify_exit_status(monkeypatch):
     def fake_verify(*args, tolerance=None, **kwargs):
         return convert.ParityReport(2e-3, 1e-4, 0.9999, tolerance or 1e-3, "fp32", 64)
 
-    monkeypatch.setattr(convert, "verify", fake_verify)
+    monkeypatch.setattr(parity, "verify", fake_verify)
     base = ["convert", "verify", "--hf", "a", "--megatron", "b"]
     assert cli.main(base) == 1
     assert cli.main([*base, "--tolerance", "1e-2"]) == 0

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from sapo_megatron.checkpoint.mapping import RULES
-from sapo_megatron.conversion.convert import megatron_to_hf
+from sapo_megatron.conversion.to_hf import megatron_to_hf
 from tests.checkpoint.conftest import assert_bitwise_equal, read_hf_tensors
 from tests.distributed import run_distributed
 

@@ -13,9 +13,10 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import Multimod
 
 from sapo_megatron.checkpoint.fused_experts import unfuse
 from sapo_megatron.config import ConfigError, config_from_dict
-from sapo_megatron.megatron import cpu_compat, dist_ckpt
+from sapo_megatron.megatron import cpu_compat
 from sapo_megatron.megatron.model import BuildOptions, build_gpt_model
 from sapo_megatron.megatron.packed_seq import block_causal_mask
+from sapo_megatron.megatron.parallel import parallel_context
 from sapo_megatron.megatron.vl_model import InterleavedMRoPE, VisionInputError, mrope_positions
 from sapo_megatron.megatron.weights import iter_hf_weights, load_hf_weights
 from sapo_megatron.model.arch import QwenArch
@@ -52,7 +53,7 @@ def batch(arch):
 def megatron(hf_config):
     """Single-process Megatron state for the whole module, and a builder of models holding the HF weights."""
     cfg = config_from_dict({"model": {"hf_config": hf_config}, "launch": {"procs_per_node": 1}})
-    with dist_ckpt.parallel_context(cfg):
+    with parallel_context(cfg):
 
         def build(hf, **model):
             run = cfg.model.model_copy(update=model)

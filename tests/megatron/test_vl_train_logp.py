@@ -18,9 +18,9 @@ from sapo_megatron.algo import AdvantageConfig
 from sapo_megatron.checkpoint.fused_experts import unfuse
 from sapo_megatron.config import config_from_dict
 from sapo_megatron.data.vision import pixel_inputs
-from sapo_megatron.megatron import dist_ckpt
 from sapo_megatron.megatron.model import BuildOptions, build_gpt_model
 from sapo_megatron.megatron.packed_seq import model_inputs
+from sapo_megatron.megatron.parallel import parallel_context
 from sapo_megatron.megatron.weights import load_hf_weights
 from sapo_megatron.model.batching import IMAGE_GRID_THW, TrainSequence, build_micro_batches
 from sapo_megatron.rollout.collect import CollectSettings, generate_groups
@@ -77,7 +77,7 @@ def build_trainer_model(rollouts):
         transformers.AutoModelForImageTextToText.from_pretrained(str(directory)).float().state_dict()
     )
     cfg = config_from_dict({"model": {"hf_config": hf_config}, "launch": {"procs_per_node": 1}})
-    with dist_ckpt.parallel_context(cfg):
+    with parallel_context(cfg):
 
         def build(**model):
             module = build_gpt_model(

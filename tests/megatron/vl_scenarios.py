@@ -8,9 +8,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sapo_megatron.megatron import dist_ckpt
+from sapo_megatron.megatron.forward import forward_logits
 from sapo_megatron.megatron.model import BuildOptions, build_gpt_model
-from sapo_megatron.megatron.parallel import data_parallel_group, init_parallel, rank_info
+from sapo_megatron.megatron.parallel import data_parallel_group, init_parallel, is_reporting_rank, rank_info
 from sapo_megatron.megatron.sft import sft_loss
 from sapo_megatron.megatron.train_step import MicroBatch, TrainEngine, init_weights
 from sapo_megatron.megatron.weights import iter_hf_weights
@@ -69,14 +69,14 @@ def vl_step(payload: dict[str, Any]) -> dict[str, Any]:
     module = build_gpt_model(BuildOptions(cfg.model, cfg.parallel, cfg.precision))
     init_weights(module, cfg)
     images = {k: batch[k] for k in ("pixel_values", "image_grid_thw")}
-    logits = dist_ckpt.forward_logits(module, batch["input_ids"][:, :-1].contiguous(), **images)
+    logits = forward_logits(module, batch["input_ids"][:, :-1].contiguous(), **images)
     engine = TrainEngine(cfg, total_steps=1)
     result = engine.train_step(
         vl_micro_batches(batch, cfg.parallel.micro_batches, arch.vision_start_token_id), sft_loss
     )
     weights = {n: t.float().clone() for n, t in iter_hf_weights(engine.module, arch, owned_only=True)}
     return {
-        "logits": logits if logits is not None and dist_ckpt.is_reporting_rank() else None,
+        "logits": logits if logits is not None and is_reporting_rank() else None,
         "loss": result.loss,
         "grad_norm": result.grad_norm,
         "weights": weights,

@@ -174,16 +174,16 @@ def test_samples_file_names_the_images(vl, tmp_path):
 def test_sglang_client_sends_one_pad_per_image_and_png_data_uris(vl):
     import base64
 
-    from sapo_megatron.rollout.sglang.client import _wire_prompt
+    from sapo_megatron.rollout.sglang.generation import wire_prompt
 
     _, _, renderer, rows, spec = vl
     req = request(renderer, spec, rows[1], 0, GREEDY)
-    ids, image_data = _wire_prompt(req)
+    ids, image_data = wire_prompt(req)
     assert ids == renderer.encode_text(renderer.text(rows[1]))  # unexpanded: what SGLang 0.5.23 takes
     assert sum(t == spec.pad_id for t in ids) == 2
     assert [base64.b64decode(uri.split(",", 1)[1]) for uri in image_data] == list(req.images.png)
     assert all(uri.startswith("data:image/png;base64,") for uri in image_data)
-    assert _wire_prompt(request(renderer, spec, rows[2], 0, GREEDY)) == (renderer.encode(rows[2]), None)
+    assert wire_prompt(request(renderer, spec, rows[2], 0, GREEDY)) == (renderer.encode(rows[2]), None)
 
 
 @pytest.mark.slow  # starts a server

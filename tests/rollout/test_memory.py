@@ -98,7 +98,7 @@ def test_unknown_or_repeated_tags_are_refused_before_sending(client, server):
 
 def test_release_while_this_clients_requests_run_is_refused(client, server):
     thread = _long_generation(client)
-    _wait_until(lambda: client._busy > 0)
+    _wait_until(lambda: client.fleet.busy > 0)
     with pytest.raises(MemoryStateError, match=r"while 1 request\(s\) run"):
         client.release_memory()
     thread.join(timeout=120)

@@ -11,9 +11,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import httpx
 import pytest
 
+from sapo_megatron.rollout.cpu.batcher import Batcher, ClientGone
 from sapo_megatron.rollout.cpu.engine import RowSpec
 from sapo_megatron.rollout.cpu.http import Limits, Request
-from sapo_megatron.rollout.cpu.server import ClientGone, CPUServer, _Batcher, warn_if_exposed
+from sapo_megatron.rollout.cpu.server import CPUServer, warn_if_exposed
 from sapo_megatron.rollout.types import SamplingParams
 from tests.rollout.conftest import engine_from
 
@@ -161,7 +162,7 @@ def row(n: int) -> RowSpec:
 
 def test_batcher_isolates_a_failing_request_and_drops_abandoned_ones():
     engine = _FlakyEngine()
-    batcher = _Batcher(engine, window_s=0.2, max_rows=64)
+    batcher = Batcher(engine, window_s=0.2, max_rows=64)
     try:
         futures: list[Future] = [
             batcher.submit([row(2)]),

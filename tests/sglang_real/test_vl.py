@@ -146,7 +146,7 @@ def _before_pad(response: list[int], pad_id: int) -> list[int]:
 
 def _trainer_model(directory: Path):
     """The Megatron VL model (the trainer's) holding the served checkpoint's weights; the config it was built
-    from. Call inside ``dist_ckpt.parallel_context(cfg)``."""
+    from. Call inside ``megatron.parallel.parallel_context(cfg)``."""
     import transformers
 
     from sapo_megatron.checkpoint.fused_experts import unfuse
@@ -176,7 +176,7 @@ def test_a_weight_update_of_the_vision_tower_reaches_the_server(vl, vl_url, tmp_
     equal a transformers forward at the new weights and differ from the old ones; the text-only prompt's stay."""
     import sapo_megatron.megatron  # noqa: F401 - megatron-core's stand-ins before it is imported
     from sapo_megatron.data.tokenizer import load_tokenizer
-    from sapo_megatron.megatron import dist_ckpt
+    from sapo_megatron.megatron.parallel import parallel_context
     from sapo_megatron.megatron.weights import VISION_PREFIX
     from sapo_megatron.weight_sync import DiskSync
 
@@ -194,7 +194,7 @@ def test_a_weight_update_of_the_vision_tower_reaches_the_server(vl, vl_url, tmp_
         # it for an image placeholder), before and after the update
         scored = [i + _before_pad(s.response_ids, spec.pad_id) for i, (s,) in zip(ids, old)]
         scored_old = client.score(scored, 1, images=images)  # every target from position 1 on
-        with dist_ckpt.parallel_context(cfg):
+        with parallel_context(cfg):
             module = build()
             generator = torch.Generator().manual_seed(11)
             with torch.no_grad():

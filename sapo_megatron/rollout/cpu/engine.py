@@ -39,9 +39,13 @@ import re
 import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 from sapo_megatron.rollout.base import RolloutEngine, RolloutError, normalize_response_starts
 from sapo_megatron.rollout.cpu.vision import EngineVision, is_vision_model
@@ -100,7 +104,7 @@ class RowResult:
 class _RouterCapture:
     """Forward hooks on every MoE router that keep the top-k expert indices of the current forward."""
 
-    def __init__(self, model: torch.nn.Module, top_k: int) -> None:
+    def __init__(self, model: PreTrainedModel, top_k: int) -> None:
         self.top_k = top_k
         self.enabled = False
         self.layer_ids: list[int] = []
@@ -156,7 +160,7 @@ class CPUEngine(RolloutEngine):
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         *,
         model_path: str | None = None,
         seed: int = 0,
@@ -280,7 +284,7 @@ class CPUEngine(RolloutEngine):
         if row.prompt_ids != list(req.prompt_ids):
             raise RolloutError(
                 f"group {req.group_id}: the engine's prompt has {len(row.prompt_ids)} tokens after expanding its "
-                f"images (grids {row.pixels['image_grid_thw'].tolist()}), the trainer's {len(req.prompt_ids)}: "
+                f"images (grids {row.pixels['image_grid_thw'].tolist() if row.pixels else []}), the trainer's {len(req.prompt_ids)}: "
                 "trainer and engine would see different images",
                 request=f"g{req.group_id}",
                 field="prompt_tokens",
@@ -314,7 +318,8 @@ class CPUEngine(RolloutEngine):
         out = []
         for ids, res, start, image in zip(token_ids_list, results, starts, images):
             # input_logprobs[t] is log p(ids[t] | ids[:t]); entry 0 is None.
-            values = [float(lp) for lp in res.input_logprobs[start:]]
+            logprobs = cast("list[float]", res.input_logprobs)  # asked for (start 0); only entry 0 is None
+            values = [float(lp) for lp in logprobs[start:]]
             out.append(mask_image_targets(values, ids[start:], image))
         return out
 
@@ -462,7 +467,7 @@ class CPUEngine(RolloutEngine):
             )
             logits = out.logits.float()
             routed_steps: list[np.ndarray] = []
-            if capture:
+            if capture and self._routers is not None:
                 routed_steps.append(self._routers.take(batch, width))
 
             input_logprobs = [
@@ -542,7 +547,7 @@ class CPUEngine(RolloutEngine):
                 logits_to_keep=1,
                 **{self._cache_kwarg: cache},
             )
-            if capture:
+            if capture and self._routers is not None:
                 step = self._routers.take(batch, 1)
                 # A row that finished feeds a filler token: mark it so that it is not taken as routing.
                 step[np.asarray(done)] = np.iinfo(np.int32).min
@@ -613,7 +618,7 @@ def _torch_threads(num_threads: int | None):
         torch.set_num_threads(previous)
 
 
-def _load_model(model_dir: str | Path) -> torch.nn.Module:
+def _load_model(model_dir: str | Path) -> PreTrainedModel:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.utils import logging as hf_logging
 

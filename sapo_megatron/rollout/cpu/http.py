@@ -41,7 +41,7 @@ import threading
 from collections.abc import Mapping
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 from urllib.parse import urlsplit
 
 from sapo_megatron.rollout.cpu.flags import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS
@@ -207,7 +207,7 @@ class _Handler(BaseHTTPRequestHandler):
     def _dispatch(self, method: str) -> None:
         path = urlsplit(self.path).path
         app = self.server.app
-        if not app.authorize(method, path, self.headers):  # before reading a byte of the body
+        if not app.authorize(method, path, self._header_map()):  # before reading a byte of the body
             self.close_connection = True
             self._send(*UNAUTHORIZED)
             return
@@ -223,7 +223,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         request = Request(peer_host=str(self.client_address[0]), connection=self.connection)
         try:
-            response = app.handle(method, path, self.headers, body, request)
+            response = app.handle(method, path, self._header_map(), body, request)
         except Exception as exc:
             if app.stopped:
                 self.close_connection = True  # a stopped server answers nothing, like a crashed one
@@ -253,8 +253,14 @@ class _Handler(BaseHTTPRequestHandler):
                 f"request body of {length} bytes exceeds the server's limit of {limit} bytes (--max-body-bytes)"
             )
 
+    def _header_map(self) -> Mapping[str, str]:
+        """The request's headers: an ``email.message.Message`` reads as a case-insensitive mapping (get, [],
+        in, keys) without being a registered ``Mapping``."""
+        return cast("Mapping[str, str]", self.headers)
+
     def _read_chunked(self) -> bytes:
-        chunks, total = [], 0
+        chunks: list[bytes] = []
+        total = 0
         while True:
             line = self.rfile.readline(65537)
             try:

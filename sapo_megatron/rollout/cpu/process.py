@@ -58,11 +58,13 @@ class ServerProcess:
         return code
 
     def _pump_stdout(self) -> None:
+        assert self.process.stdout is not None  # started with stdout=PIPE
         for line in self.process.stdout:
             self.lines.append(line)
             self._stdout.put(line)
         self._stdout.put(None)
 
     def _pump_stderr(self) -> None:
+        assert self.process.stderr is not None  # started with stderr=PIPE
         for line in self.process.stderr:
             self._stderr.append(line)

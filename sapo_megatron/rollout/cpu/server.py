@@ -2,12 +2,13 @@
 
 It stands in for SGLang servers in tests and CI (also behind the real ``sglang-router``), so requests, replies and
 errors follow SGLang field by field (checked against ``python/sglang/srt/entrypoints/http_server.py`` and
-``python/sglang/srt/managers/io_struct.py``; see also :mod:`cpu_server_weights` and :mod:`cpu_server_http`).
+``python/sglang/srt/managers/io_struct.py``). The parts: :mod:`.http` (the HTTP/1.1 front and its limits),
+:mod:`.parsing` (reading a request), :mod:`.batcher` (batching), :mod:`.weights` and :mod:`.memory` (endpoints).
 
 Endpoints (what each checks):
 
 - ``POST|PUT /generate``: ``input_ids`` (a list or a list of lists of ints in the vocabulary), ``sampling_params``
-  (only the keys in ``_SAMPLING_KEYS``), ``return_logprob``, ``logprob_start_len`` (-1 or a prompt position),
+  (only the keys in ``parsing._SAMPLING_KEYS``), ``return_logprob``, ``logprob_start_len`` (-1 or a prompt position),
   ``return_routed_experts`` (MoE models only) with ``routed_experts_start_len``, ``rid``, ``image_data`` (VL
   models: per prompt a ``data:image/...;base64,`` URI or a list of them, one per image pad of the prompt; file paths
   and URLs are refused, a server reads no files and fetches nothing for a client); prompt + ``max_new_tokens``
@@ -28,7 +29,7 @@ Endpoints (what each checks):
 - Memory (:mod:`.memory`): ``/release_memory_occupation``, ``/resume_memory_occupation``;
   ``/weights_checker`` with ``action: checksum`` (SGLang's served names and hashes, see
   :mod:`sapo_megatron.rollout.weight_checksum`).
-- Weight sync (:mod:`cpu_server_weights`): ``POST /update_weights_from_disk``, ``/update_weights_from_tensor``,
+- Weight sync (:mod:`.weights`): ``POST /update_weights_from_disk``, ``/update_weights_from_tensor``,
   ``/init_weights_update_group``, ``/update_weights_from_distributed``, ``/destroy_weights_update_group``,
   ``/begin_weight_update``, ``/end_weight_update`` (SGLang 0.5.23's weight-update sessions).
 - Unknown paths: 404 ``{"detail": "Not Found"}``; a known path with another method: 405, as FastAPI answers.
@@ -43,21 +44,12 @@ port) or from the shell with SGLang's flags: ``python -m sapo_megatron.rollout.c
 from __future__ import annotations
 
 import argparse
-import base64
-import binascii
-import dataclasses
 import ipaddress
-import json
 import logging
-import math
-import queue
 import signal
 import sys
 import threading
-import time
-import uuid
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
 from http import HTTPStatus
 from pathlib import Path
 from typing import Any
@@ -65,6 +57,7 @@ from typing import Any
 from sapo_megatron import __version__
 from sapo_megatron.checkpoint.hf_io import CheckpointError
 from sapo_megatron.errors import UserError
+from sapo_megatron.rollout.cpu.batcher import Batcher
 from sapo_megatron.rollout.cpu.engine import CPUEngine, RowResult, RowSpec
 from sapo_megatron.rollout.cpu.flags import (  # re-exported
     DEFAULT_MAX_ROWS_PER_REQUEST,
@@ -81,6 +74,7 @@ from sapo_megatron.rollout.cpu.http import (
     text_response,
 )
 from sapo_megatron.rollout.cpu.memory import MemoryEndpoints
+from sapo_megatron.rollout.cpu.parsing import BadRequest, json_body, parse_generate, validation_error
 from sapo_megatron.rollout.cpu.weights import (
     InvalidRequest,
     WeightEndpoints,
@@ -91,125 +85,6 @@ from sapo_megatron.rollout.types import SamplingParams
 from sapo_megatron.rollout.weight_group import DEFAULT_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
-
-# sampling_params keys that are accepted; the ones without an effect here only concern text detokenization.
-_SAMPLING_KEYS = {
-    "temperature",
-    "top_p",
-    "top_k",
-    "max_new_tokens",
-    "stop_token_ids",
-    "sampling_seed",
-    "ignore_eos",
-    "skip_special_tokens",
-    "no_stop_trim",
-    "spaces_between_special_tokens",
-}
-SGLANG_DEFAULT_MAX_NEW_TOKENS = 128
-MAX_SEED = 2**63 - 1  # torch.Generator.manual_seed's signed range, the one every engine accepts
-
-
-class BadRequest(ValueError):
-    """The request cannot be served; answered with HTTP 400."""
-
-
-class _Batcher:
-    """Runs queued rows through the engine in batches, gathering arrivals for ``window_s``."""
-
-    def __init__(self, engine: CPUEngine, window_s: float, max_rows: int) -> None:
-        self.engine = engine
-        self.window_s = window_s
-        self.max_rows = max_rows
-        self.dropped = 0  # requests dropped because their client hung up
-        self.pending = 0  # requests queued or running (SGLang's "fully idle" is pending == 0)
-        self._pending_lock = threading.Lock()
-        self._queue: queue.Queue[_Item | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._loop, name="cpu-server-batcher", daemon=True)
-        self._thread.start()
-
-    def submit(self, rows: list[RowSpec], client_gone: Callable[[], bool] = lambda: False) -> Future:
-        future: Future = Future()
-        with self._pending_lock:
-            self.pending += 1
-        future.add_done_callback(self._done)
-        self._queue.put(_Item(rows, future, client_gone))
-        return future
-
-    def _done(self, _future: Future) -> None:
-        with self._pending_lock:
-            self.pending -= 1
-
-    def stop(self) -> None:
-        self._queue.put(None)
-        self._thread.join(timeout=30)
-
-    def _loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                break
-            items = [item]
-            deadline = time.monotonic() + self.window_s
-            stopping = False
-            while sum(len(it.rows) for it in items) < self.max_rows:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                try:
-                    nxt = self._queue.get(timeout=remaining)
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    stopping = True
-                    break
-                items.append(nxt)
-            self._run(items)
-            if stopping:
-                break
-        while True:  # fail what is still queued
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                item.future.set_exception(RuntimeError("server stopped"))
-
-    def _run(self, items: list[_Item]) -> None:
-        live = []
-        for item in items:
-            if item.client_gone():  # nobody waits for it: do not compute it
-                item.future.set_exception(ClientGone("the client closed its connection"))
-                self.dropped += 1
-            else:
-                live.append(item)
-        if not live:
-            return
-        try:
-            results = self.engine.generate_rows([row for it in live for row in it.rows])
-        except Exception as exc:
-            if len(live) > 1:  # find the request that failed; the others get their results
-                logger.warning("a batch of %d requests failed (%s); running them one by one", len(live), exc)
-                for item in live:
-                    self._run([item])
-                return
-            logger.exception("generation failed")  # handed to the waiting request, which answers 500
-            live[0].future.set_exception(exc)
-            return
-        offset = 0
-        for item in live:
-            item.future.set_result(results[offset : offset + len(item.rows)])
-            offset += len(item.rows)
-
-
-@dataclasses.dataclass
-class _Item:
-    rows: list[RowSpec]
-    future: Future
-    client_gone: Callable[[], bool]
-
-
-class ClientGone(RuntimeError):
-    """The client of a queued request hung up; its rows are not computed and nothing is answered."""
 
 
 class ServeError(UserError):
@@ -254,7 +129,7 @@ class CPUServer:
         )
         self.api_key = api_key
         self.max_rows_per_request = max_rows_per_request
-        self.batcher = _Batcher(engine, batch_window_s, engine.max_batch_size)
+        self.batcher = Batcher(engine, batch_window_s, engine.max_batch_size)
         self.weights = WeightEndpoints(engine, dist_timeout_s=dist_timeout_s, guard=guard)
         self.memory = MemoryEndpoints(
             engine,
@@ -280,7 +155,7 @@ class CPUServer:
     @property
     def url(self) -> str:
         host, port = self._httpd.server_address[:2]
-        return f"http://{host}:{port}"
+        return f"http://{host!s}:{port}"
 
     def start(self) -> CPUServer:
         self._serving = True
@@ -367,9 +242,9 @@ class CPUServer:
         if method not in methods:
             return json_response(HTTPStatus.METHOD_NOT_ALLOWED, {"detail": "Method Not Allowed"})
         try:
-            status, payload = handler(_json_body(body) if method != "GET" else {}, request)
+            status, payload = handler(json_body(body) if method != "GET" else {}, request)
         except InvalidRequest as exc:  # FastAPI's RequestValidationError, as SGLang answers it
-            return json_response(HTTPStatus.BAD_REQUEST, _validation_error(str(exc)))
+            return json_response(HTTPStatus.BAD_REQUEST, validation_error(str(exc)))
         except BadRequest as exc:  # SGLang's _create_error_response
             return json_response(HTTPStatus.BAD_REQUEST, {"error": {"message": str(exc)}})
         if isinstance(payload, str):
@@ -386,7 +261,7 @@ class CPUServer:
 
     def generate(self, body: dict[str, Any], request: Request | None = None) -> Any:
         self.memory.check_serving()
-        rows, echo, batched = _parse_generate(self._with_input_ids(body), self.max_rows_per_request)
+        rows, echo, batched = parse_generate(self._with_input_ids(body), self.max_rows_per_request)
         for row in rows:
             try:
                 if row.images:
@@ -491,176 +366,6 @@ class CPUServer:
             "version": __version__,
             "served_by": "sapo_megatron.rollout.cpu.server",
         }
-
-
-def _json_body(raw: bytes) -> dict[str, Any]:
-    if not raw.strip():
-        return {}
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidRequest(f"request body is not JSON: {exc}") from exc
-    except RecursionError:
-        raise InvalidRequest("request body is JSON nested too deeply") from None
-    except ValueError as exc:  # a number of more digits than Python converts
-        raise InvalidRequest(f"request body holds a value JSON cannot convert: {exc}") from None
-    if not isinstance(body, dict):
-        raise InvalidRequest("request body must be a JSON object")
-    return body
-
-
-def _validation_error(message: str) -> dict[str, Any]:
-    return {"object": "error", "message": message, "type": "Bad Request", "param": None, "code": 400}
-
-
-def _as_list(value: Any, n: int, name: str) -> list[Any]:
-    if isinstance(value, list):
-        if len(value) != n:
-            raise BadRequest(f"{name} has {len(value)} entries for {n} inputs")
-        return value
-    return [value] * n
-
-
-def _sampling(params: Any) -> tuple[SamplingParams, int | None, bool]:
-    if params is None:
-        params = {}
-    if not isinstance(params, dict):
-        raise BadRequest(f"sampling_params must be an object, got {type(params).__name__}")
-    unknown = set(params) - _SAMPLING_KEYS
-    if unknown:
-        raise BadRequest(f"sampling_params has unsupported keys {sorted(unknown)}")
-    stop = params.get("stop_token_ids") or []
-    if not isinstance(stop, list):
-        raise BadRequest(f"sampling_params.stop_token_ids must be a list of token ids, got {stop!r}")
-    try:
-        sampling = SamplingParams(
-            temperature=_number(params.get("temperature", 1.0), "sampling_params.temperature"),
-            top_p=_number(params.get("top_p", 1.0), "sampling_params.top_p"),
-            top_k=_integer(params.get("top_k", -1), "sampling_params.top_k"),
-            max_new_tokens=_integer(
-                params.get("max_new_tokens", SGLANG_DEFAULT_MAX_NEW_TOKENS), "sampling_params.max_new_tokens"
-            ),
-            stop_token_ids=tuple(_integer(t, "sampling_params.stop_token_ids") for t in stop),
-        )
-    except ValueError as exc:
-        raise BadRequest(f"bad sampling_params: {exc}") from exc
-    seed = params.get("sampling_seed")
-    if seed is not None:
-        seed = _integer(seed, "sampling_params.sampling_seed")
-        if not 0 <= seed <= MAX_SEED:
-            raise BadRequest(f"sampling_params.sampling_seed must be in [0, 2^63 - 1], got {seed}")
-    return sampling, seed, _flag(params.get("ignore_eos", False), "sampling_params.ignore_eos")
-
-
-def _number(value: Any, name: str) -> float:
-    """A finite JSON number (SGLang's pydantic float, but inf and nan refused)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise BadRequest(f"{name} must be a finite number, got {value!r}")
-    return float(value)
-
-
-def _integer(value: Any, name: str) -> int:
-    """A JSON integer (an integral float such as 8.0 is taken, as pydantic does; 1e400 or "abc" are not)."""
-    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
-        return int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise BadRequest(f"{name} must be an integer, got {value!r}")
-    return value
-
-
-def _flag(value: Any, name: str) -> bool:
-    if not isinstance(value, bool):
-        raise BadRequest(f"{name} must be true or false, got {value!r}")
-    return value
-
-
-def _parse_generate(
-    body: dict[str, Any], max_rows: int = DEFAULT_MAX_ROWS_PER_REQUEST
-) -> tuple[list[RowSpec], list[dict[str, Any]], bool]:
-    """Rows to run, what each reply must echo, and whether the request was a batch."""
-    if body.get("text") is not None:
-        raise BadRequest("this server has no tokenizer: send input_ids, not text")
-    if body.get("stream"):
-        raise BadRequest("stream is not supported")
-    input_ids = body.get("input_ids")
-    if not isinstance(input_ids, list) or not input_ids:
-        raise BadRequest("input_ids must be a non-empty list (or list of lists) of token ids")
-    batched = isinstance(input_ids[0], list)
-    prompts = input_ids if batched else [input_ids]
-    for prompt in prompts:
-        if not isinstance(prompt, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt
-        ):
-            raise BadRequest("input_ids must contain only integer token ids")
-    n = len(prompts)
-    if n > max_rows:
-        raise BadRequest(
-            f"input_ids has {n} rows; this server takes at most {max_rows} per request (--max-rows-per-request): "
-            "send several requests"
-        )
-    sampling = _as_list(body.get("sampling_params"), n, "sampling_params")
-    rids = body.get("rid")
-    if isinstance(rids, str):
-        # SGLang expands a single rid of a batch into per-item ids with it as a prefix.
-        rids = [rids] if not batched else [f"{rids}_{i}" for i in range(n)]
-    rids = _as_list(rids, n, "rid")
-    return_logprob = _as_list(body.get("return_logprob") or False, n, "return_logprob")
-    start_lens = _as_list(body.get("logprob_start_len", -1), n, "logprob_start_len")
-    routed = _flag(body.get("return_routed_experts", False), "return_routed_experts")
-    routes_from = _integer(body.get("routed_experts_start_len", 0), "routed_experts_start_len")
-    images = _image_data(body.get("image_data"), n, batched)
-    rows, echo = [], []
-    for i, prompt in enumerate(prompts):
-        params, seed, ignore_eos = _sampling(sampling[i])
-        start = -1 if start_lens[i] is None else _integer(start_lens[i], "logprob_start_len")
-        if start < -1:
-            raise BadRequest(f"logprob_start_len must be -1 or >= 0, got {start}")
-        if routed and not 0 <= routes_from <= len(prompt):  # SGLang's scheduler refuses the same
-            raise BadRequest(
-                f"routed_experts_start_len {routes_from} is not in [0, {len(prompt)}] (the number of input tokens)"
-            )
-        rows.append(
-            RowSpec(
-                prompt_ids=prompt,
-                sampling=params,
-                seed=seed,
-                return_routed_experts=routed,
-                logprob_start_len=start if return_logprob[i] else -1,
-                ignore_eos=ignore_eos,
-                routed_experts_start=routes_from if routed else 0,
-                images=images[i],
-            )
-        )
-        rid = rids[i] if rids[i] is not None else uuid.uuid4().hex
-        echo.append({"rid": str(rid), "return_logprob": _flag(return_logprob[i], "return_logprob")})
-    return rows, echo, batched
-
-
-def _image_data(value: Any, n: int, batched: bool) -> list[tuple[bytes, ...]]:
-    """Each prompt's images from ``image_data`` (SGLang's shapes: one item or a list per prompt; a list of those
-    for a batch), decoded from data URIs."""
-    if value is None:
-        return [()] * n
-    per_prompt = value if batched else [value]
-    if not isinstance(per_prompt, list) or len(per_prompt) != n:
-        raise BadRequest(f"image_data must give the images of each of the {n} prompts")
-    out = []
-    for item in per_prompt:
-        uris = [] if item is None else item if isinstance(item, list) else [item]
-        out.append(tuple(_data_uri(uri) for uri in uris))
-    return out
-
-
-def _data_uri(uri: Any) -> bytes:
-    if not isinstance(uri, str) or not uri.startswith("data:image/"):
-        raise BadRequest("image_data items must be data:image/...;base64,<data> URIs (no paths, no URLs)")
-    header, _, payload = uri.partition(",")
-    if not header.endswith(";base64"):
-        raise BadRequest("image_data items must be base64 data URIs")
-    try:
-        return base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError):
-        raise BadRequest("image_data: invalid base64") from None
 
 
 def _load_tokenizer(model_dir: Path) -> Any:

@@ -12,14 +12,30 @@ from __future__ import annotations
 
 import io
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
 from sapo_megatron.data.vision import collapse_image_pads, expand_image_pads, pixel_inputs
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
-def is_vision_model(model: torch.nn.Module) -> bool:
+
+class _RopeIndexModel(Protocol):
+    """The inner model of a transformers Qwen-VL model: it computes the 3-D MRoPE positions."""
+
+    def get_rope_index(
+        self,
+        input_ids: torch.Tensor,
+        mm_token_type_ids: torch.Tensor,
+        *,
+        image_grid_thw: torch.Tensor | None,
+        attention_mask: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def is_vision_model(model: PreTrainedModel) -> bool:
     """A transformers VL model whose inner model computes MRoPE indexes (Qwen2/2.5/3-VL and their MoE)."""
     return getattr(model.config, "vision_config", None) is not None and hasattr(
         getattr(model, "model", None), "get_rope_index"
@@ -29,8 +45,9 @@ def is_vision_model(model: torch.nn.Module) -> bool:
 class EngineVision:
     """The image side of a VL model in the CPU engine."""
 
-    def __init__(self, model: torch.nn.Module, processor: Any | None) -> None:
+    def __init__(self, model: PreTrainedModel, processor: Any | None) -> None:
         self.model = model
+        self.inner = cast(_RopeIndexModel, model.model)  # is_vision_model checked it
         self.processor = processor
         self.pad_id = int(model.config.image_token_id)
         self.merge = int(model.config.vision_config.spatial_merge_size)
@@ -58,7 +75,7 @@ class EngineVision:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(position_ids [3, b, s], next_position [b])`` of a left-padded batch (pad positions 0)."""
         mm_token_type_ids = self.mm_token_type_ids(input_ids, attention_mask)
-        position_ids, _ = self.model.model.get_rope_index(
+        position_ids, _ = self.inner.get_rope_index(
             input_ids, mm_token_type_ids, image_grid_thw=grids, attention_mask=attention_mask
         )
         return position_ids, position_ids[:, :, -1].max(dim=0).values

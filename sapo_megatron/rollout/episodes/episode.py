@@ -154,6 +154,9 @@ async def tool_episode(ctx: EpisodeContext, ledger: EpisodeLedger) -> EpisodeInf
     run the calls concurrently, append their results as one delta, and generate again; stop when a turn calls
     no tool (completed), at a limit (truncated), or when the engine aborts."""
     limits, calls, errors = ctx.limits, 0, 0
+    deltas = ctx.deltas
+    if deltas is None:
+        raise ValueError("tool_episode appends tool results as template deltas: its context needs ctx.deltas")
 
     def info(status: EpisodeStatus, truncated_by: str | None = None) -> EpisodeInfo:
         return EpisodeInfo(
@@ -180,7 +183,7 @@ async def tool_episode(ctx: EpisodeContext, ledger: EpisodeLedger) -> EpisodeInf
         outcomes = await asyncio.gather(*(ctx.tools.call(call) for call in requested))
         calls += len(requested)
         errors += sum(outcome.error for outcome in outcomes)
-        delta = ctx.deltas.ids([{"role": "tool", "content": outcome.text} for outcome in outcomes])
+        delta = deltas.ids([{"role": "tool", "content": outcome.text} for outcome in outcomes])
         if len(ledger.tokens) + len(delta) >= limits.max_context_tokens:  # no room for the next turn
             return info("truncated", "max_context")
         ledger.add_observation(delta)

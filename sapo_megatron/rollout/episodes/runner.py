@@ -31,7 +31,7 @@ from sapo_megatron.rollout.episodes.episode import (
 )
 from sapo_megatron.rollout.episodes.template import ObservationDeltas
 from sapo_megatron.rollout.episodes.tools import ToolSet
-from sapo_megatron.rollout.types import EpisodeInfo, GenerationRequest, Sample
+from sapo_megatron.rollout.types import EpisodeInfo, GenerationRequest, ImageInputs, Sample
 
 logger = logging.getLogger(__name__)
 _TURN_SEED_STRIDE = 7919  # turn k of a sample samples with seed + k · stride: reproducible, distinct per turn
@@ -169,8 +169,13 @@ class EpisodeEngine(RolloutEngine):
         return ledger.sample(req.group_id, index, info)
 
     # everything but generate is the wrapped engine's
-    def score(self, token_ids_list, response_start) -> list[list[float]]:
-        return self.engine.score(token_ids_list, response_start)
+    def score(
+        self,
+        token_ids_list: Sequence[Sequence[int]],
+        response_start: int | Sequence[int],
+        images: Sequence[ImageInputs | None] | None = None,
+    ) -> list[list[float]]:
+        return self.engine.score(token_ids_list, response_start, images)
 
     def update_weights_from_disk(self, path: str) -> None:
         self.engine.update_weights_from_disk(path)

@@ -164,7 +164,7 @@ def user_tool(entry: Mapping[str, Any], where: str) -> Tool:
         raise ToolSpecError(f"{where}: needs 'import: package.module:name' (or path/to/file.py:name)")
     _check_schema(entry.get("schema"), where)
     try:
-        target = load_function(entry["import"])
+        target: Any = load_function(entry["import"])  # a user's function or class
     except RewardSpecError as error:
         raise ToolSpecError(f"{where}: {error}") from None
     config = entry.get("config") or {}

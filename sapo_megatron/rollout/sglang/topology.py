@@ -102,7 +102,7 @@ def resolve_topology(
                     server=workers[0],
                     field="meta_info.routed_experts",
                 )
-            if via_router and not probe_routes(http, router, probe_prompt):
+            if router is not None and not probe_routes(http, router, probe_prompt):
                 log(
                     f"sglang-router at {router} drops return_routed_experts; sending /generate to the "
                     f"{len(workers)} workers directly"

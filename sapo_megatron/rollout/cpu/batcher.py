@@ -1,0 +1,117 @@
+"""The CPU server's batcher: concurrent ``/generate`` requests are gathered for a few milliseconds and run through
+the engine as one batch (the client sends one HTTP request per sample). If a batch fails, its requests are retried
+one by one, so that only the failing one gets the error; a request whose client hung up before its batch ran is
+dropped without computing it (:class:`ClientGone`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+
+from sapo_megatron.rollout.cpu.engine import CPUEngine, RowSpec
+
+logger = logging.getLogger(__name__)
+
+
+class Batcher:
+    """Runs queued rows through the engine in batches, gathering arrivals for ``window_s``."""
+
+    def __init__(self, engine: CPUEngine, window_s: float, max_rows: int) -> None:
+        self.engine = engine
+        self.window_s = window_s
+        self.max_rows = max_rows
+        self.dropped = 0  # requests dropped because their client hung up
+        self.pending = 0  # requests queued or running (SGLang's "fully idle" is pending == 0)
+        self._pending_lock = threading.Lock()
+        self._queue: queue.Queue[_Item | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name="cpu-server-batcher", daemon=True)
+        self._thread.start()
+
+    def submit(self, rows: list[RowSpec], client_gone: Callable[[], bool] = lambda: False) -> Future:
+        future: Future[list] = Future()
+        with self._pending_lock:
+            self.pending += 1
+        future.add_done_callback(self._done)
+        self._queue.put(_Item(rows, future, client_gone))
+        return future
+
+    def _done(self, _future: Future) -> None:
+        with self._pending_lock:
+            self.pending -= 1
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                break
+            items = [item]
+            deadline = time.monotonic() + self.window_s
+            stopping = False
+            while sum(len(it.rows) for it in items) < self.max_rows:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                try:
+                    nxt = self._queue.get(timeout=remaining)
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    stopping = True
+                    break
+                items.append(nxt)
+            self._run(items)
+            if stopping:
+                break
+        while True:  # fail what is still queued
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item.future.set_exception(RuntimeError("server stopped"))
+
+    def _run(self, items: list[_Item]) -> None:
+        live = []
+        for item in items:
+            if item.client_gone():  # nobody waits for it: do not compute it
+                item.future.set_exception(ClientGone("the client closed its connection"))
+                self.dropped += 1
+            else:
+                live.append(item)
+        if not live:
+            return
+        try:
+            results = self.engine.generate_rows([row for it in live for row in it.rows])
+        except Exception as exc:
+            if len(live) > 1:  # find the request that failed; the others get their results
+                logger.warning("a batch of %d requests failed (%s); running them one by one", len(live), exc)
+                for item in live:
+                    self._run([item])
+                return
+            logger.exception("generation failed")  # handed to the waiting request, which answers 500
+            live[0].future.set_exception(exc)
+            return
+        offset = 0
+        for item in live:
+            item.future.set_result(results[offset : offset + len(item.rows)])
+            offset += len(item.rows)
+
+
+@dataclasses.dataclass
+class _Item:
+    rows: list[RowSpec]
+    future: Future
+    client_gone: Callable[[], bool]
+
+
+class ClientGone(RuntimeError):
+    """The client of a queued request hung up; its rows are not computed and nothing is answered."""
