@@ -12,11 +12,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from sapo_megatron.loop.old_policy import old_policy_logp
 from sapo_megatron.loop.replay import RoutingStep
 from sapo_megatron.megatron.routing import agreement_counts, agreement_from_counts
 from sapo_megatron.megatron.routing_replay import ENGINE_ROUTES, RECORDED_ROUTES, USED_ROUTES
 from sapo_megatron.model.arch import QwenArch
 from sapo_megatron.model.batching import IMAGE_MASK
+from sapo_megatron.model.step_batch import MicroBatch, StepBatch
 from sapo_megatron.model.tiny import tiny_hf_config, tiny_vl_hf_config
 
 ARCH = QwenArch.from_hf_dict(tiny_vl_hf_config())
@@ -44,7 +46,7 @@ def _routes(batch_size: int, seq: int) -> torch.Tensor:
     return torch.cat([first, first + 1], -1)
 
 
-def _batch(ids: list[list[int]], image_mask: list[list[int]] | None) -> dict[str, torch.Tensor]:
+def _batch(ids: list[list[int]], image_mask: list[list[int]] | None) -> MicroBatch:
     input_ids = torch.tensor(ids)
     engine = _routes(*input_ids.shape)
     batch = {
@@ -56,7 +58,7 @@ def _batch(ids: list[list[int]], image_mask: list[list[int]] | None) -> dict[str
     }
     if image_mask is not None:
         batch[IMAGE_MASK] = torch.tensor(image_mask, dtype=torch.float32)
-    return batch
+    return MicroBatch.of(batch)
 
 
 def _moved(routes: torch.Tensor, row: int, pos: int, layer: int | None = None) -> None:
@@ -77,10 +79,7 @@ def test_image_agreement_counts_the_prompts_image_pads_only():
     ):  # pads that are text
         _moved(batch[RECORDED_ROUTES], row, pos)
         _moved(batch[USED_ROUTES], row, pos)
-    cfg = _r2_config(ARCH)
-    step = RoutingStep(OneRankEngine(), cfg)
-    step.old_logp([[with_images], [text_only]])
-    metrics = step.metrics()
+    metrics = _step_metrics(StepBatch([[with_images], [text_only]]), _r2_config(ARCH))
     assert metrics["routing/agreement_image"] == pytest.approx(5 / 6)
     assert metrics["routing/agreement_used_image"] == 1.0
     assert metrics["routing/agreement"] < 1.0  # the response's sampled pads do count there
@@ -88,12 +87,19 @@ def test_image_agreement_counts_the_prompts_image_pads_only():
 
 def test_no_image_metrics_without_images_or_for_a_text_model():
     cfg = _r2_config(ARCH)
-    step = RoutingStep(OneRankEngine(), cfg)
-    step.old_logp([[_batch([[5, PAD, 7, 8]], None)]])
-    assert not {"routing/agreement_image", "routing/agreement_used_image"} & set(step.metrics())
+    metrics = _step_metrics(StepBatch([[_batch([[5, PAD, 7, 8]], None)]]), cfg)
+    assert not {"routing/agreement_image", "routing/agreement_used_image"} & set(metrics)
     text = QwenArch.from_hf_dict(tiny_hf_config("moe"))
     cfg.model = SimpleNamespace(arch=text)
     assert RoutingStep(OneRankEngine(), cfg).image_token_id is None
+
+
+def _step_metrics(batch: StepBatch, cfg: SimpleNamespace) -> dict[str, float]:
+    """The routing passes of an RL step (old policy, then agreement), then its routing metrics."""
+    routing = RoutingStep(OneRankEngine(), cfg)
+    batch.add(old_policy_logp(routing, batch, temperature=1.0, unit_temperature=False))
+    metrics = batch.add(routing.agreement(batch))
+    return {**metrics, **routing.metrics(batch)}
 
 
 def _r2_config(arch: QwenArch) -> SimpleNamespace:

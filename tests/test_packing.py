@@ -28,6 +28,7 @@ from sapo_megatron.model.packing import (
     sequences_with_tokens,
     slot_length,
 )
+from sapo_megatron.model.step_batch import StepBatch
 from sapo_megatron.model.tiny import tiny_hf_config
 
 
@@ -281,15 +282,17 @@ def test_the_trainer_packs_when_the_budget_is_set():
 def test_padding_fraction_counts_the_positions_without_a_token():
     seqs = [TrainSequence([1, 2], [3] * n) for n in (2, 9, 3, 6)]  # 3, 10, 4 and 7 model positions: 24
     padded = build_micro_batches(seqs, dp_rank=0, dp_size=1, micro_batches=2, pad_id=0)
-    assert padding_fraction(seqs, [padded], dp_size=1) == pytest.approx(1 - 24 / 40)  # 2 × 2 rows of 10
+    assert padding_fraction(seqs, StepBatch([padded]), dp_size=1) == pytest.approx(
+        1 - 24 / 40
+    )  # 2 × 2 rows of 10
     # budget 14: least-loaded onto 2 micro-batches gives 10 + 3 | 7 + 4, so 2 rows of T = 13
     packed = build_micro_batches(
         seqs, dp_rank=0, dp_size=1, micro_batches=1, pad_id=0, max_tokens_per_micro_batch=14
     )
     assert [mb["sequence_index"].tolist() for mb in packed] == [[0, 1], [2, 3]]
-    assert padding_fraction(seqs, [packed], dp_size=1) == pytest.approx(1 - 24 / 26)
+    assert padding_fraction(seqs, StepBatch([packed]), dp_size=1) == pytest.approx(1 - 24 / 26)
     # per update, every rank's micro-batches count (they all have the same shapes)
-    assert padding_fraction(seqs * 2, [packed], dp_size=2) == pytest.approx(1 - 48 / 52)
+    assert padding_fraction(seqs * 2, StepBatch([packed]), dp_size=2) == pytest.approx(1 - 48 / 52)
 
 
 def test_config_refuses_a_budget_below_an_episode():

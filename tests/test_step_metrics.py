@@ -10,20 +10,36 @@ from sapo_megatron.loop.step_metrics import StepMetrics, quantiles, ratio_quanti
 from sapo_megatron.megatron.train_step import StepResult
 
 
-def result(sums: dict[str, tuple[float, float]]) -> StepResult:
+def result(sums: dict[str, tuple[float, float]], per_update: frozenset[str] = frozenset()) -> StepResult:
     means = {name: total / max(weight, 1e-12) for name, (total, weight) in sums.items()}
     return StepResult(
-        loss=0.0, grad_norm=1.0, lr=1e-3, update_successful=True, metrics=means, metric_sums=sums
+        loss=0.0,
+        grad_norm=1.0,
+        lr=1e-3,
+        update_successful=True,
+        metrics=means,
+        metric_sums=sums,
+        per_update=per_update,
     )
+
+
+DIAGNOSTICS = frozenset({"sapo/w_mean_pos", "sapo/w_mean", "policy/kl_old"})
 
 
 def test_updates_pool_by_their_token_counts_and_keep_per_update_values():
     # Update 0: 30 positive tokens gated at 0.9; update 1: no positive token (the engine's mean reads 0).
     first = result(
-        {"sapo/w_mean_pos": (27.0, 30.0), "sapo/w_mean": (45.0, 50.0), "policy/kl_old": (0.0, 50.0)}
+        {
+            "sapo/w_mean_pos": (27.0, 30.0),
+            "sapo/w_mean": (45.0, 50.0),
+            "policy/kl_old": (0.0, 50.0),
+            "entropy": (100.0, 50.0),
+        },
+        DIAGNOSTICS,
     )
     second = result(
-        {"sapo/w_mean_pos": (0.0, 0.0), "sapo/w_mean": (14.0, 20.0), "policy/kl_old": (0.2, 20.0)}
+        {"sapo/w_mean_pos": (0.0, 0.0), "sapo/w_mean": (14.0, 20.0), "policy/kl_old": (0.2, 20.0)},
+        DIAGNOSTICS,
     )
     pooled = StepMetrics(updates=2)
     pooled.add(first)
@@ -36,6 +52,7 @@ def test_updates_pool_by_their_token_counts_and_keep_per_update_values():
         0.7
     )
     assert metrics["mb1/policy/kl_old"] == pytest.approx(0.01) and "mb1/sapo/w_mean_pos" not in metrics
+    assert metrics["entropy"] == pytest.approx(2.0) and "mb0/entropy" not in metrics  # not a per-update one
     no_positive = StepMetrics(updates=1)
     no_positive.add(second)
     assert "sapo/w_mean_pos" not in no_positive.finish()  # not measured this step, rather than a 0

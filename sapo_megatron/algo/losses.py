@@ -10,9 +10,11 @@ Common to every loss (:meth:`_PolicyLossBase.compute`):
 - ``loss = agg(l_pg · w_is) + kl_coef · agg(k3(ref ‖ π)) − entropy_coef · agg(entropy)``; the KL and entropy
   terms are not importance-weighted.
 
-Metrics are detached 0-d fp32 tensors. Unless the name says otherwise (``ratio/*min``, ``ratio/*max``,
-``loss/*``, and GSPO's per-sequence clip fractions) each one is a masked mean over the valid tokens of *this*
-call, so averaging across micro-batches/ranks is the caller's choice. Empty selections give 0 (ratios: 1).
+Metrics are detached 0-d fp32 tensors in a :class:`~sapo_megatron.algo.metric.MetricSet`, each made with its
+reduction: a masked mean over the valid tokens of *this* call (token mean; over the positive- / negative-advantage
+tokens for the ``*_pos`` / ``*_neg`` gate means), a mean over sequences (sequence ratios, the SAPO gate's spread,
+GSPO's per-sequence clip fractions), a sum (``loss/*``: this call's share of the loss) or an extremum (``ratio/*min``,
+``ratio/*max``). Empty selections give 0 (ratios: 1).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sapo_megatron.algo.aggregation import AggMode, Normaliser, aggregate, masked_mean
+from sapo_megatron.algo.metric import MetricSet, Reduce, metric_set
 from sapo_megatron.algo.mismatch import (
     LOG_RATIO_CLAMP,
     MismatchCorrection,
@@ -32,7 +35,7 @@ from sapo_megatron.algo.mismatch import (
     mismatch_metrics,
 )
 
-Metrics = dict[str, torch.Tensor]
+Metrics = MetricSet
 
 
 class _PolicyLossBase(BaseModel):
@@ -83,12 +86,13 @@ class _PolicyLossBase(BaseModel):
         rollout = _optional_valid("rollout_logp_bt", rollout_logp_bt, mask)
 
         pg_bt, metrics = self._policy_loss_bt(logp, old, adv_bt, mask)
-        metrics.update(_ratio_stats("ratio/", _token_ratio(logp, old), mask))
-        metrics["policy/kl_old"] = masked_mean(k3(old, logp.detach()), mask)
+        metrics.update(_ratio_stats("ratio/", _token_ratio(logp, old), mask, Reduce.TOKEN_MEAN))
+        kl_old = masked_mean(k3(old, logp.detach()), mask)
+        metrics.add("policy/kl_old", kl_old, Reduce.TOKEN_MEAN, per_update=True)
         is_weight_bt = correction_weights(correction, old, rollout, mask)  # detached inside
         if is_weight_bt is not None:
             pg_bt = pg_bt * is_weight_bt
-            metrics["mismatch/is_weight_mean"] = masked_mean(is_weight_bt, mask)
+            metrics.add("mismatch/is_weight_mean", masked_mean(is_weight_bt, mask), Reduce.TOKEN_MEAN)
             metrics.update(correction_metrics(correction, old, rollout, mask))
         if rollout is not None:
             metrics.update(mismatch_metrics(old, rollout, mask))
@@ -102,10 +106,10 @@ class _PolicyLossBase(BaseModel):
             max_len=self.max_len,
         )
         loss = agg(pg_bt)
-        metrics["loss/pg"] = loss.detach()
+        metrics.add("loss/pg", loss.detach(), Reduce.SUM)
         loss = loss + self._kl_term(logp, ref_logp_bt, mask, agg, metrics)
         loss = loss - self._entropy_term(entropy_bt, mask, agg, metrics)
-        metrics["loss/total"] = loss.detach()
+        metrics.add("loss/total", loss.detach(), Reduce.SUM)
         return loss, metrics
 
     def _policy_loss_bt(
@@ -125,11 +129,11 @@ class _PolicyLossBase(BaseModel):
         ref_bt = _valid(ref_logp_bt, mask_bt).detach()
         log_ref_ratio_bt = (ref_bt - logp_bt).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
         k3_bt = log_ref_ratio_bt.exp() - log_ref_ratio_bt - 1.0  # Schulman's k3: unbiased, always >= 0
-        metrics["kl/k3_ref"] = masked_mean(k3_bt.detach(), mask_bt)
+        metrics.add("kl/k3_ref", masked_mean(k3_bt.detach(), mask_bt), Reduce.TOKEN_MEAN)
         if self.kl_coef == 0:
             return torch.zeros((), device=logp_bt.device)
         term = self.kl_coef * agg(k3_bt)
-        metrics["loss/kl"] = term.detach()
+        metrics.add("loss/kl", term.detach(), Reduce.SUM)
         return term
 
     def _entropy_term(self, entropy_bt, mask_bt, agg, metrics: Metrics) -> torch.Tensor:
@@ -139,11 +143,11 @@ class _PolicyLossBase(BaseModel):
         if entropy_bt is None:
             return torch.zeros((), device=mask_bt.device)
         entropy_bt = _optional_valid("entropy_bt", entropy_bt, mask_bt)  # keeps its graph: the bonus needs it
-        metrics["entropy"] = masked_mean(entropy_bt.detach(), mask_bt)
+        metrics.add("entropy", masked_mean(entropy_bt.detach(), mask_bt), Reduce.TOKEN_MEAN)
         if self.entropy_coef == 0:
             return torch.zeros((), device=mask_bt.device)
         term = self.entropy_coef * agg(entropy_bt)
-        metrics["loss/entropy_bonus"] = term.detach()
+        metrics.add("loss/entropy_bonus", term.detach(), Reduce.SUM)
         return term
 
 
@@ -162,13 +166,13 @@ class SapoLoss(_PolicyLossBase):
     level: Literal["token", "sequence"] = "token"
 
     def _policy_loss_bt(self, logp_bt, old_logp_bt, adv_bt, mask_bt):
-        metrics: Metrics = {}
+        metrics = MetricSet()
         if self.level == "token":
             ratio_bt = _token_ratio(logp_bt, old_logp_bt)
         else:
             seq_ratio_b = _sequence_ratio(logp_bt, old_logp_bt, mask_bt)
             ratio_bt = _gspo_token_ratio(seq_ratio_b, logp_bt)
-            metrics.update(_ratio_stats("ratio/seq_", seq_ratio_b, mask_bt.any(-1)))
+            metrics.update(_ratio_stats("ratio/seq_", seq_ratio_b, mask_bt.any(-1), Reduce.SEQUENCE_MEAN))
         tau_bt = torch.where(adv_bt > 0, self.tau_pos, self.tau_neg)
         x_bt = tau_bt * (ratio_bt - 1.0)
         gate_bt = torch.sigmoid(x_bt.detach()) * 4.0 / tau_bt
@@ -197,7 +201,8 @@ class GrpoLoss(_PolicyLossBase):
     def _policy_loss_bt(self, logp_bt, old_logp_bt, adv_bt, mask_bt):
         ratio_bt = _token_ratio(logp_bt, old_logp_bt)
         loss_bt, clipped = _clipped_surrogate(ratio_bt, adv_bt, self.eps_low, self.eps_high, self.dual_clip)
-        return loss_bt, {f"clip/{k}": masked_mean(v, mask_bt) for k, v in clipped.items()}
+        clip = {f"clip/{k}": masked_mean(v, mask_bt) for k, v in clipped.items()}
+        return loss_bt, metric_set(clip, Reduce.TOKEN_MEAN, per_update=True)
 
 
 class GspoLoss(_PolicyLossBase):
@@ -221,8 +226,9 @@ class GspoLoss(_PolicyLossBase):
             ratio_bt = _gspo_token_ratio(seq_ratio_b, logp_bt)
         loss_bt, clipped = _clipped_surrogate(ratio_bt, adv_bt, self.eps_low, self.eps_high)
         # GSPO clips whole sequences, so clip fractions count sequences (each weighted by its clipped-token share).
-        metrics = {f"clip/{k}": _sequence_mean(v, mask_bt) for k, v in clipped.items()}
-        metrics.update(_ratio_stats("ratio/seq_", seq_ratio_b, mask_bt.any(-1)))
+        clip = {f"clip/{k}": _sequence_mean(v, mask_bt) for k, v in clipped.items()}
+        metrics = metric_set(clip, Reduce.SEQUENCE_MEAN, per_update=True)
+        metrics.update(_ratio_stats("ratio/seq_", seq_ratio_b, mask_bt.any(-1), Reduce.SEQUENCE_MEAN))
         return loss_bt, metrics
 
 
@@ -285,25 +291,36 @@ def _sapo_metrics(w_bt: torch.Tensor, adv_bt: torch.Tensor, mask_bt: torch.Tenso
     low_bt = (w_bt < 0.5).float()
     row_mean_b = _row_mean(w_bt, mask_bt)
     row_var_b = _row_mean((w_bt - row_mean_b[:, None]) ** 2, mask_bt)
-    return {
-        "sapo/seq_w_std": masked_mean(row_var_b.sqrt(), mask_bt.any(-1)),
-        "sapo/w_mean": masked_mean(w_bt, mask_bt),
-        "sapo/w_mean_pos": masked_mean(w_bt, pos_bt),
-        "sapo/w_mean_neg": masked_mean(w_bt, neg_bt),
-        "sapo/frac_w_lt_half_pos": masked_mean(low_bt, pos_bt),
-        "sapo/frac_w_lt_half_neg": masked_mean(low_bt, neg_bt),
-    }
+    metrics = MetricSet()
+    for name, value, reduce in (
+        ("sapo/seq_w_std", masked_mean(row_var_b.sqrt(), mask_bt.any(-1)), Reduce.SEQUENCE_MEAN),
+        ("sapo/w_mean", masked_mean(w_bt, mask_bt), Reduce.TOKEN_MEAN),
+        ("sapo/w_mean_pos", masked_mean(w_bt, pos_bt), Reduce.POS_TOKEN_MEAN),
+        ("sapo/w_mean_neg", masked_mean(w_bt, neg_bt), Reduce.NEG_TOKEN_MEAN),
+        ("sapo/frac_w_lt_half_pos", masked_mean(low_bt, pos_bt), Reduce.POS_TOKEN_MEAN),
+        ("sapo/frac_w_lt_half_neg", masked_mean(low_bt, neg_bt), Reduce.NEG_TOKEN_MEAN),
+    ):
+        metrics.add(name, value, reduce, per_update=True)  # the gate's diagnostics, also per update
+    return metrics
 
 
-def _ratio_stats(prefix: str, ratio: torch.Tensor, mask: torch.Tensor) -> Metrics:
-    """min/mean/max of ``ratio`` over ``mask`` (same shape); 1 when nothing is valid."""
+def _ratio_stats(prefix: str, ratio: torch.Tensor, mask: torch.Tensor, mean: Reduce) -> Metrics:
+    """min/mean/max of ``ratio`` over ``mask`` (same shape); 1 when nothing is valid. ``mean``: how the mean
+    pools (over tokens or over sequences)."""
     ratio, any_valid = ratio.detach(), mask.any()
     stats = {
         "min": torch.where(mask, ratio, torch.inf).amin(),
         "mean": masked_mean(ratio, mask),
         "max": torch.where(mask, ratio, -torch.inf).amax(),
     }
-    return {f"{prefix}{k}": torch.where(any_valid, v, 1.0) for k, v in stats.items()}
+    metrics = MetricSet()
+    for name, reduce in (("min", Reduce.MIN), ("mean", mean), ("max", Reduce.MAX)):
+        # the token ratio's mean is a per-update diagnostic too
+        per_update = prefix == "ratio/" and name == "mean"
+        metrics.add(
+            f"{prefix}{name}", torch.where(any_valid, stats[name], 1.0), reduce, per_update=per_update
+        )
+    return metrics
 
 
 def _row_mean(x_bt: torch.Tensor, mask_bt: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,7 @@ from sapo_megatron.algo.losses import (
     _row_mean,
     _token_ratio,
 )
+from sapo_megatron.algo.metric import MetricSet, Reduce, metric_set
 from sapo_megatron.algo.mismatch import mismatch_metrics
 
 
@@ -46,14 +47,16 @@ class CispoLoss(_PolicyLossBase):
         weight_bt = ratio_bt.clamp(min=self.min_ratio, max=self.max_ratio)
         high_bt = ratio_bt > self.max_ratio
         low_bt = ratio_bt < self.min_ratio if self.min_ratio is not None else torch.zeros_like(high_bt)
-        metrics = {
+        clip = {
             "clip/frac": masked_mean((high_bt | low_bt).float(), mask_bt),
             "clip/frac_high": masked_mean(high_bt.float(), mask_bt),
             "clip/frac_low": masked_mean(low_bt.float(), mask_bt),
-            # TRL's cispo_clip_ratio: tokens whose weight was capped and whose advantage is positive.
-            "cispo/frac_capped_pos": masked_mean(high_bt.float(), mask_bt & (adv_bt > 0)),
             "cispo/weight_mean": masked_mean(weight_bt, mask_bt),
         }
+        metrics = metric_set(clip, Reduce.TOKEN_MEAN, per_update=True)
+        # TRL's cispo_clip_ratio: tokens whose weight was capped among those whose advantage is positive.
+        capped_pos = masked_mean(high_bt.float(), mask_bt & (adv_bt > 0))
+        metrics.add("cispo/frac_capped_pos", capped_pos, Reduce.POS_TOKEN_MEAN, per_update=True)
         return -weight_bt * adv_bt * logp_bt, metrics
 
 
@@ -90,12 +93,13 @@ class GmpoLoss(_PolicyLossBase):
         # Every token of sequence i carries l_i: seq-mean-token-mean then averages l_i over sequences.
         loss_bt = -adv_bt * seq_ratio_b[:, None]
         clipped_bt = (d_bt != d_clip_bt).float()
-        metrics = {
+        clip = {
             "clip/frac": masked_mean(clipped_bt, mask_bt),
             "clip/frac_high": masked_mean(clipped_bt * (adv_bt > 0), mask_bt),  # verl's pg_clipfrac
             "clip/frac_low": masked_mean(clipped_bt * (adv_bt < 0), mask_bt),  # verl's pg_clipfrac_lower
         }
-        metrics.update(_ratio_stats("ratio/seq_", seq_ratio_b, mask_bt.any(-1)))
+        metrics = metric_set(clip, Reduce.TOKEN_MEAN, per_update=True)
+        metrics.update(_ratio_stats("ratio/seq_", seq_ratio_b, mask_bt.any(-1), Reduce.SEQUENCE_MEAN))
         return loss_bt, metrics
 
 
@@ -129,13 +133,14 @@ class DppoLoss(_PolicyLossBase):
         weight_bt = ratio_bt if self.ratio_cap is None else ratio_bt.clamp(max=self.ratio_cap)
         valid_bt = self._trust_region(logp_bt.detach(), old_logp_bt, adv_bt)
         dropped_bt = (~valid_bt).float()
-        metrics = {
+        clip = {
             "clip/frac": masked_mean(dropped_bt, mask_bt),
             "clip/frac_high": masked_mean(dropped_bt * (adv_bt > 0), mask_bt),
             "clip/frac_low": masked_mean(dropped_bt * (adv_bt <= 0), mask_bt),
         }
         if self.ratio_cap is not None:
-            metrics["dppo/frac_ratio_capped"] = masked_mean((ratio_bt > self.ratio_cap).float(), mask_bt)
+            clip["dppo/frac_ratio_capped"] = masked_mean((ratio_bt > self.ratio_cap).float(), mask_bt)
+        metrics = metric_set(clip, Reduce.TOKEN_MEAN, per_update=True)
         return -adv_bt * weight_bt * logp_bt * valid_bt.float(), metrics
 
     def _trust_region(self, logp_bt, old_logp_bt, adv_bt) -> torch.Tensor:
@@ -186,13 +191,16 @@ class M2poLoss(_PolicyLossBase):
         # The engine–trainer mismatch is a property of the samples: measured on every token, not just the kept.
         metrics.update(mismatch_metrics(old_logp_bt.detach(), rollout_logp_bt.detach(), mask))
         m2_bt = (rollout_logp_bt.float() - old_logp_bt.float()).detach() ** 2
-        metrics["m2po/frac_masked"] = masked_mean((~keep_bt).float(), mask)
-        metrics["m2po/m2_mean"] = masked_mean(torch.where(mask, m2_bt, 0.0), mask)
-        metrics["m2po/m2_mean_kept"] = masked_mean(torch.where(mask, m2_bt, 0.0), mask & keep_bt)
+        m2po = {
+            "m2po/frac_masked": masked_mean((~keep_bt).float(), mask),
+            "m2po/m2_mean": masked_mean(torch.where(mask, m2_bt, 0.0), mask),
+            "m2po/m2_mean_kept": masked_mean(torch.where(mask, m2_bt, 0.0), mask & keep_bt),
+        }
+        metrics.update(metric_set(m2po, Reduce.TOKEN_MEAN, per_update=True))
         return loss, metrics
 
     def _policy_loss_bt(self, logp_bt, old_logp_bt, adv_bt, mask_bt):
-        return -_token_ratio(logp_bt, old_logp_bt) * adv_bt, {}
+        return -_token_ratio(logp_bt, old_logp_bt) * adv_bt, MetricSet()
 
 
 def m2po_keep_mask(

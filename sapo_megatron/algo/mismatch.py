@@ -13,6 +13,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sapo_megatron.algo.aggregation import masked_mean
+from sapo_megatron.algo.metric import MetricSet, Reduce, metric_set
 
 LOG_RATIO_CLAMP = 20.0  # exp(20) ≈ 4.9e8: finite in fp32, far beyond any meaningful ratio
 
@@ -159,7 +160,7 @@ class RolloutCorrection(BaseModel):
             keep = keep & rule.keep(delta_bt, mask_bt)
         return keep
 
-    def metrics(self, delta_bt: torch.Tensor, mask_bt: torch.Tensor) -> dict[str, torch.Tensor]:
+    def metrics(self, delta_bt: torch.Tensor, mask_bt: torch.Tensor) -> MetricSet:
         """Token means: the weight after truncation and rejection, the share truncated, the share rejected in all
         and per rule."""
         raw_bt = self.raw_is_weight(delta_bt, mask_bt)
@@ -172,7 +173,7 @@ class RolloutCorrection(BaseModel):
             out[f"rollout_corr/rejected_frac_{rule.stat}"] = masked_mean(
                 (~rule.keep(delta_bt, mask_bt)).float(), mask_bt
             )
-        return out
+        return metric_set(out, Reduce.TOKEN_MEAN)
 
 
 MismatchCorrection = NoCorrection | TIS | IcePop | RolloutCorrection
@@ -208,26 +209,27 @@ def correction_metrics(
     old_logp_bt: torch.Tensor,
     rollout_logp_bt: torch.Tensor | None,
     mask_bt: torch.Tensor,
-) -> dict[str, torch.Tensor]:
-    """The correction's own diagnostics (``rollout_corr/*``); empty for none / TIS / IcePop."""
+) -> MetricSet:
+    """The correction's own diagnostics (``rollout_corr/*``, token means); empty for none / TIS / IcePop."""
     if not isinstance(correction, RolloutCorrection) or rollout_logp_bt is None:
-        return {}
+        return MetricSet()
     return correction.metrics(_delta(old_logp_bt, rollout_logp_bt).detach(), mask_bt.bool())
 
 
 def mismatch_metrics(
     old_logp_bt: torch.Tensor, rollout_logp_bt: torch.Tensor, mask_bt: torch.Tensor
-) -> dict[str, torch.Tensor]:
+) -> MetricSet:
     """Masked means over valid tokens of ``[batch, seq]`` inputs: k3 KL estimate, mean |δ|, and the fraction of
     tokens whose ratio ``exp(δ)`` is above 2 or below 0.5."""
     delta_bt = _delta(old_logp_bt, rollout_logp_bt).detach()
     ratio_bt = delta_bt.exp()
-    return {
+    means = {
         "mismatch/k3": masked_mean(ratio_bt - delta_bt - 1.0, mask_bt),
         "mismatch/abs_delta_mean": masked_mean(delta_bt.abs(), mask_bt),
         "mismatch/frac_ratio_gt_2": masked_mean((ratio_bt > 2.0).float(), mask_bt),
         "mismatch/frac_ratio_lt_0.5": masked_mean((ratio_bt < 0.5).float(), mask_bt),
     }
+    return metric_set(means, Reduce.TOKEN_MEAN)
 
 
 def _delta(old_logp_bt: torch.Tensor, rollout_logp_bt: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
-"""The RL step's distillation, on every rank: after the old-log-prob pass, turn each micro-batch's teacher
-log-probs into token-level advantages ``[b, s]`` fused with the RL advantage (``algorithm.fusion``), step the SAF
-schedule with the previous update's student–teacher k3 (:meth:`DistillStep.observe`), and report the metrics.
+"""The RL step's distillation, on every rank: the teacher-fusion pass (after the old-log-prob pass) turns each
+micro-batch's teacher log-probs into token-level advantages ``[b, s]`` fused with the RL advantage
+(``algorithm.fusion``) and returns them as a :class:`FusedAdvantages` part; it steps the SAF schedule with the previous update's student–teacher k3 (:meth:`DistillStep.observe`), and report the metrics.
 
 Where the numbers live: ``old_logp`` (the default student log-prob) exists only on the last pipeline stage, where
 the loss runs, so the fusion happens there; other stages keep their ``[b]`` advantages, which nothing reads. The
@@ -17,7 +17,8 @@ prompt domains ``opd/reverse_kl/<domain>`` and ``opd/adv_abs_mean/<domain>``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,10 +28,23 @@ from sapo_megatron.algo import MismatchCorrection, SafFusion, fuse_advantages, o
 from sapo_megatron.distill.config import safe_metric_name
 from sapo_megatron.model.batching import DOMAIN_IDS, TEACHER_LOGP, UNIT_TEMPERATURE_LOGP
 from sapo_megatron.model.packing import SequenceView
+from sapo_megatron.model.step_batch import MicroBatch, StepBatch, set_per_micro_batch
 
-Updates = list[list[dict]]
 NO_DOMAIN = "none"
 STUDENT_KEYS = {"trainer": "old_logp", "engine": "rollout_logp"}
+
+
+@dataclass(frozen=True)
+class FusedAdvantages:
+    """The teacher-fusion pass's part: per micro-batch of the step, the fused token advantages ``[b, s]`` (None:
+    the micro-batch keeps its advantages – off the last stage, or under ``rl``, which only measures), and the
+    step's distillation metrics."""
+
+    advantages: list[torch.Tensor | None] | None = None
+    metrics: Mapping[str, float] = field(default_factory=dict)
+
+    def apply(self, batch: StepBatch) -> None:
+        set_per_micro_batch(batch, "advantages", self.advantages)
 
 
 class DistillStep:
@@ -55,21 +69,31 @@ class DistillStep:
         another correction with it), else the configured one."""
         return self.fusion.correction() if self.fusion.mode == "mopd" else configured
 
-    def fuse(self, updates: Updates) -> dict[str, float]:
-        """Replace each last-stage micro-batch's ``advantages`` by the fused token advantages (not under
-        ``rl``, which only measures); returns the step's metrics (identical on every rank)."""
+    @property
+    def unit_temperature_logp(self) -> bool:
+        """Does the old-policy pass owe the student's log-prob at temperature 1 (``old_logp_t1``)?"""
+        return self.enabled and self.student_key == UNIT_TEMPERATURE_LOGP
+
+    def fuse(self, batch: StepBatch) -> FusedAdvantages:
+        """The fused token advantages of each last-stage micro-batch (not under ``rl``, which only measures) and
+        the step's metrics (identical on every rank)."""
         if not self.enabled:
-            return {}
-        local = [batch for update in updates for batch in update if "old_logp" in batch]
-        adv_opd = [self._adv_opd(batch) for batch in local]
-        gap = [self._reverse_kl_sums(batch, adv) for batch, adv in zip(local, adv_opd)]
+            return FusedAdvantages()
+        micro = batch.micro_batches()
+        local = [b for b in micro if b.old_logp is not None]
+        adv_opd = [self._adv_opd(b) for b in local]
+        gap = [self._reverse_kl_sums(b, adv) for b, adv in zip(local, adv_opd)]
         kl_sum, tokens = _all_reduce(torch.tensor(gap, dtype=torch.float64).reshape(-1, 2).sum(0)).tolist()
         kl = kl_sum / max(tokens, 1.0)
         # SAF's authors step the schedule with the previous update's actor/kl_loss (None at the first step).
         multiplier = self.schedule.update(self._kl_signal) if self.schedule is not None else None
         sums = torch.zeros(len(self._keys), 2, dtype=torch.float64)
-        for batch, adv in zip(local, adv_opd):
-            sums += self._fuse_batch(batch, adv, multiplier)
+        fused: dict[int, torch.Tensor] = {}
+        for b, adv in zip(local, adv_opd):
+            fused_adv, batch_sums = self._fuse_batch(b, adv, multiplier)
+            sums += batch_sums
+            if fused_adv is not None:
+                fused[id(b)] = fused_adv
         sums = _all_reduce(sums)
         metrics = {
             key: float(total / weight)
@@ -81,7 +105,7 @@ class DistillStep:
             metrics.update(self.schedule.metrics())
             if self._kl_signal is not None:
                 metrics["saf/kl_signal"] = self._kl_signal
-        return metrics
+        return FusedAdvantages([fused.get(id(b)) for b in micro], metrics)
 
     def observe(self, train_metrics: dict[str, float]) -> None:
         """After the step's updates: keep their ``opd/student_teacher_k3`` (the loss hook's token mean of verl's
@@ -89,7 +113,7 @@ class DistillStep:
         if self.enabled and "opd/student_teacher_k3" in train_metrics:
             self._kl_signal = float(train_metrics["opd/student_teacher_k3"])
 
-    def _adv_opd(self, batch: dict) -> torch.Tensor:
+    def _adv_opd(self, batch: MicroBatch) -> torch.Tensor:
         if TEACHER_LOGP not in batch:
             raise KeyError("distillation needs teacher_logp in every micro-batch (the teachers scored none)")
         mask = batch["loss_mask"].bool()
@@ -98,13 +122,16 @@ class DistillStep:
         )
 
     @staticmethod
-    def _reverse_kl_sums(batch: dict, adv_opd: torch.Tensor) -> tuple[float, float]:
+    def _reverse_kl_sums(batch: MicroBatch, adv_opd: torch.Tensor) -> tuple[float, float]:
         mask = batch["loss_mask"].bool()
         return -float(adv_opd[mask].double().sum()), float(mask.sum())
 
-    def _fuse_batch(self, batch: dict, adv_opd: torch.Tensor, multiplier: float | None) -> torch.Tensor:
-        """Fuse one micro-batch (in place); its ``(weighted sum, weight)`` per metric key. Packed micro-batches
-        are fused on their per-sequence view and the token-level advantages written back in the packed layout."""
+    def _fuse_batch(
+        self, batch: MicroBatch, adv_opd: torch.Tensor, multiplier: float | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """Fuse one micro-batch: its fused advantages in the batch's layout (None under ``rl``) and its ``(weighted
+        sum, weight)`` per metric key. Packed micro-batches are fused on their per-sequence view and the token-level
+        advantages laid back out packed."""
         view = SequenceView(batch)
         mask = view(batch["loss_mask"]).bool()
         names = self._row_domains(batch, rows=mask.shape[0])
@@ -118,8 +145,7 @@ class DistillStep:
             multiplier=multiplier,
             domains=names if self.per_domain else None,
         )
-        if self.fusion.mode != "rl":
-            batch["advantages"] = view.to_batch(adv_bt, batch["loss_mask"])
+        fused = view.to_batch(adv_bt, batch["loss_mask"]) if self.fusion.mode != "rl" else None
         tokens = float(mask.sum())
         weights = {NO_DOMAIN: tokens}
         for domain in set(names):
@@ -131,9 +157,9 @@ class DistillStep:
                 continue
             weight = weights[self._key_domain(key)]
             sums[index] = torch.tensor([metrics[key] * weight, weight], dtype=torch.float64)
-        return sums
+        return fused, sums
 
-    def _row_domains(self, batch: dict, rows: int) -> list[str]:
+    def _row_domains(self, batch: MicroBatch, rows: int) -> list[str]:
         """The domain name of each of the ``rows`` sequences (an empty packed micro-batch's one row: none)."""
         ids = batch[DOMAIN_IDS].tolist() if DOMAIN_IDS in batch else []
         ids = ids if len(ids) == rows else [-1] * rows

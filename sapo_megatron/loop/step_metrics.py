@@ -4,8 +4,9 @@ Each update reports ``(weighted sum, weight)`` per metric (``StepResult.metric_s
 sign-of-advantage counts over every micro-batch and rank); the step's value is the sum of the sums over the sum of
 the weights, so a mini-batch without positive-advantage tokens adds nothing to ``sapo/w_mean_pos`` instead of
 counting as 0, and a metric with no weight at all (a step, or an update, without positive-advantage tokens) is
-left out rather than logged as 0. With several updates, the per-update values of the policy diagnostics are kept as ``mb{i}/<name>``
-(``i`` from 0): ``ratio/mean``, ``clip/*``, ``sapo/*``, ``policy/kl_old``. The token ratios of the whole step give
+left out rather than logged as 0. With several updates, the per-update values of the policy diagnostics – the
+metrics the loss made with ``per_update`` (``StepResult.per_update``): ``ratio/mean``, ``clip/*``, ``sapo/*``,
+``policy/kl_old`` – are kept as ``mb{i}/<name>`` (``i`` from 0). The token ratios of the whole step give
 ``ratio/p0.1``, ``ratio/p1``, ``ratio/p50``, ``ratio/p99``, ``ratio/p99.9``, ``ratio/min``, ``ratio/max`` (quantiles
 with linear interpolation, as ``torch.quantile``).
 """
@@ -20,7 +21,6 @@ from sapo_megatron.megatron.step_stats import gather_token_values
 from sapo_megatron.megatron.train_step import StepResult
 
 RATIO_QUANTILES = {"p0.1": 0.001, "p1": 0.01, "p50": 0.5, "p99": 0.99, "p99.9": 0.999}
-PER_UPDATE_PREFIXES = ("ratio/mean", "clip/", "sapo/", "policy/kl_old")
 
 
 class StepMetrics:
@@ -38,7 +38,7 @@ class StepMetrics:
             pooled = self._sums.setdefault(name, [0.0, 0.0])
             pooled[0] += total
             pooled[1] += weight
-            if self.updates > 1 and name.startswith(PER_UPDATE_PREFIXES) and weight > 0:
+            if self.updates > 1 and name in result.per_update and weight > 0:
                 self._per_update[f"mb{self._index}/{name}"] = total / weight
         self._index += 1
 

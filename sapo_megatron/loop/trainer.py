@@ -17,17 +17,20 @@ from sapo_megatron.data.prompts import PromptIterator, PromptRow
 from sapo_megatron.data.render import PromptRenderer
 from sapo_megatron.distill.teachers import TeacherScoring
 from sapo_megatron.errors import RunInterrupted
+from sapo_megatron.loop import passes
 from sapo_megatron.loop.checkpointing import Checkpointer, LoopState
 from sapo_megatron.loop.evaluation import evaluate, summary_fields
 from sapo_megatron.loop.learning_signal import NoSignalWatch, check_sft_targets
+from sapo_megatron.loop.passes import PassFactory, StepContext
 from sapo_megatron.loop.pipeline import RolloutPipeline
 from sapo_megatron.loop.replay import RoutingStep, route_layout
 from sapo_megatron.loop.session import Session, open_session
 from sapo_megatron.loop.step_metrics import StepMetrics
-from sapo_megatron.megatron.loss_hook import LogprobOutput, PolicyLossHook, add_global_normalisers
+from sapo_megatron.megatron.loss_hook import PolicyLossHook, add_global_normalisers
 from sapo_megatron.megatron.sft import sft_loss
 from sapo_megatron.megatron.train_step import ReferenceModel, StepResult
 from sapo_megatron.model.batching import RouteLayout, TrainSequence, build_micro_batches, padding_fraction
+from sapo_megatron.model.step_batch import MicroBatch, StepBatch
 from sapo_megatron.rewards.samples import score_sample_groups
 from sapo_megatron.rollout.collect import CollectSettings, RolloutBatch, collect
 from sapo_megatron.rollout.types import SamplingParams
@@ -35,7 +38,7 @@ from sapo_megatron.runtime.tracking import write_json_atomic
 from sapo_megatron.weight_sync import export_hf
 
 
-def run(cfg, *, mode: str = "new") -> dict[str, Any]:
+def run(cfg: Any, *, mode: str = "new") -> dict[str, Any]:
     """Run a whole job into ``cfg.output_dir``; ``mode`` is the output-directory policy (new / resume / auto /
     overwrite, see :mod:`sapo_megatron.runtime.run_dir`). Returns the summary written to ``summary.json``."""
     started = time.perf_counter()
@@ -88,7 +91,7 @@ def run_sft(session: Session, state: LoopState) -> None:
     )
 
 
-def _sft_micro_batches(session: Session, rows: list[PromptRow]):
+def _sft_micro_batches(session: Session, rows: list[PromptRow]) -> list[MicroBatch]:
     renderer = session.renderer
     sequences = [  # loss on the target only; the prompt's images as the RL path passes them
         TrainSequence(*renderer.sft_ids(row), images=renderer.image_inputs(row)) for row in rows
@@ -170,6 +173,16 @@ def _reference_policy(session: Session, state: LoopState) -> ReferenceModel | No
     return reference
 
 
+STEP_PASSES: list[PassFactory] = [
+    passes.old_policy,  # loop/old_policy.py: old_logp under the arm's routing (R2 records the routes to replay)
+    passes.routing_agreement,  # loop/replay.py: the live routing against the engine's routes, image-token masks
+    passes.reference,  # loop/reference.py: ref_logp of the frozen reference policy
+    passes.teacher_fusion,  # distill/step.py: teacher advantages fused into the RL advantages (OPD, SAF, MOPD)
+]
+"""The passes of an RL step, in order, between building its batch and the policy updates (see
+:mod:`sapo_megatron.loop.passes`; docs/architecture.md, "Life of a step")."""
+
+
 def rl_step(
     session: Session,
     hook: PolicyLossHook,
@@ -181,36 +194,42 @@ def rl_step(
     cfg, engine = session.cfg, session.engine
     sequences, metrics = rollouts.next_batch(step)  # the samples on every rank, from the main rank
     start = time.perf_counter()
-    updates = _split(sequences, cfg.trainer.mini_batches)
     layout = route_layout(cfg)
-    micro = [add_global_normalisers(_micro_batches(session, update, layout)) for update in updates]
+    batch = StepBatch(  # this rank's micro-batches per update, each with the update's loss normalisers
+        [
+            add_global_normalisers(_micro_batches(session, update, layout))
+            for update in _split(sequences, cfg.trainer.mini_batches)
+        ]
+    )
     with session.colocation.training(metrics):  # colocated: engine released, trainer onloaded
-        _train_updates(session, hook, micro, step, reference, metrics)
+        _train_updates(session, hook, batch, step, reference, metrics)
     train_s = time.perf_counter() - start
     metrics.update(rollouts.push_weights(engine.module))  # waits for a batch in flight first
     metrics["time/train_s"] = train_s
     tokens = sum(len(s.prompt_ids) + len(s.response_ids) for s in sequences)
     metrics["throughput/train_tokens_per_s"] = tokens / max(train_s, 1e-9)
-    metrics["train/padding_frac"] = padding_fraction(sequences, micro, session.info.dp_size)
+    metrics["train/padding_frac"] = padding_fraction(sequences, batch, session.info.dp_size)
     return metrics
 
 
 def _train_updates(
     session: Session,
     hook: PolicyLossHook,
-    micro: list[list[dict]],
+    batch: StepBatch,
     step: int,
     reference: ReferenceModel | None,
     metrics: dict[str, float],
 ) -> None:
-    """The old-log-prob pass, the reference and teacher terms, and the ``mini_batches`` policy updates."""
+    """The step's passes (``STEP_PASSES``: each adds its part to ``batch``), then the ``mini_batches`` policy
+    updates."""
     routing = RoutingStep(session.engine, session.cfg)  # MoE routing: live, R2 or R3 replay, and its metrics
-    routing.old_logp(micro)
-    if reference is not None:
-        _attach_logp(reference, micro, "ref_logp", session.cfg.rollout.temperature)
-    metrics.update(session.distill.fuse(micro))  # teacher advantages into the micro-batches (OPD, SAF, MOPD)
-    pooled = StepMetrics(len(micro))  # token-weighted over the updates; per update; ratio quantiles
-    for update in micro:
+    context = StepContext(session, routing, reference)
+    for make_pass in STEP_PASSES:
+        step_pass = make_pass(context)
+        if step_pass is not None:
+            metrics.update(batch.add(step_pass(batch)))
+    pooled = StepMetrics(len(batch.updates))  # token-weighted over the updates; per update; ratio quantiles
+    for update in batch.updates:
         result = routing.train_step(update, hook)
         pooled.add(result)
         for name, value in _check_update(session, result, "rl", step + 1).items():
@@ -219,19 +238,7 @@ def _train_updates(
         metrics["lr"] = result.lr
     metrics.update(pooled.finish(hook.take_ratios()))
     session.distill.observe(metrics)  # SAF's warm-up reads this update's student–teacher KL next step
-    metrics.update(routing.metrics())
-
-
-def _attach_logp(model, updates: list[list[dict]], key: str, temperature: float) -> None:
-    """Forward-only passes of the reference policy over the whole rollout batch (live routing); ``ref_logp``
-    lands in each micro-batch on the last pipeline stage."""
-    output_fn = LogprobOutput(temperature=temperature)
-    for update in updates:  # one schedule per update: its micro-batches share one padded shape
-        outputs = model.forward_only(update, output_fn)
-        if outputs is None:  # not the last pipeline stage: the loss does not run here
-            continue
-        for batch, logp in zip(update, outputs):
-            batch[key] = logp
+    metrics.update(routing.metrics(batch))
 
 
 def _rollout(session: Session, prompts: PromptIterator, step: int):
@@ -313,7 +320,9 @@ def _split(sequences: list[TrainSequence], parts: int) -> list[list[TrainSequenc
     return [sequences[i * size : (i + 1) * size] for i in range(parts)]
 
 
-def _micro_batches(session: Session, sequences: list[TrainSequence], routes: RouteLayout | None = None):
+def _micro_batches(
+    session: Session, sequences: list[TrainSequence], routes: RouteLayout | None = None
+) -> list[MicroBatch]:
     """This rank's micro-batches (with the engine's routes laid onto the positions when ``routes`` is given)."""
     info, par = session.info, session.cfg.parallel
     return build_micro_batches(

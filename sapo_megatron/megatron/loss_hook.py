@@ -26,14 +26,13 @@ keys (``advantages`` ``[n]``) already are.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal, overload
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from pydantic import TypeAdapter
 
 from sapo_megatron.algo import (
-    GspoLoss,
     MismatchCorrection,
     MismatchCorrectionConfig,
     NoCorrection,
@@ -42,6 +41,7 @@ from sapo_megatron.algo import (
     opd_k3,
 )
 from sapo_megatron.algo.losses import LOG_RATIO_CLAMP
+from sapo_megatron.algo.metric import MetricSet, Reduce
 from sapo_megatron.megatron.logprobs import (
     DEFAULT_CHUNK_TOKENS,
     MEGATRON_GROUP,
@@ -49,14 +49,14 @@ from sapo_megatron.megatron.logprobs import (
     _MegatronGroup,
     vocab_parallel_logprobs,
 )
-from sapo_megatron.megatron.train_step import Metrics, MicroBatch
-from sapo_megatron.model.batching import TEACHER_LOGP
+from sapo_megatron.megatron.train_step import Metrics, TaggedMetrics
 from sapo_megatron.model.packing import SequenceView, sequences_with_tokens
+from sapo_megatron.model.step_batch import MicroBatch
 
 NORMALISER_KEYS = ("num_sequences_global", "num_tokens_global")
 
-# Metrics that are extrema cannot be combined from (weighted_sum, weight) pairs; the engine reports means only.
-_EXTREMA_SUFFIXES = ("min", "max")
+# Extrema cannot be combined from (weighted_sum, weight) pairs; the engine reports means and sums only.
+_EXTREMA = (Reduce.MIN, Reduce.MAX)
 
 
 class PolicyLossHook:
@@ -68,10 +68,15 @@ class PolicyLossHook:
     mapping such as ``{"name": "sapo", "tau_neg": 1.05}``; it owns the aggregation mode and the KL / entropy
     coefficients. ``correction``: TIS / IcePop / none (needs ``rollout_logp`` in the batch unless none).
 
-    Metrics, as ``(weighted_sum, weight)``: masked means weighted by their token (or sequence) count, so the
-    engine reports the exact full-batch mean; ``loss/*`` weighted so that the engine reports their *sum* over
+    Metrics, as ``(weighted_sum, weight)``, each weighted as its :class:`~sapo_megatron.algo.metric.Reduce`
+    (given where the loss makes it) says: means by their token, sequence or sign-of-advantage count, so the
+    engine reports the exact full-batch mean; sums (``loss/*``) so that the engine reports their *sum* over
     micro-batches and ranks (i.e. the full-batch value). Per-call extrema (``ratio/min``, ``ratio/max``) are
     left out: a (sum, weight) pair cannot carry them.
+
+    Inputs (:class:`~sapo_megatron.model.step_batch.MicroBatch`): ``labels``, ``loss_mask``, ``advantages``,
+    ``old_logp`` and the normalisers always; ``rollout_logp`` (mismatch metrics, TIS / IcePop), ``ref_logp``
+    (KL to the reference) and ``teacher_logp`` (the student–teacher k3) when the step has them.
 
     ``inplace_backward`` (default on) lets the logits' storage receive their gradient, which saves one
     ``[tokens × V/tp]`` tensor; turn it off if something else keeps using the logits (it fails loudly if so).
@@ -102,11 +107,12 @@ class PolicyLossHook:
 
     def __call__(self, logits: torch.Tensor, batch: MicroBatch) -> tuple[torch.Tensor, Metrics]:
         _refuse_context_parallel()
+        batch = MicroBatch.of(batch)  # tensors by name (a test's, a script's) read the same way
         device = logits.device
         labels = _get(batch, "labels", device)
         # Teachers score at temperature 1: the student's KL to them is taken there too (before the in-place
         # backward may reuse the logits' storage).
-        distilling = TEACHER_LOGP in batch
+        distilling = batch.teacher_logp is not None
         logp_t1_bt = self._unit_temperature_logp(logits, labels) if distilling else None
         logp_bt, entropy_bt = vocab_parallel_logprobs(
             logits,
@@ -123,13 +129,14 @@ class PolicyLossHook:
         mask_bt = view.get("loss_mask").bool()
         num_sequences, num_tokens = (_get(batch, key, device) for key in NORMALISER_KEYS)
         adv = view.get("advantages")
+        old_logp_bt = view.get("old_logp")
         loss, metrics = self.loss.compute(
             view(logp_bt),
-            view.get("old_logp"),
+            old_logp_bt,
             adv,
             mask_bt,
-            rollout_logp_bt=view.get("rollout_logp", optional=True),
-            ref_logp_bt=view.get("ref_logp", optional=True),
+            rollout_logp_bt=view.optional(batch.rollout_logp),
+            ref_logp_bt=view.optional(batch.ref_logp),
             entropy_bt=None if entropy_bt is None else view(entropy_bt),
             correction=self.correction,
             num_sequences=num_sequences,
@@ -137,13 +144,11 @@ class PolicyLossHook:
         )
         if distilling:
             student_bt = view(logp_bt if logp_t1_bt is None else logp_t1_bt).detach()
-            metrics["opd/student_teacher_k3"] = opd_k3(student_bt, view.get(TEACHER_LOGP), mask_bt)
-        self.ratios.append(_token_ratios(view(logp_bt), view.get("old_logp"), mask_bt))
+            k3 = opd_k3(student_bt, view.get("teacher_logp"), mask_bt)
+            metrics.add("opd/student_teacher_k3", k3, Reduce.TOKEN_MEAN)
+        self.ratios.append(_token_ratios(view(logp_bt), old_logp_bt, mask_bt))
         adv_bt = adv[:, None].expand(mask_bt.shape) if adv.dim() == 1 else adv
-        weights = _metric_weights(
-            mask_bt, adv_bt, num_tokens, per_sequence_clip=isinstance(self.loss, GspoLoss)
-        )
-        return loss, _engine_metrics(metrics, weights)
+        return loss, _engine_metrics(metrics, _metric_weights(mask_bt, adv_bt, num_tokens))
 
     def take_ratios(self) -> list[torch.Tensor]:
         """The token ratios ``exp(logp − old_logp)`` (1-d, response tokens) of every call since the last take."""
@@ -235,7 +240,7 @@ def add_global_normalisers(
     :func:`global_normalisers`); call it once per optimizer step, on every rank, with that step's batches."""
     num_sequences, num_tokens = global_normalisers(micro_batches, dp_group=dp_group)
     return [
-        {**batch, "num_sequences_global": num_sequences, "num_tokens_global": num_tokens}
+        MicroBatch.of(batch).copy(num_sequences_global=num_sequences, num_tokens_global=num_tokens)
         for batch in micro_batches
     ]
 
@@ -251,62 +256,45 @@ class _PerSequence:
     def __call__(self, x_bt: torch.Tensor) -> torch.Tensor:
         return self.view(x_bt)
 
-    @overload
-    def get(self, key: str, *, optional: Literal[False] = False) -> torch.Tensor: ...
-    @overload
-    def get(self, key: str, *, optional: bool) -> torch.Tensor | None: ...
-    def get(self, key: str, *, optional: bool = False) -> torch.Tensor | None:
-        if optional and self.batch.get(key) is None:
-            return None
-        value = _get(self.batch, key, self.device)
+    def get(self, key: str) -> torch.Tensor:
+        return self._view(_get(self.batch, key, self.device))
+
+    def optional(self, value: torch.Tensor | None) -> torch.Tensor | None:
+        return None if value is None else self._view(value.to(self.device))
+
+    def _view(self, value: torch.Tensor) -> torch.Tensor:
         if value.shape == self.token_shape:
             return self.view(value)
         return self.view.per_sequence(value) if value.dim() == 1 else value
 
 
 def _metric_weights(
-    mask_bt: torch.Tensor, adv_bt: torch.Tensor, num_tokens: torch.Tensor, *, per_sequence_clip: bool
-) -> dict[str, torch.Tensor]:
-    """The count each algo metric is a mean over (see ``algo/losses.py``), by name prefix/suffix."""
+    mask_bt: torch.Tensor, adv_bt: torch.Tensor, num_tokens: torch.Tensor
+) -> dict[Reduce, torch.Tensor]:
+    """The count each kind of mean is taken over, and the sum's weight."""
     tokens = mask_bt.sum().double()
-    sequences = mask_bt.any(dim=-1).sum().double()
     return {
-        "tokens": tokens,
-        "sequences": sequences,
-        "pos": (mask_bt & (adv_bt > 0)).sum().double(),
-        "neg": (mask_bt & (adv_bt < 0)).sum().double(),
+        Reduce.TOKEN_MEAN: tokens,
+        Reduce.SEQUENCE_MEAN: mask_bt.any(dim=-1).sum().double(),
+        Reduce.POS_TOKEN_MEAN: (mask_bt & (adv_bt > 0)).sum().double(),
+        Reduce.NEG_TOKEN_MEAN: (mask_bt & (adv_bt < 0)).sum().double(),
         # Σ over micro-batches and ranks of tokens / num_tokens_global is 1: the engine's ratio is then a sum.
-        "sum": tokens / num_tokens.double().clamp(min=1),
-        "clip": sequences if per_sequence_clip else tokens,
+        Reduce.SUM: tokens / num_tokens.double().clamp(min=1),
     }
 
 
-def _weight_kind(name: str) -> str | None:
-    if name.endswith(_EXTREMA_SUFFIXES) and name.startswith("ratio/"):
-        return None
-    if name.startswith("loss/"):
-        return "sum"
-    if name.startswith(("ratio/seq_", "sapo/seq_")):
-        return "sequences"
-    if name.startswith("clip/"):
-        return "clip"
-    if name.endswith("_pos"):
-        return "pos"
-    if name.endswith("_neg"):
-        return "neg"
-    return "tokens"
-
-
-def _engine_metrics(metrics: Metrics, weights: dict[str, torch.Tensor]) -> Metrics:
+def _engine_metrics(metrics: MetricSet, weights: dict[Reduce, torch.Tensor]) -> Metrics:
+    """``(weighted sum, weight)`` per metric, weighted by its own reduction; extrema left out."""
     out: Metrics = {}
-    for name, value in metrics.items():
-        kind = _weight_kind(name)
-        if kind is None:
+    per_update = frozenset(name for name, m in metrics.items_with_reduction() if m.per_update)
+    for name, metric in metrics.items_with_reduction():
+        if metric.reduce in _EXTREMA:
             continue
-        weight = weights[kind]
-        weighted = value.double() if kind == "sum" else value.double() * weight
+        weight = weights[metric.reduce]
+        value = torch.as_tensor(metric.value).double()
+        weighted = value if metric.reduce is Reduce.SUM else value * weight
         out[name] = torch.stack((weighted, weight)).detach()
-    return out
+    return TaggedMetrics(out, per_update)
 
 
 def _token_ratios(logp_bt: torch.Tensor, old_logp_bt: torch.Tensor, mask_bt: torch.Tensor) -> torch.Tensor:
@@ -314,7 +302,7 @@ def _token_ratios(logp_bt: torch.Tensor, old_logp_bt: torch.Tensor, mask_bt: tor
     return log_ratio[mask_bt].exp()
 
 
-def _get(batch: MicroBatch, key: str, device: torch.device) -> torch.Tensor:
+def _get(batch: Mapping[str, torch.Tensor], key: str, device: torch.device) -> torch.Tensor:
     if key not in batch:
         hint = " (use add_global_normalisers on the step's micro-batches)" if key in NORMALISER_KEYS else ""
         raise KeyError(f"the policy loss hook needs micro-batch key {key!r}{hint}; got {sorted(batch)}")

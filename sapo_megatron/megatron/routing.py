@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -91,7 +91,7 @@ def routing_agreement_by_layer(
 
 
 def reduce_agreement(
-    micro_batches: Sequence[dict[str, torch.Tensor]],
+    micro_batches: Sequence[Mapping[str, torch.Tensor]],
     key_a: str,
     key_b: str,
     layers: Sequence[int],

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, MutableMapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -79,7 +79,7 @@ __all__ = [
 RECORDED_ROUTES = "recorded_routes"
 USED_ROUTES = "used_routes"
 
-MicroBatch = dict[str, torch.Tensor]
+MicroBatch = MutableMapping[str, torch.Tensor]  # a model.step_batch.MicroBatch or a dict of tensors
 
 
 class RouteMode(Enum):

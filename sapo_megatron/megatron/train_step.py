@@ -40,17 +40,27 @@ from sapo_megatron.megatron.routing_replay import (
     RoutingReplayError,
 )
 from sapo_megatron.megatron.weights import load_hf_weights
+from sapo_megatron.model.step_batch import MicroBatch
 
-MicroBatch = dict[str, torch.Tensor]
-"""One micro-batch: ``input_ids`` [b, s] (right-padded), optional ``position_ids`` [b, s], plus whatever
-tensors the loss function reads (labels, masks, advantages, ...), and MoE routes int32 [b, s, L, k]
-(``engine_routes``, ``recorded_routes``, ``used_routes``: see :mod:`sapo_megatron.megatron.routing_replay`).
-Packed micro-batches (``segment_ids``; one row [1, T], :mod:`sapo_megatron.model.packing`) run as THD or with a block
-mask (:mod:`sapo_megatron.megatron.packed_seq`)."""
+# One micro-batch (:class:`~sapo_megatron.model.step_batch.MicroBatch`; a plain dict of tensors works too), read
+# here through its mapping view: ``input_ids`` [b, s] (right-padded), optional ``position_ids`` [b, s], whatever
+# the loss function reads, and MoE routes int32 [b, s, L, k] (``engine_routes``, ``recorded_routes``,
+# ``used_routes``: see :mod:`sapo_megatron.megatron.routing_replay`). Packed micro-batches (``segment_ids``; one row
+# [1, T], :mod:`sapo_megatron.model.packing`) run as THD or with a block mask (:mod:`sapo_megatron.megatron.packed_seq`).
 
 Metrics = dict[str, torch.Tensor]
 """Metric name → 2-element tensor ``(weighted_sum, weight)``; the engine sums both over micro-batches and
 data-parallel ranks and reports ``weighted_sum / weight``."""
+
+
+class TaggedMetrics(dict[str, torch.Tensor]):
+    """:data:`Metrics` that also name their per-update diagnostics (``per_update``), which the engine hands on in
+    :attr:`StepResult.per_update` on every rank (the last pipeline stage knows them)."""
+
+    def __init__(self, values: Metrics | None = None, per_update: frozenset[str] = frozenset()) -> None:
+        super().__init__(values or {})
+        self.per_update = per_update
+
 
 LossFn = Callable[[torch.Tensor, MicroBatch], tuple[torch.Tensor, Metrics]]
 """``(vocab_parallel_logits [b, s, V/tp], batch) -> (loss contribution, metrics)``, run on the last stage."""
@@ -71,6 +81,8 @@ class StepResult:
     metric_sums: dict[str, tuple[float, float]] = field(default_factory=dict)
     """``metrics`` before division: ``(weighted sum, weight)`` over every micro-batch and rank, to pool several
     optimizer steps exactly (:class:`sapo_megatron.loop.step_metrics.StepMetrics`)."""
+    per_update: frozenset[str] = frozenset()
+    """The metrics the loss marked as per-update diagnostics (:class:`TaggedMetrics`)."""
 
 
 class TrainEngine:
@@ -159,7 +171,7 @@ class TrainEngine:
             update_successful, grad_norm = False, float("nan")
         if update_successful:
             self.scheduler.step(increment=1)
-        loss, sums = _reduce_metrics(losses, metrics)
+        loss, sums, per_update = _reduce_metrics(losses, metrics)
         return StepResult(
             loss=loss,
             grad_norm=float("nan")
@@ -169,6 +181,7 @@ class TrainEngine:
             update_successful=bool(update_successful),
             metrics={name: total / max(weight, 1e-12) for name, (total, weight) in sums.items()},
             metric_sums=sums,
+            per_update=per_update,
         )
 
     def forward_only(
@@ -370,10 +383,11 @@ def _grad_tensors(model: list[torch.nn.Module]) -> list[torch.Tensor]:
 
 def _reduce_metrics(
     losses: list[torch.Tensor], metrics: list[Metrics]
-) -> tuple[float, dict[str, tuple[float, float]]]:
+) -> tuple[float, dict[str, tuple[float, float]], frozenset[str]]:
     """Sum loss contributions and ``(weighted_sum, weight)`` metrics over micro-batches, DP ranks, and
-    broadcast from the last pipeline stage so that every rank returns the same numbers."""
-    names = _metric_names_from_last_stage(sorted(metrics[0]) if metrics else [])
+    broadcast from the last pipeline stage so that every rank returns the same numbers; the per-update names."""
+    tagged = frozenset(n for m in metrics if isinstance(m, TaggedMetrics) for n in m.per_update)
+    names, per_update = _metric_names_from_last_stage(sorted(metrics[0]) if metrics else [], tagged)
     packed = torch.zeros(1 + 2 * len(names), dtype=torch.float64)
     if losses:
         packed[0] = sum(float(x) for x in losses)
@@ -382,14 +396,17 @@ def _reduce_metrics(
     packed = _broadcast_from_last_stage(packed)
     dist.all_reduce(packed, group=parallel_state.get_data_parallel_group())
     sums = {n: (float(packed[1 + 2 * i]), float(packed[2 + 2 * i])) for i, n in enumerate(names)}
-    return float(packed[0]), sums
+    return float(packed[0]), sums, per_update
 
 
-def _metric_names_from_last_stage(names: list[str]) -> list[str]:
-    """Pipeline: only the last stage ran the loss function, so only it knows the metric names."""
+def _metric_names_from_last_stage(
+    names: list[str], per_update: frozenset[str]
+) -> tuple[list[str], frozenset[str]]:
+    """Pipeline: only the last stage ran the loss function, so only it knows the metric names (and which are
+    per-update diagnostics)."""
     if parallel_state.get_pipeline_model_parallel_world_size() == 1:
-        return names
-    box = [names]
+        return names, per_update
+    box: list[tuple[list[str], frozenset[str]]] = [(names, per_update)]
     dist.broadcast_object_list(
         box,
         src=parallel_state.get_pipeline_model_parallel_last_rank(),

@@ -30,8 +30,10 @@ import torch
 from sapo_megatron.errors import UserError
 from sapo_megatron.model.arch import QwenArch
 from sapo_megatron.model.packing import POSITION_IDS, SEGMENT_IDS, plan_packing, slot_length
+from sapo_megatron.model.step_batch import MicroBatch, StepBatch
 
-MicroBatch = dict[str, torch.Tensor]
+Tensors = dict[str, torch.Tensor]
+"""A micro-batch's tensors by name, as laid out before they become a :class:`MicroBatch`."""
 Item = TypeVar("Item")
 
 ENGINE_ROUTES = "engine_routes"
@@ -225,7 +227,7 @@ def _response_mask(seq: TrainSequence, count: int, name: str) -> torch.Tensor | 
     return mask
 
 
-def per_sequence_values(sequences: Sequence[TrainSequence]) -> MicroBatch:
+def per_sequence_values(sequences: Sequence[TrainSequence]) -> Tensors:
     """``advantages`` fp32 ``[n]``, and ``domain_ids`` int64 ``[n]`` when the sequences were scored by a teacher
     (then every one must have been: a half-scored micro-batch would distil on zeros)."""
     values = {"advantages": torch.tensor([s.advantage for s in sequences], dtype=torch.float32)}
@@ -240,7 +242,7 @@ def per_sequence_values(sequences: Sequence[TrainSequence]) -> MicroBatch:
     return values
 
 
-def image_values(sequences: Sequence[TrainSequence]) -> MicroBatch:
+def image_values(sequences: Sequence[TrainSequence]) -> Tensors:
     """``pixel_values`` and ``image_grid_thw`` of the sequences with images, concatenated in sequence order
     (nothing when none has images). Raises ValueError naming a sequence whose patches do not match its grids."""
     with_images = [(i, s.images) for i, s in enumerate(sequences) if s.images is not None]
@@ -271,12 +273,12 @@ def to_tensors(
     length: int,
     pad_id: int,
     route_layout: RouteLayout | None = None,
-) -> MicroBatch:
+) -> Tensors:
     """``input_ids``, ``labels``, ``loss_mask``, ``rollout_logp`` (and any ``token_values`` keys) [b, length] and
     ``advantages`` [b]; with ``route_layout`` also ``engine_routes``, int32 ``[b, length, L, k]`` on the CPU (see
     the module docstring; the sequences' routes must already be valid: :func:`check_routes`)."""
     rows = [position_values(seq, seq.sample_id or f"sequence {i}") for i, seq in enumerate(sequences)]
-    batch: MicroBatch = {}
+    batch: Tensors = {}
     for key in _keys(rows):
         dtype = torch.long if key in ("input_ids", "labels") else torch.float32
         out = torch.full((len(rows), length), _pad_value(key, pad_id), dtype=dtype)
@@ -301,7 +303,7 @@ def to_packed_tensors(
     pad_id: int,
     multiple: int = 1,
     route_layout: RouteLayout | None = None,
-) -> MicroBatch:
+) -> Tensors:
     """The sequences back to back in one row: every per-token key of :func:`to_tensors` as ``[1, length]``,
     sequence ``i`` in a slot of :func:`~sapo_megatron.model.packing.slot_length` tokens (its values, then padding),
     then tail padding; ``position_ids`` (restarting at each slot and at the tail), ``segment_ids`` (``i`` on slot
@@ -313,7 +315,7 @@ def to_packed_tensors(
         raise ValueError(
             f"{len(rows)} sequences take {sum(slots)} tokens, more than the packed length {length}"
         )
-    batch: MicroBatch = {}
+    batch: Tensors = {}
     for key in _keys(rows):
         dtype = torch.long if key in ("input_ids", "labels") else torch.float32
         out = torch.full((1, length), _pad_value(key, pad_id), dtype=dtype)
@@ -401,7 +403,7 @@ def build_micro_batches(
     route_layout: RouteLayout | None = None,
     max_tokens_per_micro_batch: int | None = None,
 ) -> list[MicroBatch]:
-    """This rank's micro-batches, each holding ``sequence_index`` (which of ``sequences`` it holds).
+    """This rank's typed micro-batches (:class:`~sapo_megatron.model.step_batch.MicroBatch`), each holding ``sequence_index`` (which of ``sequences`` it holds).
 
     ``max_tokens_per_micro_batch=None``: ``micro_batches`` equal contiguous shares, right-padded rectangles of
     one length computed over *all* ranks' sequences (pipeline stages exchange fixed-shape activations, and every
@@ -437,16 +439,19 @@ def build_micro_batches(
             route_layout=route_layout,
         )
     return [
-        {**layout([sequences[i] for i in part]), SEQUENCE_INDEX: torch.tensor(list(part), dtype=torch.long)}
+        MicroBatch.of(
+            {
+                **layout([sequences[i] for i in part]),
+                SEQUENCE_INDEX: torch.tensor(list(part), dtype=torch.long),
+            }
+        )
         for part in parts
     ]
 
 
-def padding_fraction(
-    sequences: Sequence[TrainSequence], updates: Sequence[Sequence[MicroBatch]], dp_size: int
-) -> float:
+def padding_fraction(sequences: Sequence[TrainSequence], batch: StepBatch, dp_size: int) -> float:
     """The fraction of the positions the model runs that hold no sequence token: ``sequences`` of the whole step
-    (all ranks), ``updates`` this rank's micro-batches per update (every rank runs the same shapes)."""
+    (all ranks), ``batch`` this rank's micro-batches (every rank runs the same shapes)."""
     real = sum(len(s.prompt_ids) + len(s.response_ids) - 1 for s in sequences)
-    run = dp_size * sum(batch["input_ids"].numel() for update in updates for batch in update)
+    run = dp_size * sum(micro["input_ids"].numel() for micro in batch.micro_batches())
     return 1.0 - real / max(run, 1)

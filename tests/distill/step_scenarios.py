@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from sapo_megatron.config import config_from_dict
 from sapo_megatron.distill.step import DistillStep
+from sapo_megatron.model.step_batch import MicroBatch, StepBatch
 from sapo_megatron.model.tiny import tiny_hf_config
 
 SAF = {"mode": "saf", "warmup": {"steps": 4}, "anneal": {"steps": 4}}
@@ -25,7 +26,13 @@ def distill_config(fusion: dict[str, Any], **algorithm: Any):
     )
 
 
-def make_batches(seed: int = 0, count: int = 4, rows: int = 3, length: int = 7) -> list[dict]:
+def fuse(step: DistillStep, updates: list[list[MicroBatch]]) -> dict[str, float]:
+    """The teacher-fusion pass as an RL step runs it: its part applied to the micro-batches; the step metrics."""
+    batch = StepBatch(updates)
+    return batch.add(step.fuse(batch))
+
+
+def make_batches(seed: int = 0, count: int = 4, rows: int = 3, length: int = 7) -> list[MicroBatch]:
     """Micro-batches as the trainer holds them after the old-log-prob pass (last pipeline stage)."""
     gen = torch.Generator().manual_seed(seed)
     batches = []
@@ -36,14 +43,15 @@ def make_batches(seed: int = 0, count: int = 4, rows: int = 3, length: int = 7) 
             stop = int(torch.randint(start + 1, length + 1, (1,), generator=gen))
             mask[r, start:stop] = 1.0
         batches.append(
-            {
-                "loss_mask": mask,
-                "old_logp": -torch.rand(rows, length, generator=gen) * 2,
-                "rollout_logp": -torch.rand(rows, length, generator=gen) * 2,
-                "teacher_logp": -torch.rand(rows, length, generator=gen) * 3,
-                "advantages": torch.randn(rows, generator=gen),
-                "domain_ids": torch.randint(0, 2, (rows,), generator=gen),
-            }
+            MicroBatch(
+                input_ids=torch.zeros(rows, length, dtype=torch.long),
+                loss_mask=mask,
+                old_logp=-torch.rand(rows, length, generator=gen) * 2,
+                rollout_logp=-torch.rand(rows, length, generator=gen) * 2,
+                teacher_logp=-torch.rand(rows, length, generator=gen) * 3,
+                advantages=torch.randn(rows, generator=gen),
+                domain_ids=torch.randint(0, 2, (rows,), generator=gen),
+            )
         )
     return batches
 
@@ -66,9 +74,9 @@ def fuse_on_rank(payload: Any = None) -> dict[str, Any]:
                 mine = (
                     batches
                     if rank == 1
-                    else [{k: v for k, v in b.items() if k != "old_logp"} for b in batches]
+                    else [MicroBatch.of({k: v for k, v in b.items() if k != "old_logp"}) for b in batches]
                 )
-            out[layout]["metrics"].append(step.fuse([mine[:1], mine[1:]]))
+            out[layout]["metrics"].append(fuse(step, [mine[:1], mine[1:]]))
             out[layout]["advantages"].append([b["advantages"] for b in mine])
     return out
 
@@ -141,7 +149,7 @@ def alignment(payload: dict[str, Any]) -> dict[str, float]:
             )
             for batch in batches:
                 (batch["old_logp"],) = trainer.forward_only([batch], LogprobOutput())
-            metrics = DistillStep(cfg).fuse([batches])
+            metrics = fuse(DistillStep(cfg), [batches])
             fused = torch.cat([b["advantages"][b["loss_mask"].bool()] for b in batches])
             out[f"{layout}{name}_max_abs"] = float(fused.abs().max())
             out[f"{layout}{name}_min_abs"] = float(fused.abs().min())
@@ -158,6 +166,7 @@ def _sampled_hot(payload: dict[str, Any], trainer, engine, prompts, info) -> dic
     from sapo_megatron.algo import opd_advantages
     from sapo_megatron.distill.config import TeacherConfig
     from sapo_megatron.distill.teachers import Teacher
+    from sapo_megatron.loop.old_policy import old_policy_logp
     from sapo_megatron.loop.replay import RoutingStep
     from sapo_megatron.model.batching import TrainSequence, build_micro_batches
     from sapo_megatron.rollout.cpu.engine import CPUEngine
@@ -195,11 +204,16 @@ def _sampled_hot(payload: dict[str, Any], trainer, engine, prompts, info) -> dic
         batches = build_micro_batches(
             sequences, dp_rank=info.dp_rank, dp_size=info.dp_size, micro_batches=1, pad_id=0
         )
-        RoutingStep(trainer, cfg).old_logp([batches])
+        step = StepBatch([batches])
+        step.add(
+            old_policy_logp(
+                RoutingStep(trainer, cfg), step, temperature=cfg.rollout.temperature, unit_temperature=True
+            )
+        )
         at_sampling = [
             opd_advantages(b["teacher_logp"], b["old_logp"], b["loss_mask"]).abs().max() for b in batches
         ]
-        DistillStep(cfg).fuse([batches])
+        fuse(DistillStep(cfg), [batches])
         fused = torch.cat([b["advantages"][b["loss_mask"].bool()] for b in batches])
         out[f"hot_{where}_max_abs"] = float(fused.abs().max())
         out[f"hot_{where}_at_sampling_temperature_max_abs"] = float(max(at_sampling))

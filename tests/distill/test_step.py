@@ -11,7 +11,7 @@ from sapo_megatron.algo import IcePop, NoCorrection, fuse_advantages, opd_advant
 from sapo_megatron.distill.step import DistillStep
 from sapo_megatron.model.batching import SEQUENCE_INDEX, TrainSequence, build_micro_batches
 from sapo_megatron.model.packing import SequenceView
-from tests.distill.step_scenarios import DOMAINS, SAF, distill_config, make_batches
+from tests.distill.step_scenarios import DOMAINS, SAF, distill_config, fuse, make_batches
 from tests.distributed import run_distributed
 
 
@@ -23,7 +23,7 @@ def _reverse_kl(batches, key="old_logp") -> float:
 def test_opd_replaces_advantages_by_the_token_gap_and_reports_the_global_reverse_kl():
     batches = make_batches()
     expected = [opd_advantages(b["teacher_logp"], b["old_logp"], b["loss_mask"]) for b in batches]
-    metrics = DistillStep(distill_config({"mode": "opd"}), DOMAINS).fuse([batches[:2], batches[2:]])
+    metrics = fuse(DistillStep(distill_config({"mode": "opd"}), DOMAINS), [batches[:2], batches[2:]])
     for batch, adv in zip(batches, expected):
         assert batch["advantages"].shape == batch["loss_mask"].shape
         assert torch.equal(batch["advantages"], adv)
@@ -39,8 +39,8 @@ def test_opd_replaces_advantages_by_the_token_gap_and_reports_the_global_reverse
 
 def test_the_engines_log_prob_as_student_changes_the_advantage():
     trainer, engine = make_batches(), make_batches()
-    DistillStep(distill_config({"mode": "opd"}), DOMAINS).fuse([trainer])
-    metrics = DistillStep(distill_config({"mode": "opd"}, opd_student_logp="engine"), DOMAINS).fuse([engine])
+    fuse(DistillStep(distill_config({"mode": "opd"}), DOMAINS), [trainer])
+    metrics = fuse(DistillStep(distill_config({"mode": "opd"}, opd_student_logp="engine"), DOMAINS), [engine])
     for a, b in zip(trainer, engine):
         assert torch.equal(
             b["advantages"], opd_advantages(b["teacher_logp"], b["rollout_logp"], b["loss_mask"])
@@ -52,11 +52,11 @@ def test_the_engines_log_prob_as_student_changes_the_advantage():
 def test_rl_mode_only_measures_and_runs_without_teachers_do_nothing():
     batches = make_batches()
     before = [b["advantages"].clone() for b in batches]
-    metrics = DistillStep(distill_config({"mode": "rl"}), DOMAINS).fuse([batches])
+    metrics = fuse(DistillStep(distill_config({"mode": "rl"}), DOMAINS), [batches])
     assert all(torch.equal(b["advantages"], a) for b, a in zip(batches, before))
     assert metrics["opd/reverse_kl"] == pytest.approx(_reverse_kl(batches), rel=1e-12)
     plain = distill_config({"mode": "rl"}).model_copy(update={"teachers": []})
-    assert DistillStep(plain).fuse([batches]) == {}
+    assert fuse(DistillStep(plain), [batches]) == {}
 
 
 def test_fixed_and_mopd_fusion_and_mopds_correction():
@@ -70,7 +70,7 @@ def test_fixed_and_mopd_fusion_and_mopds_correction():
         )[0]
         for b in batches
     ]
-    DistillStep(distill_config({"mode": "fixed", "coef": 0.5}), DOMAINS).fuse([batches])
+    fuse(DistillStep(distill_config({"mode": "fixed", "coef": 0.5}), DOMAINS), [batches])
     assert all(torch.equal(b["advantages"], r) for b, r in zip(batches, reference))
     mopd = DistillStep(distill_config({"mode": "mopd", "eps_low": 0.3, "eps_high": 3.0}), DOMAINS)
     assert mopd.correction(NoCorrection()) == IcePop(low=0.3, high=3.0)
@@ -80,12 +80,12 @@ def test_fixed_and_mopd_fusion_and_mopds_correction():
 def test_saf_schedule_steps_with_the_previous_updates_kl_and_resumes_exactly():
     """The authors' signal: the k3 of the update before (``observe``), none at the first step."""
     step = DistillStep(distill_config(SAF), DOMAINS)  # W = 4, δ = 0.2, R = 4
-    first = step.fuse([make_batches(0)])
+    first = fuse(step, [make_batches(0)])
     assert (first["saf/scale"], first["saf/coef"], first["saf/multiplier"]) == (0.25, 1.0, 0.25)
     assert "saf/kl_signal" not in first and step.schedule.kl_first is None
     assert first["opd/reverse_kl"] == pytest.approx(_reverse_kl(make_batches(0)), rel=1e-12)  # still logged
     step.observe({"opd/student_teacher_k3": 0.5})
-    second = step.fuse([make_batches(1)])
+    second = fuse(step, [make_batches(1)])
     assert (second["saf/kl_signal"], step.schedule.kl_first, second["saf/scale"]) == (0.5, 0.5, 0.5)
     step.observe({"opd/student_teacher_k3": 0.3})  # pending: a 40 % drop ends warm-up at step 3
     saved = step.state_dict()
@@ -94,15 +94,15 @@ def test_saf_schedule_steps_with_the_previous_updates_kl_and_resumes_exactly():
     multipliers = []
     for seed in (2, 3, 4, 5):
         a, b = make_batches(seed), make_batches(seed)
-        metrics = step.fuse([a])
-        assert metrics == resumed.fuse([b])
+        metrics = fuse(step, [a])
+        assert metrics == fuse(resumed, [b])
         assert all(torch.equal(x["advantages"], y["advantages"]) for x, y in zip(a, b))
         multipliers.append(metrics["saf/multiplier"])
         for each in (step, resumed):
             each.observe({"opd/student_teacher_k3": 0.1})
     assert multipliers == pytest.approx([0.75, 0.75 * 0.75, 0.75 * 0.5, 0.75 * 0.25])
     fresh = DistillStep(distill_config(SAF), DOMAINS)  # without the saved state it would start over
-    assert fresh.fuse([make_batches(2)])["saf/multiplier"] == 0.25 != multipliers[0]
+    assert fuse(fresh, [make_batches(2)])["saf/multiplier"] == 0.25 != multipliers[0]
 
 
 def _scored_sequences(seed: int = 0, count: int = 12) -> list[TrainSequence]:
@@ -155,7 +155,7 @@ def test_packed_micro_batches_fuse_like_padded_ones(fusion):
     assert len(packed) > 2 and all(b["input_ids"].shape[0] == 1 for b in packed)
     metrics = {}
     for name, batches in (("padded", padded), ("packed", packed)):
-        metrics[name] = DistillStep(distill_config(fusion), DOMAINS).fuse([batches])
+        metrics[name] = fuse(DistillStep(distill_config(fusion), DOMAINS), [batches])
     assert metrics["packed"].keys() == metrics["padded"].keys()
     assert metrics["packed"] == pytest.approx(metrics["padded"], rel=1e-6, abs=1e-9)
     assert metrics["packed"]["opd/reverse_kl/multiplication"] != metrics["packed"]["opd/reverse_kl/addition"]
@@ -180,7 +180,7 @@ def test_data_and_pipeline_parallel_ranks_fuse_like_one_process(two_ranks, layou
     single = DistillStep(distill_config(SAF), DOMAINS)
     for index, seed in enumerate((0, 1)):
         batches = make_batches(seed)
-        expected = single.fuse([batches[:2], batches[2:]])
+        expected = fuse(single, [batches[:2], batches[2:]])
         for result in ranks:
             got = result["metrics"][index]
             assert got.keys() == expected.keys()

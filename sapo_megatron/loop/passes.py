@@ -1,0 +1,62 @@
+"""The passes of an RL step, between building its :class:`~sapo_megatron.model.step_batch.StepBatch` and the
+policy updates. Each factory here takes the step's :class:`StepContext` and returns the pass – a function of the
+batch that *returns* the part it computes (:class:`~sapo_megatron.model.step_batch.StepPart`) – or None when the run
+does not need it. ``STEP_PASSES`` in :mod:`sapo_megatron.loop.trainer` lists them in order; a new capability is one
+module with its part and pass, and one line there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+from sapo_megatron.loop.old_policy import old_policy_logp
+from sapo_megatron.loop.reference import reference_logp
+from sapo_megatron.loop.replay import RoutingStep
+from sapo_megatron.loop.session import Session
+from sapo_megatron.megatron.train_step import ReferenceModel
+from sapo_megatron.model.step_batch import StepBatch, StepPart
+
+StepPass = Callable[[StepBatch], StepPart]
+"""A pass: the step's batch in, the part it computes out (the step applies it)."""
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What the passes of one RL step may use: the run, the step's routing and the frozen reference policy."""
+
+    session: Session
+    routing: RoutingStep
+    reference: ReferenceModel | None
+
+
+PassFactory = Callable[[StepContext], StepPass | None]
+"""A registered pass: the pass for this step, or None when the run does not need it."""
+
+
+def old_policy(ctx: StepContext) -> StepPass:
+    """``old_logp`` (and ``old_logp_t1`` when distilling at a rollout temperature ≠ 1) under the arm's routing."""
+    cfg = ctx.session.cfg
+    temperature = cfg.rollout.temperature
+    unit = (
+        bool(cfg.teachers) and temperature != 1.0
+    )  # teachers score at 1: A_opd needs the student's log-prob there
+    return partial(old_policy_logp, ctx.routing, temperature=temperature, unit_temperature=unit)
+
+
+def routing_agreement(ctx: StepContext) -> StepPass | None:
+    """The live routing against the engine's (and the image-token masks), when the engine returned routes."""
+    return ctx.routing.agreement if ctx.routing.have_engine_routes else None
+
+
+def reference(ctx: StepContext) -> StepPass | None:
+    """``ref_logp`` from the frozen reference policy (``kl_coef > 0`` or ``trainer.log_ref_kl``)."""
+    if ctx.reference is None:
+        return None
+    return partial(reference_logp, ctx.reference, temperature=ctx.session.cfg.rollout.temperature)
+
+
+def teacher_fusion(ctx: StepContext) -> StepPass:
+    """Teacher advantages fused into ``advantages`` (OPD, SAF, MOPD); a no-op part without teachers."""
+    return ctx.session.distill.fuse
