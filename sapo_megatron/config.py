@@ -8,6 +8,7 @@ Every error names the field and the fix. :func:`load_config` returns a :class:`R
 from __future__ import annotations
 
 import difflib
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -37,6 +38,8 @@ from sapo_megatron.model.precision import (
     fp8_capability_problem,
 )
 from sapo_megatron.runtime.wandb_tracking import TrackingConfig
+
+_logger = logging.getLogger(__name__)
 
 
 class Section(BaseModel):
@@ -506,7 +509,8 @@ class DataConfig(DatasetKeys):
     tokenizer: str = Field(
         default="char",
         description="'char' (the demo's characters), 'chat' (the shipped byte-level BPE with a Qwen-style chat "
-        "template; apply_chat_template defaults to true with it) or an HF tokenizer directory",
+        "template), 'qwen3' (the real Qwen3 tokenizer and template, `make qwen3-tokenizer`; apply_chat_template "
+        "defaults to true with both) or an HF tokenizer directory",
     )
     digits: int = Field(default=2, ge=1, description="operand digits of the synthetic task")
     train_size: int = Field(default=4000, ge=1, description="synthetic training prompts")
@@ -514,8 +518,9 @@ class DataConfig(DatasetKeys):
     @model_validator(mode="before")
     @classmethod
     def _chat_tokenizer_renders_chat(cls, data: Any) -> Any:
-        """``tokenizer: chat`` exists to read message datasets: its template is on unless set off."""
-        if isinstance(data, dict) and data.get("tokenizer") == "chat" and "apply_chat_template" not in data:
+        """``tokenizer: chat`` / ``qwen3`` exist to read message datasets: the template is on unless set off."""
+        chat = isinstance(data, dict) and data.get("tokenizer") in ("chat", "qwen3")
+        if chat and "apply_chat_template" not in data:
             return {**data, "apply_chat_template": True}
         return data
 
@@ -541,16 +546,29 @@ class RemoteRewardConfig(Section):
     batch_size: int = Field(default=256, ge=1, description="samples per request")
 
 
+class WeightedReward(Section):
+    """One entry of a list of rewards: ``algorithm.reward: [{reward: SPEC, weight: W}, ...]`` scores the weighted
+    sum (TRL's ``reward_funcs`` + ``reward_weights``)."""
+
+    reward: str | RemoteRewardConfig = Field(description="a registered name, an import path or {url: ...}")
+    weight: float = Field(default=1.0, description="its weight in the sum")
+    name: str | None = Field(
+        default=None, description="its metric name (reward/<name>/mean); default: the function's name"
+    )
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="extra keyword arguments for it")
+
+
 class AlgorithmConfig(Section):
     """The RL objective: policy loss (with its own settings), mismatch correction, advantages, sampling rules."""
 
     loss: PolicyLossConfig = Field(default_factory=SapoLoss)
     correction: MismatchCorrectionConfig = Field(default_factory=NoCorrection)
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
-    reward: str | RemoteRewardConfig = Field(
+    reward: str | RemoteRewardConfig | list[str | WeightedReward] = Field(
         default="numeric_match",
-        description="a registered reward name, an import path 'file.py:fn' / 'pkg.mod:fn', or {url: ...} for a "
-        "reward server (see docs/rewards.md)",
+        description="a registered reward name, an import path 'file.py:fn' / 'pkg.mod:fn', {url: ...} for a "
+        "reward server, or a list of them ({reward: ..., weight: ...} each: the weighted sum, with per-function "
+        "metrics; see docs/rewards.md)",
     )
     reward_workers: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
         default="auto",
@@ -563,7 +581,17 @@ class AlgorithmConfig(Section):
     reward_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="extra keyword arguments for the reward, e.g. {mode: fraction}"
     )
+    reward_after_thinking: bool | None = Field(
+        default=None,
+        description="the reward sees only the text after a response's </think> (a response cut while thinking: "
+        "''); default: on for data.tokenizer qwen3 unless data.chat_template_kwargs.enable_thinking is false",
+    )
     dynamic_sampling: bool = Field(default=False, description="DAPO: drop all-equal groups and refill")
+    mask_truncated_completions: bool = Field(
+        default=False,
+        description="responses cut by max_new_tokens count in their group's reward statistics but are not "
+        "trained on (TRL's mask_truncated_completions: loss mask 0)",
+    )
     max_refills: int = Field(default=3, ge=0, description="extra rollout rounds to refill dropped groups")
     over_sampling: float = Field(
         default=1.0,
@@ -598,6 +626,17 @@ class AlgorithmConfig(Section):
         description="the student log-prob of A_opd = teacher_logp - student_logp: the trainer's old-policy "
         "log-prob (the default) or the rollout engine's",
     )
+
+    @model_validator(mode="after")
+    def _check_reward_list(self) -> AlgorithmConfig:
+        if isinstance(self.reward, list) and not self.reward:
+            raise ValueError("algorithm.reward is an empty list: give one reward or a list of them")
+        if isinstance(self.reward, list) and self.reward_kwargs:
+            raise ValueError(
+                "algorithm.reward_kwargs with a list of rewards: give each entry its own, "
+                "[{reward: ..., weight: ..., kwargs: {...}}]"
+            )
+        return self
 
 
 MAX_SEQUENCES_PER_STEP = 10_000_000  # far above any real batch; an absurd size fails here, not out of memory
@@ -688,6 +727,13 @@ class RunConfig(Section):
             raise ValueError(
                 "rollout.multi_turn renders tool observations with the model's chat template: set "
                 "data.apply_chat_template: true (with an HF tokenizer that has one)"
+            )
+        mt, context = self.rollout.multi_turn, self.model.arch.max_position_embeddings
+        if mt is not None and "max_context_tokens" in mt.model_fields_set and mt.max_context_tokens > context:
+            raise ValueError(
+                f"rollout.multi_turn.max_context_tokens={mt.max_context_tokens} is above the model's context "
+                f"(model max_position_embeddings={context}): episodes would fail in the engine; lower it, or "
+                "raise the model's context (with max_position_embeddings: auto it follows max_context_tokens)"
             )
         batch = self.rollout.n_samples * self.trainer.prompts_per_step
         if batch > MAX_SEQUENCES_PER_STEP:
@@ -782,8 +828,15 @@ TINY = "tiny"
 def fill_auto_sizes(raw: dict[str, Any]) -> dict[str, Any]:
     """``raw`` with ``model.hf_config: tiny`` expanded and the ``"auto"`` sizes of an inline ``model.hf_config``
     taken from the tokenizer and the prompts (:mod:`sapo_megatron.data.sizing`); unchanged without any."""
-    from sapo_megatron.data.sizing import CONTEXT_FIELD, auto_fields, measured_context, token_sizes
+    from sapo_megatron.data.sizing import (
+        CONTEXT_FIELD,
+        auto_fields,
+        context_size,
+        measured_context,
+        token_sizes,
+    )
     from sapo_megatron.data.tokenizer import load_tokenizer
+    from sapo_megatron.data.tool_schemas import prompt_tool_schemas
     from sapo_megatron.eval.config import resolve_datasets
 
     model: dict[str, Any] = raw["model"] if isinstance(raw.get("model"), dict) else {}
@@ -806,7 +859,14 @@ def fill_auto_sizes(raw: dict[str, Any]) -> dict[str, Any]:
             (cfg.data.train, cfg.data, cfg.data.train_size, cfg.rollout.max_new_tokens)
         ]
         sources += [(d.path, d.keys, d.size, d.max_new_tokens) for d in resolve_datasets(cfg)]
-        hf[CONTEXT_FIELD] = measured_context(sources, tokenizer, digits=cfg.data.digits, seed=cfg.seed)
+        mt = cfg.rollout.multi_turn
+        measured = measured_context(
+            sources, tokenizer, digits=cfg.data.digits, seed=cfg.seed, tools=prompt_tool_schemas(mt)
+        )
+        episode = (
+            mt.max_context_tokens if mt is not None and "max_context_tokens" in mt.model_fields_set else 0
+        )
+        hf[CONTEXT_FIELD] = max(measured, context_size(episode, 0))  # an episode set to grow longer fits
     return {**raw, "model": {**model, "hf_config": hf}}
 
 
@@ -1172,13 +1232,14 @@ def _list_index(node: list[Any], key: str, dotted: str, parents: list[str]) -> i
 
 def _merge_section(section: dict[str, Any], value: dict[str, Any], loc: tuple[str, ...]) -> None:
     """``--set 'trainer={steps: 1}'`` sets those keys of the section and keeps its others (replacing the whole
-    section would silently reset every other key to its default, ``save_every`` among them)."""
+    section would silently reset every other key to its default, ``save_every`` among them). A ``name`` in it
+    switches the variant first, and the keys given with it are validated as in YAML, in any order."""
+    if isinstance(value.get("name"), str):
+        _drop_keys_of_other_variant(section, loc, value["name"], keep=set(value))
     for key, item in value.items():
         if isinstance(item, dict) and isinstance(section.get(key), dict):
             _merge_section(section[key], item, (*loc, str(key)))
             continue
-        if key == "name" and isinstance(item, str):
-            _drop_keys_of_other_variant(section, loc, item)
         section[key] = item
 
 
@@ -1250,12 +1311,31 @@ def _section_type(annotation: Any) -> type[BaseModel] | dict[str, type[BaseModel
     return None
 
 
-def _drop_keys_of_other_variant(section: dict[str, Any], section_loc: tuple[str, ...], name: str) -> None:
+def _drop_keys_of_other_variant(
+    section: dict[str, Any], section_loc: tuple[str, ...], name: str, keep: set[str] | frozenset = frozenset()
+) -> None:
+    """Switching a variant by ``--set`` drops the old one's keys the new one does not take (``keep``: keys given
+    in the same ``--set``, left for validation) – with a warning naming those set to other than the old variant's
+    defaults (a setting the switch loses), never silently; defaults (compare's arms switch from them) go quietly."""
     variants = _section_at(section_loc)
-    if not isinstance(variants, dict) or name not in variants:
-        return  # not a section with variants, or an unknown name (validation reports it)
+    if not isinstance(variants, dict) or name not in variants or section.get("name") == name:
+        return  # not a section with variants, an unknown name, or no switch: validation reports any other key
     accepted = variants[name].model_fields
-    for key in [k for k in section if k not in accepted]:
+    dropped = [k for k in section if k not in accepted and k not in keep]
+    old = variants.get(str(section.get("name")))
+    defaults = {k: f.default for k, f in old.model_fields.items()} if old is not None else {}
+    lost = [k for k in dropped if k not in defaults or section[k] != defaults[k]]
+    if lost:
+        where = ".".join(section_loc)
+        _logger.warning(
+            "--set %s.name=%s drops %s: settings of %s that %s does not take (YAML with them would be an error)",
+            where,
+            name,
+            ", ".join(f"{key}={section[key]!r}" for key in lost),
+            section.get("name", "the default"),
+            name,
+        )
+    for key in dropped:
         del section[key]
 
 

@@ -4,6 +4,7 @@ give one warning with the likely causes."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -73,3 +74,29 @@ def test_equal_rewards_in_every_group_warn_once_with_the_causes(caplog):
     ):
         assert cause in message
     assert caplog.text.count("no reward signal") == 1
+
+
+def test_the_dry_run_checks_the_sft_targets_too(gsm8k, tmp_path, capsys):
+    """Fails on 3855bb6: ``train --dry-run`` said nothing, and the TRL user spent 60 SFT steps on targets the
+    reward never scored; ``train`` checked them only after the session started."""
+    from sapo_megatron.cli import main
+
+    path, _ = gsm8k
+    config = {
+        "model": {"hf_config": "tiny"},
+        "data": {"train": str(path), "tokenizer": "chat"},
+        "algorithm": {"reward": f"{tmp_path}/reward.py:compute_score"},
+        "sft": {"steps": 60},
+    }
+    (tmp_path / "run.yaml").write_text(json.dumps(config))
+    assert main(["train", str(tmp_path / "run.yaml"), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "warning: none of the first 4 SFT targets" in out
+        and "these row fields do score: extra_info.answer" in out
+    )
+    assert "data OK" in out
+    config["data"]["response_key"] = "extra_info.answer"
+    (tmp_path / "run.yaml").write_text(json.dumps(config))
+    assert main(["train", str(tmp_path / "run.yaml"), "--dry-run"]) == 0
+    assert "sft targets OK: they score under algorithm.reward" in capsys.readouterr().out

@@ -12,13 +12,15 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 def grpo_advantages(
-    rewards_g_n: torch.Tensor, *, eps: float = 1e-6, std_normalize: bool = True
+    rewards_g_n: torch.Tensor, *, eps: float = 1e-6, std_normalize: bool = True, batch_std: bool = False
 ) -> torch.Tensor:
     """Group-relative advantages ``[num_groups, group_size]`` (fp32).
 
     GRPO (DeepSeekMath arXiv:2402.03300): ``(R_i − mean_j R_j) / (std_j R_j + eps)``, with the sample (unbiased)
     std as in verl and TRL. Dr.GRPO (arXiv:2503.20783, ``std_normalize=False``): ``R_i − mean_j R_j``, since the
     std division over-weights groups that are nearly all right or all wrong. A constant group gets 0.
+    ``batch_std``: divide by the std of all the batch's rewards instead of each group's (TRL's
+    ``scale_rewards="batch"``, ``GRPOTrainer._generate_and_score_completions``: ``rewards.std()``).
     """
     rewards = rewards_g_n.float()
     if rewards.dim() != 2:
@@ -28,6 +30,8 @@ def grpo_advantages(
     centred = torch.where(nonconstant_groups(rewards)[:, None], rewards - rewards.mean(-1, keepdim=True), 0.0)
     if not std_normalize:
         return centred
+    if batch_std:
+        return centred / (rewards.std() + eps) if rewards.numel() > 1 else centred
     if rewards.shape[-1] < 2:
         raise ValueError("GRPO std normalisation needs group_size >= 2 (use drgrpo or larger groups)")
     return centred / (rewards.std(-1, keepdim=True) + eps)
@@ -57,14 +61,23 @@ class AdvantageConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     name: Literal["grpo", "drgrpo"] = "grpo"
     eps: float = Field(1e-6, gt=0, description="added to the group std (grpo only)")
+    scale: Literal["group", "batch"] = Field(
+        "group",
+        description="grpo: divide by each group's reward std (group) or by the whole batch's (batch, TRL's "
+        "scale_rewards='batch'); the mean is always the group's",
+    )
 
     @model_validator(mode="after")
     def _eps_only_for_grpo(self) -> AdvantageConfig:
         # An accepted setting must change behaviour: refuse eps where nothing divides by the std.
         if self.name == "drgrpo" and "eps" in self.model_fields_set:
             raise ValueError("eps only applies to name='grpo' (std normalisation); remove it for drgrpo")
+        if self.name == "drgrpo" and "scale" in self.model_fields_set:
+            raise ValueError("scale only applies to name='grpo' (std normalisation); remove it for drgrpo")
         return self
 
     def compute(self, rewards_g_n: torch.Tensor) -> torch.Tensor:
         """Advantages ``[num_groups, group_size]`` for rewards ``[num_groups, group_size]``."""
-        return grpo_advantages(rewards_g_n, eps=self.eps, std_normalize=self.name == "grpo")
+        return grpo_advantages(
+            rewards_g_n, eps=self.eps, std_normalize=self.name == "grpo", batch_std=self.scale == "batch"
+        )

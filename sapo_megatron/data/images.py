@@ -5,13 +5,20 @@ when both are set), a string (a ``data:image/...;base64,`` URI, or a file path, 
 of those (several images per prompt). A relative path is relative to the dataset file's folder; a path that
 resolves outside that folder (``..``, an absolute path, a symlink) is refused unless
 ``data.allow_image_paths_outside`` is set, so that a dataset cannot make the trainer read arbitrary files.
-URLs are refused: a run never downloads.
+URLs (any ``scheme://`` but ``file://``: ``http``, ``s3``, ``gs``...) are refused: a run never downloads. A path
+must name a regular file (a FIFO, a device or a folder is refused before it is opened) and hold no NUL byte.
 
 :func:`check_image` opens every image (the header first: its size is refused above
 ``data.image_max_source_pixels`` before any pixel is decoded), decodes it fully (a truncated or corrupt file is
 named), and computes its resized size with qwen_vl_utils' rule (:func:`smart_resize`). :class:`ImageRef` keeps
 where the image is and that size; :meth:`ImageRef.png` gives the resized image as PNG bytes, what the trainer's
 image processor and every rollout engine (SGLang's ``image_data``) then receive, so that both see one grid.
+
+Colour (:func:`to_rgb`): an image with transparency (RGBA, LA, a palette with a transparent colour) is pasted on
+white, as qwen_vl_utils' ``to_rgb`` does; a 16-bit grey image is scaled to 8 bits (its top byte) before the RGB
+conversion – PIL's plain ``convert("RGB")``, which qwen_vl_utils applies to every other mode, clips 16-bit values
+at 255, so such an image would train as white. A file image is read again for training and its sha256 compared
+with the one taken when the dataset was checked: a file rewritten in between is refused, never used unchecked.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ import hashlib
 import io
 import math
 import os
+import re
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -74,28 +83,61 @@ class ImageRef:
         return self.path if self.path is not None else f"bytes:{self.digest}"
 
     def load(self) -> Any:
-        """The resized RGB image (PIL)."""
+        """The resized RGB image (PIL); a file image must still be the one that was checked."""
         from PIL import Image
 
         if self.data is not None:
             raw = self.data
         elif self.path is not None:
-            raw = Path(self.path).read_bytes()
+            raw = self._read_again(self.path)
         else:
             raise ValueError(f"{self.where}: the image holds neither bytes nor a path")
         with Image.open(io.BytesIO(raw)) as image:
-            rgb = image.convert("RGB")
+            rgb = to_rgb(image)
         height, width = self.size
         if rgb.size == (width, height):
             return rgb
         # qwen_vl_utils' fetch_image: image.resize((w, h)), PIL's default (bicubic) filter for RGB
         return rgb.resize((width, height), Image.Resampling.BICUBIC)
 
+    def _read_again(self, path: str) -> bytes:
+        try:
+            raw = _regular_file(Path(path), self.where).read_bytes()
+        except OSError as exc:
+            raise DatasetError(
+                f"{self.where}: cannot read image file {self.path} again: {exc.strerror}"
+            ) from None
+        if hashlib.sha256(raw).hexdigest()[:12] != self.digest:
+            raise DatasetError(
+                f"{self.where}: image file {self.path} changed after the dataset was checked (sha256 "
+                f"{hashlib.sha256(raw).hexdigest()[:12]}, checked {self.digest})",
+                hint="do not rewrite a dataset's images while a run uses them; restart the run to check them again",
+            )
+        return raw
+
     def png(self) -> bytes:
         """The resized image as PNG (lossless: every reader decodes the same pixels)."""
         out = io.BytesIO()
         self.load().save(out, format="PNG")
         return out.getvalue()
+
+
+def to_rgb(image: Any) -> Any:
+    """``image`` as 8-bit RGB (PIL): transparency pasted on white (qwen_vl_utils' ``to_rgb``), 16-bit grey scaled
+    to its top byte, anything else by PIL's ``convert("RGB")``."""
+    from PIL import Image
+
+    if image.mode in ("I;16", "I;16B", "I;16L", "I"):
+        import numpy as np
+
+        values = np.clip(np.asarray(image, dtype=np.int64), 0, 65535) >> 8
+        return Image.fromarray(values.astype(np.uint8)).convert("RGB")
+    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
+        rgba = image.convert("RGBA")
+        white = Image.new("RGB", rgba.size, (255, 255, 255))
+        white.paste(rgba, mask=rgba.getchannel("A"))
+        return white
+    return image.convert("RGB")
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -158,12 +200,18 @@ def _source(value: Any, where: str, folder: Path, policy: ImagePolicy) -> bytes 
     if isinstance(value, bytes | bytearray):
         _check_bytes(len(value), where, policy)
         return bytes(value)
-    if isinstance(value, str) and value:
+    if isinstance(value, str) and not value.strip():
+        raise DatasetError(
+            f"{where}: the image path is empty", hint="give a file path, a data URI or image bytes"
+        )
+    if isinstance(value, str):
         if value.startswith("data:"):
             return _data_uri(value, where, policy)
-        if value.startswith(("http://", "https://")):
+        scheme = _URL.match(value)
+        if scheme and scheme.group(1).lower() != "file":
             raise DatasetError(
-                f"{where}: image URLs are not fetched ({value[:60]}); store the image in the dataset's folder"
+                f"{where}: image URLs are not fetched ({value[:60]}): a run never downloads",
+                hint="download the images next to the dataset and write their paths",
             )
         return _path(value.removeprefix("file://"), where, folder, policy)
     raise DatasetError(
@@ -183,7 +231,14 @@ def _data_uri(value: str, where: str, policy: ImagePolicy) -> bytes:
         raise DatasetError(f"{where}: the data URI is not valid base64 ({exc})") from None
 
 
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
 def _path(text: str, where: str, folder: Path, policy: ImagePolicy) -> Path:
+    if "\0" in text:
+        raise DatasetError(
+            f"{where}: the image path {text[:60]!r} holds a NUL byte; no file can have that name"
+        )
     path = Path(text)
     path = path if path.is_absolute() else folder / path
     resolved = Path(os.path.realpath(path))
@@ -197,12 +252,20 @@ def _path(text: str, where: str, folder: Path, policy: ImagePolicy) -> Path:
     return resolved
 
 
-def _read(path: Path, where: str, policy: ImagePolicy) -> bytes:
+def _regular_file(path: Path, where: str) -> Path:
+    """``path`` when it names a regular file (a FIFO would block its reader for ever)."""
     try:
-        size = path.stat().st_size
+        mode = path.stat().st_mode
     except OSError:
         raise DatasetError(f"{where}: image file {path} does not exist") from None
-    _check_bytes(size, where, policy)
+    if not stat.S_ISREG(mode):
+        kind = "a folder" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "not a regular file"
+        raise DatasetError(f"{where}: image path {path} is {kind}; an image must be a regular file")
+    return path
+
+
+def _read(path: Path, where: str, policy: ImagePolicy) -> bytes:
+    _check_bytes(_regular_file(path, where).stat().st_size, where, policy)
     try:
         return path.read_bytes()
     except OSError as exc:

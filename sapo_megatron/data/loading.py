@@ -43,6 +43,8 @@ def build_run_data(
     tokenizer = build_tokenizer(cfg)
     vision = build_vision(cfg, tokenizer)
     renderer = PromptRenderer(tokenizer, data, vision, tools=tools)
+    if tools and renderer.chat and os.environ.get("RANK", "0") == "0":
+        _warn_if_tools_ignored(renderer, data.tokenizer)
     out = RunData(tokenizer, renderer, [], vision=vision)
     limit, reason = _context_limit(cfg)
     sources: tuple[tuple[Split, str | None, int], ...] = (("train", data.train, data.train_size),)
@@ -63,6 +65,29 @@ def build_run_data(
         for line in out.report:
             (log or _print)(line)
     return out
+
+
+def _warn_if_tools_ignored(renderer: PromptRenderer, tokenizer: str) -> str | None:
+    """One warning when the chat template renders a prompt the same with and without ``tools=`` (the shipped
+    ``chat`` template does): the model then never sees the tool schemas its episodes are meant to call."""
+    probe = [{"role": "user", "content": "?"}]
+    with_tools = renderer._render(probe, add_generation_prompt=True)
+    tools, renderer.tools = renderer.tools, None
+    try:
+        without = renderer._render(probe, add_generation_prompt=True)
+    finally:
+        renderer.tools = tools
+    if with_tools != without:
+        return None
+    line = (
+        f"the chat template of data.tokenizer={tokenizer!r} ignores tools=: the prompts do not show the tool "
+        "schemas (and tool results render as the template's own 'tool' turn); use data.tokenizer: qwen3 (Qwen3's "
+        "template) or a tokenizer whose template renders tools (docs/multi_turn.md)"
+    )
+    import logging
+
+    logging.getLogger(__name__).warning(line)
+    return line
 
 
 def _print(line: str) -> None:

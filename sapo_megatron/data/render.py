@@ -93,6 +93,12 @@ class PromptRenderer:
 
     def _expanded(self, row: PromptRow, ids: list[int]) -> list[int]:
         if not row.images:
+            if self.vision is not None and self.vision.pad_id in ids:
+                raise DatasetError(
+                    "a prompt without images holds the image-pad token (its text spells <|image_pad|>): the "
+                    "model would read an image that is not there",
+                    hint="remove <|image_pad|> from the row's text (images are written as <image>)",
+                )
             return ids
         if self.vision is None:
             raise DatasetError(
@@ -122,8 +128,8 @@ class PromptRenderer:
         if self._hf is None or not rows:
             return [self.encode(row) for row in rows]
         conversations = [self.messages(row) for row in rows]
-        # one call renders the batch (a third faster than one by one)
-        texts = render_chat(self._hf, conversations, True, self.keys.chat_template_kwargs)
+        # one call renders the batch (a third faster than one by one), with the tools :meth:`encode` shows
+        texts = render_chat(self._hf, conversations, True, self._template_kwargs())
         ids = self._hf(texts, add_special_tokens=False)["input_ids"]
         return [
             list(row.prompt_ids) if row.prompt_ids is not None else self._expanded(row, i)
@@ -147,8 +153,10 @@ class PromptRenderer:
         return prompt_ids, self.tokenizer.encode(target, add_eos=True)
 
     def _render(self, messages: Messages, *, add_generation_prompt: bool) -> str:
-        kwargs = {**({"tools": self.tools} if self.tools else {}), **self.keys.chat_template_kwargs}
-        return render_chat(self._hf, [messages], add_generation_prompt, kwargs)[0]
+        return render_chat(self._hf, [messages], add_generation_prompt, self._template_kwargs())[0]
+
+    def _template_kwargs(self) -> dict[str, Any]:
+        return {**({"tools": self.tools} if self.tools else {}), **self.keys.chat_template_kwargs}
 
 
 RENDER_TIME_LIMIT_S = 10.0

@@ -1,9 +1,13 @@
-"""``samples.jsonl``: what the policy said, every ``trainer.log_samples_every`` RL steps (0: never).
+"""``samples.jsonl``: what the policy said, every ``trainer.log_samples_every`` RL steps and at the last one (0:
+never), so that a run shorter than the interval still writes some.
 
 Each logged step writes the first sample of each of its first :data:`SAMPLES_PER_STEP` groups, one JSON object a
 line: ``phase`` ("rl"), ``step``, ``prompt`` (the prompt ids the engine received, decoded with special tokens
 kept, so a chat template shows as the model saw it), ``response``, ``reward`` and the reward's extra fields
-(``answer``, ...), ``source``, ``finish_reason``, ``response_tokens``, and ``images`` (each image's file path,
+(``answer``, ...), ``source``, ``finish_reason``, ``response_tokens``; for a multi-turn episode the response is
+decoded with its special tokens (turn boundaries show as ``<|im_end|>`` / ``<|im_start|>user``), and
+``loss_mask_spans`` lists the ``[start, end)`` token spans the policy sampled (the rest are observations); and
+``images`` (each image's file path,
 or ``bytes:<sha256 prefix>`` for an image held in the dataset) when the prompt has images. The first :data:`TENSORBOARD_SAMPLES` of them also go to
 TensorBoard as text (tag ``samples``). A resumed run drops the rows after its checkpoint (:func:`resume_point`), as
 ``metrics.jsonl``.
@@ -47,8 +51,10 @@ class SampleLog:
         enabled: bool,
         tracker: Tracker | None = None,
         resume_at: Mapping[str, int] | None = None,
+        last_step: int | None = None,
     ) -> None:
         self.every = every
+        self.last_step = last_step
         self.tokenizer = tokenizer
         self.tracker = tracker
         self.enabled = enabled and every > 0
@@ -57,7 +63,7 @@ class SampleLog:
             truncate_metrics(self.path, resume_at)
 
     def due(self, step: int) -> bool:
-        return self.enabled and step % self.every == 0
+        return self.enabled and (step % self.every == 0 or step == self.last_step)
 
     def record(self, step: int, batch: Any) -> list[dict[str, Any]]:
         """Write RL ``step``'s rows from a :class:`~sapo_megatron.rollout.collect.RolloutBatch` when due; returns
@@ -84,11 +90,12 @@ class SampleLog:
             "phase": "rl",
             "step": step,
             "prompt": decode(sample.prompt_ids, skip_special_tokens=False),
-            "response": decode(sample.response_ids),
+            "response": decode(sample.response_ids, skip_special_tokens=sample.loss_mask is None),
             "reward": float(batch.rewards[group_index, 0]),
             "source": prompt.domain,
             "finish_reason": sample.finish_reason,
-            "response_tokens": sample.generated_tokens,  # episodes: the policy's tokens, not the observations
+            # episodes: the policy's tokens, not the observations; a masked cut response: all it generated
+            "response_tokens": sample.generated_tokens if sample.episode else len(sample.response_ids),
         }
         episode = getattr(sample, "episode", None)
         if episode is not None:
@@ -99,11 +106,24 @@ class SampleLog:
                 tool_errors=episode.tool_errors,
                 observation_tokens=len(sample.response_ids) - sample.generated_tokens,
             )
+        if sample.loss_mask is not None:
+            row["loss_mask_spans"] = _spans(sample.loss_mask)
         if prompt.images:  # which images the prompt showed (file path, or the digest of inline bytes)
             row["images"] = [image.name() for image in prompt.images]
         fields = getattr(sample, "reward_fields", None) or {}  # the reward's extra fields (e.g. answer)
         row.update({name: value for name, value in fields.items() if name not in row})
         return row
+
+
+def _spans(mask: list[int]) -> list[list[int]]:
+    """``[start, end)`` of each run of 1s in ``mask``."""
+    spans: list[list[int]] = []
+    for position, bit in enumerate(mask):
+        if bit and spans and spans[-1][1] == position:
+            spans[-1][1] = position + 1
+        elif bit:
+            spans.append([position, position + 1])
+    return spans
 
 
 def _as_markdown(row: Mapping[str, Any]) -> str:

@@ -1,11 +1,12 @@
 """Sizes of a tiny model that follow its data: ``"auto"`` in an inline ``model.hf_config`` for ``vocab_size``,
 ``max_position_embeddings`` or the special token ids takes them from the run's tokenizer and prompts.
 
-- ``vocab_size``: the tokenizer's size (the char tokenizer 52, the shipped chat tokenizer 512);
+- ``vocab_size``: the tokenizer's size (the char tokenizer 52, the shipped chat tokenizer 512), padded as the real
+  checkpoints are (the real Qwen3 tokenizer, ``data.tokenizer: qwen3``: 151,669 tokens, 151,936 rows);
 - ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id``: the tokenizer's (a tokenizer without a bos token, as
   Qwen's, leaves ``bos_token_id`` out);
 - ``max_position_embeddings``: the longest prompt of ``data.train`` and of the eval datasets, as the engine
-  receives it (``max_prompt_tokens`` where set), plus the longest response (``rollout.max_new_tokens``, or an eval dataset's own), rounded up to a
+  receives it (with the tool schemas of multi-turn episodes) (``max_prompt_tokens`` where set), plus the longest response (``rollout.max_new_tokens``, or an eval dataset's own), rounded up to a
   multiple of :data:`CONTEXT_MULTIPLE` (the embedded demo's 64 stays 64).
 
 The materialised ``config.yaml`` holds the numbers, so an evaluation or a resume reads them back unchanged.
@@ -33,7 +34,7 @@ def auto_fields(hf_config: Any) -> list[str]:
 def token_sizes(tokenizer: Any, fields: Iterable[str]) -> dict[str, int | None]:
     """``fields`` (of :data:`TOKEN_FIELDS`) as the tokenizer has them (``None``: the tokenizer has no such token)."""
     values = {
-        "vocab_size": tokenizer.vocab_size,
+        "vocab_size": getattr(tokenizer, "padded_vocab_size", tokenizer.vocab_size),
         "bos_token_id": tokenizer.bos_id,
         "eos_token_id": tokenizer.eos_id,
         "pad_token_id": tokenizer.pad_id,
@@ -53,10 +54,16 @@ def longest_prompt(rows: list[Any], renderer: Any) -> int:
 
 
 def measured_context(
-    sources: Iterable[tuple[str, Any, int | None, int]], tokenizer: Any, *, digits: int, seed: int
+    sources: Iterable[tuple[str, Any, int | None, int]],
+    tokenizer: Any,
+    *,
+    digits: int,
+    seed: int,
+    tools: list[dict[str, Any]] | None = None,
 ) -> int:
     """:func:`context_size` over ``sources``: ``(path, keys, rows to read or None for all, max_new_tokens)``
-    each (``data.train`` and each eval dataset, with its own keys)."""
+    each (``data.train`` and each eval dataset, with its own keys); ``tools``: the schemas the prompts show
+    (multi-turn episodes: the template writes them into the system turn)."""
     from sapo_megatron.data.datasets import read_dataset
     from sapo_megatron.data.prompts import DatasetError
     from sapo_megatron.data.render import PromptRenderer
@@ -80,5 +87,6 @@ def measured_context(
                 rows = read_dataset(path, keys).rows[:size]
             except DatasetError:
                 continue  # a missing or bad dataset is named by the input checks and the data load, in train.log
-        needed = max(needed, context_size(longest_prompt(rows, PromptRenderer(tokenizer, keys)), new_tokens))
+        renderer = PromptRenderer(tokenizer, keys, tools=tools)
+        needed = max(needed, context_size(longest_prompt(rows, renderer), new_tokens))
     return max(needed, CONTEXT_MULTIPLE)

@@ -177,7 +177,7 @@ class CharTokenizer:
 class HFTokenizer:
     """Adapter giving an HF tokenizer the small interface the trainer uses (same as :class:`CharTokenizer`)."""
 
-    def __init__(self, directory: str | Path) -> None:
+    def __init__(self, directory: str | Path, *, padded_vocab_size: int | None = None) -> None:
         from transformers import AutoTokenizer
 
         self.directory = Path(directory)
@@ -198,10 +198,16 @@ class HFTokenizer:
             raise TokenizerError(
                 f"the tokenizer in {directory} defines no eos token; RL needs one to stop responses"
             )
+        self._padded_vocab_size = padded_vocab_size
 
     @property
     def vocab_size(self) -> int:
         return len(self._tok)
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """The embedding rows a model made for this tokenizer has (Qwen3's checkpoints: 151,936 for 151,669)."""
+        return max(self._padded_vocab_size or 0, self.vocab_size)
 
     @property
     def hf(self) -> Any:
@@ -280,19 +286,26 @@ Tokenizer = CharTokenizer | HFTokenizer
 
 def load_tokenizer(spec: str) -> Tokenizer:
     """``"char"`` for the demo's character tokenizer, ``"chat"`` for the shipped byte-level BPE with a chat
-    template (:mod:`~sapo_megatron.data.chat_tokenizer`), a directory with ``char_tokenizer.json``, or an HF
-    tokenizer directory."""
+    template (:mod:`~sapo_megatron.data.chat_tokenizer`), ``"qwen3"`` for the real Qwen3 tokenizer fetched by
+    ``make qwen3-tokenizer`` (:mod:`~sapo_megatron.data.qwen3_tokenizer`), a directory with
+    ``char_tokenizer.json``, or an HF tokenizer directory."""
     if spec == "char":
         return CharTokenizer()
     if spec == "chat":
         from sapo_megatron.data.chat_tokenizer import CHAT_TOKENIZER_DIR
 
         return HFTokenizer(CHAT_TOKENIZER_DIR)
+    if spec == "qwen3":
+        from sapo_megatron.data import qwen3_tokenizer
+
+        return HFTokenizer(
+            qwen3_tokenizer.tokenizer_dir(), padded_vocab_size=qwen3_tokenizer.PADDED_VOCAB_SIZE
+        )
     if (Path(spec) / TOKENIZER_FILE).is_file():
         return CharTokenizer.load(spec)
     if not Path(spec).is_dir():
         raise TokenizerError(
-            f"data.tokenizer={spec!r}: not 'char', not 'chat' and not a directory "
-            "(give 'char', 'chat' or a directory holding tokenizer.json / tokenizer_config.json)"
+            f"data.tokenizer={spec!r}: not 'char', not 'chat', not 'qwen3' and not a directory "
+            "(give 'char', 'chat', 'qwen3' or a directory holding tokenizer.json / tokenizer_config.json)"
         )
     return HFTokenizer(spec)

@@ -17,6 +17,7 @@ import random
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from sapo_megatron.data.chat_tokenizer import CHAT_TOKENIZER_DIR
 from sapo_megatron.data.logic_puzzles import SOURCE as LOGIC_SOURCE
@@ -45,18 +46,57 @@ def processor_config(image_side: int = IMAGE_SIDE) -> dict:
     }
 
 
-def write_vl_tokenizer(directory: str | Path, *, image_side: int = IMAGE_SIDE) -> Path:
+def write_vl_tokenizer(directory: str | Path, *, image_side: int = IMAGE_SIDE, base: str = "chat") -> Path:
     """The shipped chat tokenizer (``data.tokenizer: chat``) with ``<|vision_start|>``, ``<|image_pad|>`` and
-    ``<|vision_end|>`` added as special tokens (ids 512, 513, 514), and the image processor's config beside it."""
+    ``<|vision_end|>`` added as special tokens (ids 512, 513, 514), and the image processor's config beside it;
+    ``base="qwen3"``: the real Qwen3 tokenizer (``make qwen3-tokenizer``), which has them already (151652,
+    151655, 151653)."""
     from transformers import AutoTokenizer
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
+    if base == "qwen3":
+        from sapo_megatron.data import qwen3_tokenizer
+
+        for name in qwen3_tokenizer.FILES:
+            shutil.copyfile(qwen3_tokenizer.tokenizer_dir() / name, directory / name)
+        (directory / PROCESSOR_FILE).write_text(json.dumps(processor_config(image_side), indent=2) + "\n")
+        return directory
     tok = AutoTokenizer.from_pretrained(str(CHAT_TOKENIZER_DIR))
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", *VISION_TOKENS]})
     tok.save_pretrained(str(directory))
     (directory / PROCESSOR_FILE).write_text(json.dumps(processor_config(image_side), indent=2) + "\n")
     return directory
+
+
+def vl_model_ids(directory: str | Path) -> dict[str, int]:
+    """The ``model.hf_config`` ids a tiny VL model needs for the tokenizer in ``directory``: the three image
+    tokens, a video id the tokenizer never produces, and the text vocabulary (Qwen3's padded 151,936 for it)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(directory))
+    start, pad, end = (_token_id(tok, token) for token in VISION_TOKENS)
+    found = tok.convert_tokens_to_ids("<|video_pad|>")
+    size = len(tok)
+    video = found if isinstance(found, int) and found != tok.unk_token_id and found < size else size
+    size = max(size, video + 1)
+    from sapo_megatron.data.qwen3_tokenizer import PADDED_VOCAB_SIZE
+
+    vocab = PADDED_VOCAB_SIZE if size <= PADDED_VOCAB_SIZE and size > 150_000 else size
+    return {
+        "vision_start_token_id": start,
+        "image_token_id": pad,
+        "vision_end_token_id": end,
+        "video_token_id": video,
+        "vocab_size": vocab,
+    }
+
+
+def _token_id(tok: Any, token: str) -> int:
+    found = tok.convert_tokens_to_ids(token)
+    if not isinstance(found, int):
+        raise DatasetError(f"the tokenizer has no {token} token")
+    return found
 
 
 def write_demo_data(
@@ -116,8 +156,22 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--math", type=int, default=0, help="two-digit additions (text) in train (held-out: in proportion)"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--tokenizer-only",
+        action="store_true",
+        help="write only OUT/tokenizer (for your own image data) and print the model ids it needs",
+    )
+    parser.add_argument(
+        "--base", choices=("chat", "qwen3"), default="chat", help="the tokenizer to add images to"
+    )
     args = parser.parse_args(argv)
     out = Path(args.out)
+    if args.tokenizer_only:
+        ids = vl_model_ids(write_vl_tokenizer(out / "tokenizer", base=args.base))
+        print(f"wrote {out}/tokenizer; set data.tokenizer: {out}/tokenizer and in model.hf_config:")
+        print("\n".join(f"  {key}: {value}" for key, value in ids.items() if key != "vocab_size"))
+        print(f"  text_config: {{vocab_size: {ids['vocab_size']}}}")
+        return
     if (out / "images").is_dir():  # a smaller dataset written over a larger one would keep stale images
         shutil.rmtree(out / "images")
     write_vl_tokenizer(out / "tokenizer")

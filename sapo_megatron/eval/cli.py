@@ -165,7 +165,27 @@ def resolve_model(model: str, out_dir: Path) -> tuple[Path, Path | None]:
     if run_config is None:  # a checkpoint inside a run: RUN/checkpoints/step_N
         candidates = [p / "config.yaml" for p in checkpoint.parents[:3] if (p / "config.yaml").is_file()]
         run_config = candidates[0] if candidates else None
-    return _convert(checkpoint, out_dir / "hf_model", run_config), run_config
+    try:
+        return _convert(checkpoint, out_dir / "hf_model", run_config), run_config
+    except FileNotFoundError:
+        if checkpoint.exists():
+            raise
+    # a run still training pruned the checkpoint while it was read: once more with its newest one, else refuse
+    newer = atomic.find_checkpoint(path) if path != checkpoint else checkpoint
+    if newer == checkpoint or not newer.exists():
+        raise EvalError(
+            f"--model {model}: the checkpoint {checkpoint} was removed while it was read (the run is still "
+            "training and pruned it)",
+            hint="evaluate it when the run has finished, or copy a checkpoint out of the run first",
+        )
+    print(f"{checkpoint} was pruned by the run while it was read; evaluating its newest checkpoint {newer}")
+    try:
+        return _convert(newer, out_dir / "hf_model", run_config), run_config
+    except FileNotFoundError:
+        raise EvalError(
+            f"--model {model}: the run pruned {checkpoint} and then {newer} while they were read",
+            hint="evaluate it when the run has finished, or copy a checkpoint out of the run first",
+        ) from None
 
 
 def _convert(checkpoint: Path, out: Path, run_config: Path | None) -> Path:

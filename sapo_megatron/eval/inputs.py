@@ -20,6 +20,7 @@ from typing import Any
 from sapo_megatron.data.datasets import load_dataset
 from sapo_megatron.data.prompts import PromptRow, check_encodable
 from sapo_megatron.data.render import PromptRenderer, apply_length_policy
+from sapo_megatron.data.thinking import split_thinking
 from sapo_megatron.data.vision import VisionSpec
 from sapo_megatron.eval.config import SYNTHETIC_SIZE, EvalDataset
 from sapo_megatron.rewards.answers import extract_final_answer, extract_last_number
@@ -138,7 +139,7 @@ class EvalReward:
     never spends a training step's error budget. The answer is the reward's ``answer`` field when it returns one
     (math_verify, dapo_math), else the extraction of :data:`ANSWER_RULES`."""
 
-    def __init__(self, spec: Any, *, field: str, algorithm: Any) -> None:
+    def __init__(self, spec: Any, *, field: str, algorithm: Any, after_thinking: bool = False) -> None:
         from sapo_megatron.rewards.runner import build_reward_runner
 
         same = spec is algorithm.reward or spec == algorithm.reward  # the training reward keeps its kwargs
@@ -149,6 +150,7 @@ class EvalReward:
             kwargs=algorithm.reward_kwargs if same else None,
             name=f"{spec} (evaluation)",
             field=field,
+            after_thinking=after_thinking,
         )
         self._answer = ANSWER_RULES.get(spec) if isinstance(spec, str) else None
 
@@ -167,7 +169,8 @@ class EvalReward:
     def _answer_of(self, sample: Any, decode) -> str | None:
         answer = sample.reward_fields.get("answer")
         if answer is None and self._answer is not None:
-            answer = self._answer(decode(list(sample.response_ids)))
+            text = decode(list(sample.response_ids))
+            answer = self._answer(split_thinking(text)[1] if self.runner.after_thinking else text)
         return None if answer in (None, "") else str(answer)
 
     def check_errors(self, max_frac: float, dataset: str) -> None:

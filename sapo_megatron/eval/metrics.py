@@ -12,9 +12,12 @@ For one prompt with scores ``s_1 .. s_n`` of which ``c`` are correct (a sample i
   (as ``collections.Counter.most_common``, which verl's and inspect's majority votes use), and the prompt scores
   what the first sample with that answer scored; a prompt whose samples gave no answer scores 0. Only when the
   reward gives answers (some sample has one);
-- ``response_length_mean`` (tokens) and ``truncated_frac`` (share of samples that hit ``max_new_tokens``).
+- ``response_length_mean`` (tokens) and ``truncated_frac`` (share of samples that hit ``max_new_tokens``);
+- ``thinking_share``: of the response tokens, the share inside ``<think>…</think>`` (when the reward scores
+  after thinking, ``algorithm.reward_after_thinking``).
 
-A dataset's value is the mean over its prompts; ``by_source`` repeats the prompt metrics per source.
+A dataset's value is the mean over its prompts; ``by_source`` repeats the prompt metrics per source; ``scores``
+says whether every score was 0 or 1 (``"0/1"``: avg@n is an accuracy) or not (``"graded"``).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class ScoredSample:
     truncated: bool = False
     turns: int | None = None  # multi-turn episodes: engine turns and tool calls
     tool_calls: int | None = None
+    thinking_tokens: int | None = None  # of response_tokens, inside <think>…</think> (thinking models)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -83,6 +87,9 @@ def prompt_metrics(samples: Sequence[ScoredSample]) -> dict[str, float]:
     if all(s.turns is not None for s in samples):  # evaluated with tools
         out["turns_mean"] = float(np.mean([s.turns for s in samples]))
         out["tool_calls_mean"] = float(np.mean([s.tool_calls for s in samples]))
+    if all(s.thinking_tokens is not None for s in samples):
+        total = sum(s.response_tokens for s in samples)
+        out["thinking_share"] = sum(s.thinking_tokens or 0 for s in samples) / total if total else 0.0
     return out
 
 
@@ -91,19 +98,26 @@ def dataset_metrics(
 ) -> dict[str, Any]:
     """The dataset's metrics (means over its prompts) in the ``eval.json`` shape: ``n``, ``num_prompts``, the
     metrics of :func:`prompt_metrics`, and ``by_source`` (the same per source; prompts without one are only in
-    the totals). maj@n is averaged over the prompts whose reward gave answers."""
+    the totals). When the reward gives answers, maj@n is averaged over every prompt, one without any answer
+    scoring 0 (so maj@n <= pass@n for 0/1 scores)."""
     if not prompts:
         raise ValueError("dataset_metrics: no prompts")
     n = len(prompts[0])
     if any(len(p) != n for p in prompts):
         raise ValueError("dataset_metrics: every prompt needs the same number of samples")
     per_prompt = [prompt_metrics(p) for p in prompts]
+    majority = f"maj@{n}"
+    if any(majority in row for row in per_prompt):  # a prompt none of whose samples gave an answer scores 0
+        for row in per_prompt:
+            row.setdefault(majority, 0.0)
+    binary = all(s.score in (0.0, 1.0) for p in prompts for s in p)
     by_source: dict[str, list[dict[str, float]]] = {}
     for source, values in zip(sources, per_prompt):
         if source is not None:
             by_source.setdefault(source, []).append(values)
     return {
         "n": n,
+        "scores": "0/1" if binary else "graded",
         **_mean_over_prompts(per_prompt),
         "by_source": {source: _mean_over_prompts(rows) for source, rows in sorted(by_source.items())},
     }
@@ -124,9 +138,15 @@ def flat_metrics(name: str, metrics: dict[str, Any]) -> dict[str, float]:
 
 
 def _scalar(key: str, value: Any) -> bool:
-    return key not in ("n", "by_source") and isinstance(value, int | float)
+    return key not in ("n", "by_source") and isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def headline(metrics: dict[str, Any]) -> float:
     """A dataset's headline number: avg@n (greedy accuracy at n = 1)."""
     return float(metrics[f"avg@{metrics['n']}"])
+
+
+def headline_name(metrics: dict[str, Any]) -> str:
+    """What the headline is: ``accuracy`` when every score was 0 or 1, else ``eval_score`` (the mean of a graded
+    reward, e.g. a weighted sum up to 1.5, is no accuracy)."""
+    return "eval_score" if metrics.get("scores") == "graded" else "accuracy"

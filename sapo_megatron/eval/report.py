@@ -124,14 +124,23 @@ def _read_json(path: Path) -> dict[str, Any] | None:
         return None
 
 
+def _headline_word(summary: dict[str, Any]) -> str:
+    """``accuracy`` for 0/1 scores; ``mean score (not 0/1)`` for a graded reward."""
+    datasets = (summary.get("eval") or {}).get("datasets") or {}
+    first: Any = next(iter(datasets.values()), {})
+    return (
+        "mean score (not 0/1)" if isinstance(first, dict) and first.get("scores") == "graded" else "accuracy"
+    )
+
+
 def _markdown(run_dir: Path, summary: dict[str, Any] | None, rl: dict[int, dict], plots: list[str]) -> str:
     lines = [f"# Run report: {run_dir.name}", ""]
     if summary is None:
         lines += [f"Unfinished run: {len(rl)} RL steps logged, no summary.json yet.", ""]
     else:
         lines += [
-            f"{summary.get('steps')} RL steps in {summary.get('wall_seconds')} s; accuracy (first eval dataset, "
-            f"avg@n) {_fmt(summary.get('accuracy_before'))} → {_fmt(summary.get('accuracy_after'))}.",
+            f"{summary.get('steps')} RL steps in {summary.get('wall_seconds')} s; {_headline_word(summary)} (first "
+            f"eval dataset, avg@n) {_fmt(summary.get('accuracy_before'))} → {_fmt(summary.get('accuracy_after'))}.",
             "",
         ]
         lines += _eval_table(summary.get("eval"))

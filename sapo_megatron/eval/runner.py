@@ -9,7 +9,8 @@ evaluation never draws from the engine's own seed stream, which training relies 
 Outputs (:func:`write_outputs`): ``eval.json`` = ``{"model", "seed", "datasets": {NAME: metrics}}`` with the
 metrics of :func:`~sapo_megatron.eval.metrics.dataset_metrics`, and ``samples.jsonl``, one row per sample:
 ``dataset``, ``index`` (prompt index within the dataset), ``sample`` (0 .. n-1), ``source``, ``prompt``,
-``response``, ``score``, ``answer``, ``finish_reason``, ``response_tokens``.
+``response``, ``score``, ``answer``, ``finish_reason``, ``response_tokens`` (and ``thinking_tokens`` when the reward
+scores after thinking).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 from sapo_megatron import jsonio
 from sapo_megatron.data.loading import build_vision, check_model_takes_images
 from sapo_megatron.data.prompts import PromptRow
+from sapo_megatron.data.thinking import reward_after_thinking, thinking_tokens
 from sapo_megatron.eval.config import EvalDataset, resolve_datasets
 from sapo_megatron.eval.inputs import EvalPrompts, EvalReward, load_eval_rows
 from sapo_megatron.eval.metrics import ScoredSample, dataset_metrics, flat_metrics, headline
@@ -98,10 +100,15 @@ def build_suite(cfg: Any, tokenizer: Any, *, seed: int | None = None) -> EvalSui
         rows[dataset.name] = prompts[dataset.name].check(
             loaded, context=cfg.model.arch.max_position_embeddings
         )
-        key = repr(dataset.reward)
+        after = reward_after_thinking(
+            cfg.algorithm.reward_after_thinking, cfg.data.tokenizer, dataset.keys.chat_template_kwargs
+        )
+        key = repr((dataset.reward, after))
         if key not in runners:
             field = f"eval.datasets[{index}].reward"
-            runners[key] = EvalReward(dataset.reward, field=field, algorithm=cfg.algorithm)
+            runners[key] = EvalReward(
+                dataset.reward, field=field, algorithm=cfg.algorithm, after_thinking=after
+            )
         rewards[dataset.name] = runners[key]
     return EvalSuite(resolve_datasets(cfg), rows, prompts, rewards, cfg.algorithm.max_reward_error_frac)
 
@@ -139,6 +146,7 @@ def run_suite(
         samples += dataset_samples
         metrics[dataset.name] = _aggregate(dataset, suite.rows[dataset.name], dataset_samples)
         note_missing_majority(dataset, metrics[dataset.name])
+        note_truncation(dataset, metrics[dataset.name])
     return EvalResult(metrics, samples, time.perf_counter() - start)
 
 
@@ -160,9 +168,28 @@ def note_missing_majority(dataset: EvalDataset, metrics: dict[str, Any]) -> str 
     return line
 
 
+TRUNCATED_WARNING_FRAC = 0.5
+"""More than this share of a dataset's responses cut by ``max_new_tokens`` is worth a warning."""
+
+
+def note_truncation(dataset: EvalDataset, metrics: dict[str, Any]) -> str | None:
+    """Warn when most responses hit the token limit (their scores then measure the limit, not the model); the
+    line, or None."""
+    frac = metrics.get("truncated_frac", 0.0)
+    if frac <= TRUNCATED_WARNING_FRAC:
+        return None
+    line = (
+        f"eval dataset {dataset.name}: {frac:.0%} of the responses hit max_new_tokens={dataset.max_new_tokens} and "
+        "were scored as cut; raise the dataset's max_new_tokens (or eval.defaults.max_new_tokens) to measure the model"
+    )
+    logger.warning(line)
+    return line
+
+
 def _run_dataset(engine, tokenizer, suite: EvalSuite, dataset: EvalDataset, seed: int, progress):
     rows, reward, n = suite.rows[dataset.name], suite.rewards[dataset.name], dataset.n
     prompts = suite.prompts[dataset.name]
+    think = _think_ids(tokenizer) if reward.runner.after_thinking else None
     sampling = sampling_params(dataset, [tokenizer.eos_id])
     first_seed = eval_seed(seed, dataset.name)
     requests = [
@@ -182,7 +209,8 @@ def _run_dataset(engine, tokenizer, suite: EvalSuite, dataset: EvalDataset, seed
         scored = reward.score_groups(groups, rows[start : start + len(groups)], tokenizer.decode)
         for index, (group, group_scored) in enumerate(zip(groups, scored), start=start):
             out += [
-                _sample_row(tokenizer, prompts, rows[index], index, s, r) for s, r in zip(group, group_scored)
+                _sample_row(tokenizer, prompts, rows[index], index, s, r, think)
+                for s, r in zip(group, group_scored)
             ]
         if progress is not None:
             progress(sum(len(g) for g in groups))
@@ -190,10 +218,32 @@ def _run_dataset(engine, tokenizer, suite: EvalSuite, dataset: EvalDataset, seed
     return out
 
 
+def _think_ids(tokenizer) -> tuple[int, int] | None:
+    """``<think>`` and ``</think>``'s ids, when the tokenizer has both as tokens."""
+    hf = getattr(tokenizer, "hf", None)
+    if hf is None:
+        return None
+    ids = hf.convert_tokens_to_ids(["<think>", "</think>"])
+    return None if None in ids or hf.unk_token_id in ids else (ids[0], ids[1])
+
+
 def _sample_row(
-    tokenizer, prompts: EvalPrompts, row: PromptRow, index: int, sample, scored
+    tokenizer,
+    prompts: EvalPrompts,
+    row: PromptRow,
+    index: int,
+    sample,
+    scored,
+    think: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
+    """``think``: ``<think>`` / ``</think>`` ids when the reward scores after thinking (the row then counts the
+    response's ``thinking_tokens``)."""
     response = tokenizer.decode(sample.response_ids)
+    thinking = (
+        {}
+        if think is None
+        else {"thinking_tokens": thinking_tokens(sample.response_ids, *think, sample.loss_mask)}
+    )
     return {
         "dataset": prompts.dataset.name,
         "index": index,
@@ -205,6 +255,7 @@ def _sample_row(
         "answer": scored.answer,
         "finish_reason": sample.finish_reason,
         "response_tokens": sample.generated_tokens,  # episodes: the policy's tokens, not the observations
+        **thinking,
         **_episode_fields(sample),
     }
 
@@ -227,6 +278,7 @@ def _aggregate(dataset: EvalDataset, rows: Sequence[PromptRow], samples: Sequenc
                 s["finish_reason"] == "length",
                 turns=s.get("turns"),
                 tool_calls=s.get("tool_calls"),
+                thinking_tokens=s.get("thinking_tokens"),
             )
         )
     return dataset_metrics(per_prompt, [row.domain for row in rows])

@@ -6,7 +6,8 @@ and ``"after"`` (the end of a run whose last RL step did not evaluate: an SFT-on
 generates and scores; every rank gets the metrics.
 
 Where: ``metrics.jsonl`` / TensorBoard rows of phase ``eval`` at the RL step (``eval/{name}/avg@{n}``, ...),
-``accuracy`` (the first dataset's avg@n) in the RL row of that step as before, and ``RUN_DIR/eval/step_NNNNNN/``
+``accuracy`` (the first dataset's avg@n; ``eval_score`` when its reward gave other scores than 0 and 1) in the RL
+row of that step, and ``RUN_DIR/eval/step_NNNNNN/``
 with that evaluation's ``eval.json`` and ``samples.jsonl``. The trainer's RNG streams are untouched: evaluation
 passes its own sampling seeds (:func:`~sapo_megatron.eval.runner.eval_seed`) and its own reward counters.
 """
@@ -45,7 +46,8 @@ def describe_training_suite(cfg: Any, tokenizer: Any) -> list[str]:
 
 def evaluate(session: Any, state: Any, when: When) -> dict[str, float]:
     """Evaluate now if ``when`` calls for it (see the module docstring); records the result in ``state`` and
-    the logs, and returns what goes into the RL step's metrics (``accuracy``; empty when nothing ran)."""
+    the logs, and returns what goes into the RL step's metrics (``accuracy`` or ``eval_score``; empty when nothing
+    ran)."""
     cfg, suite = session.cfg, session.eval_suite
     if not suite.datasets or not _due(cfg, state, when):
         return {}
@@ -59,7 +61,11 @@ def evaluate(session: Any, state: Any, when: When) -> dict[str, float]:
         state.accuracy_before = result.headline
     session.tracker.message(f"eval at RL step {state.step}: {_line(metrics)}")
     accuracy = result.headline  # None only without datasets, which returned above
-    return {"accuracy": accuracy} if when == "step" and accuracy is not None else {}
+    if when != "step" or not metrics or accuracy is None:
+        return {}
+    from sapo_megatron.eval.metrics import headline_name
+
+    return {headline_name(next(iter(metrics.values()))): accuracy}
 
 
 def _due(cfg: Any, state: Any, when: When) -> bool:

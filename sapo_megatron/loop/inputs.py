@@ -30,7 +30,7 @@ def _inputs(cfg: RunConfig) -> list[tuple[str, str, str]]:
         for field, source in sources
         if source is not None and not source.startswith("synthetic:")
     ]
-    if data.tokenizer not in ("char", "chat"):
+    if data.tokenizer not in ("char", "chat", "qwen3"):
         inputs.append(("data.tokenizer", data.tokenizer, "dir"))
     if isinstance(model.hf_config, str):
         inputs.append(("model.hf_config", model.hf_config, "any"))
@@ -39,7 +39,7 @@ def _inputs(cfg: RunConfig) -> list[tuple[str, str, str]]:
     for teacher in cfg.teachers:
         if teacher.engine == "cpu" and teacher.model_path is not None:  # TeacherConfig requires it for cpu
             inputs.append((f"teachers[{teacher.name}].model_path", teacher.model_path, "dir"))
-        if teacher.tokenizer and teacher.tokenizer not in ("char", "chat"):
+        if teacher.tokenizer and teacher.tokenizer not in ("char", "chat", "qwen3"):
             inputs.append((f"teachers[{teacher.name}].tokenizer", teacher.tokenizer, "dir"))
     return inputs
 

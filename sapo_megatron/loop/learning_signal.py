@@ -1,6 +1,6 @@
 """Warnings where a run would learn nothing, said once and early, with the likely causes.
 
-- :func:`check_sft_targets` (before the warm start): the reward scores a few SFT targets (as a response, against
+- :func:`check_sft_targets` (before the warm start, and in ``train --dry-run``: :func:`dry_run_sft_check`): the reward scores a few SFT targets (as a response, against
   their own label). When none scores above the lowest score, SFT teaches a format the reward never rewards – a
   verl GSM8K reward wants ``#### 72`` while the default target is the bare label ``72``. It names the row fields
   whose text does score (``data.response_key: extra_info.answer``).
@@ -88,6 +88,48 @@ def check_sft_targets(reward: Any, rows: Sequence[Any], *, response_key: str | N
         f"none of the first {len(sample)} SFT targets ({where}; e.g. {sft_target(sample[0])!r:.60}) scores "
         f"above {max(scores):g} under algorithm.reward {reward.name!r}: the warm start teaches a format the "
         f"reward never rewards, so RL starts with no reward signal; {hint}"
+    )
+    logger.warning(message)
+    return message
+
+
+def dry_run_sft_check(cfg: Any, rows: Sequence[Any]) -> str:
+    """``train --dry-run``'s line about the SFT targets: :func:`check_sft_targets` under the run's reward (inline,
+    a few targets) before any SFT step is spent on a format the reward never rewards."""
+    if cfg.sft.steps <= 0:
+        return "sft targets: no warm start (sft.steps 0)"
+    from sapo_megatron.data.thinking import reward_after_thinking
+    from sapo_megatron.rewards.runner import build_reward_runner
+
+    algorithm, data = cfg.algorithm, cfg.data
+    with build_reward_runner(
+        algorithm.reward,
+        workers=0,
+        timeout_s=algorithm.reward_timeout_s,
+        kwargs=algorithm.reward_kwargs,
+        after_thinking=reward_after_thinking(
+            algorithm.reward_after_thinking, data.tokenizer, data.chat_template_kwargs
+        ),
+    ) as reward:
+        warning = check_sft_targets(reward, rows, response_key=data.response_key)
+    return f"warning: {warning}" if warning else "sft targets OK: they score under algorithm.reward"
+
+
+def check_first_tool_call(rows: Sequence[Any], tokenizer: Any, max_new_tokens: int) -> str | None:
+    """Multi-turn warm starts: the longest first turn of the first :data:`TARGETS_SCORED` SFT targets that call
+    a tool (the target up to its first ``</tool_call>``), in tokens; a warning (also logged) when
+    ``rollout.max_new_tokens`` would cut it, so every such turn would end truncated before the tool runs."""
+    end = "</tool_call>"
+    targets = [sft_target(row) for row in rows[:TARGETS_SCORED]]
+    firsts = [t[: t.index(end) + len(end)] for t in targets if "<tool_call>" in t and end in t]
+    if not firsts:
+        return None
+    longest = max(len(tokenizer.encode(text)) for text in firsts)
+    if longest <= max_new_tokens:
+        return None
+    message = (
+        f"the SFT targets' first turn takes up to {longest} tokens to its </tool_call>, and rollout.max_new_tokens="
+        f"{max_new_tokens} cuts every such turn before the tool runs: raise rollout.max_new_tokens (a turn's budget)"
     )
     logger.warning(message)
     return message

@@ -19,6 +19,7 @@ from sapo_megatron.data.loading import RunData, build_run_data
 from sapo_megatron.data.prompts import PromptRow
 from sapo_megatron.data.render import PromptRenderer
 from sapo_megatron.data.samples import SampleLog, resume_point
+from sapo_megatron.data.thinking import reward_after_thinking
 from sapo_megatron.data.tokenizer import Tokenizer
 from sapo_megatron.distill.config import check_domains_served, prompt_domains
 from sapo_megatron.distill.step import DistillStep
@@ -155,12 +156,16 @@ def build_session(
         workers=cfg.algorithm.reward_workers if info.is_main else 0,  # only the main rank scores
         timeout_s=cfg.algorithm.reward_timeout_s,
         kwargs=cfg.algorithm.reward_kwargs,
+        after_thinking=reward_after_thinking(
+            cfg.algorithm.reward_after_thinking, cfg.data.tokenizer, cfg.data.chat_template_kwargs
+        ),
     )
     wandb = build_wandb_sink(cfg, run_dir, resume=start.resume, enabled=info.is_main)  # tracking.wandb
     tracker = Tracker(run_dir, enabled=info.is_main, resume_at=start.resume_at, sink=wandb)
     samples = SampleLog(
         run_dir,
         every=cfg.trainer.log_samples_every,
+        last_step=cfg.trainer.steps,
         tokenizer=tokenizer,
         enabled=info.is_main,
         tracker=tracker,

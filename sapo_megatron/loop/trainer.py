@@ -254,6 +254,7 @@ def _rollout(session: Session, prompts: PromptIterator, step: int):
         max_refills=cfg.algorithm.max_refills,
         over_sampling=cfg.algorithm.over_sampling,
         overlong_cache_len=cfg.algorithm.overlong_cache_len,
+        mask_truncated=cfg.algorithm.mask_truncated_completions,
         return_routed_experts=cfg.rollout.routed_experts,
         image_pad_id=session.renderer.vision.pad_id if session.renderer and session.renderer.vision else None,
     )

@@ -8,7 +8,17 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sapo_megatron.rewards.conventions import GROUP, TRL, VERL, call_trl, call_verl, detect_convention
+from sapo_megatron.rewards.conventions import (
+    GROUP,
+    TRL,
+    VERL,
+    ConventionError,
+    call_trl,
+    call_verl,
+    check_return,
+    detect_convention,
+    label_note,
+)
 from sapo_megatron.rewards.limits import MAX_ABS_SCORE, leave_if_forked
 from sapo_megatron.rewards.loading import call_arguments, is_import_path, load_function
 from sapo_megatron.rewards.outputs import error_output, safe_output
@@ -61,10 +71,16 @@ class BoundReward:
             KeyboardInterrupt,
         ) as exc:  # an exit is this sample's error (limits.py)
             leave_if_forked(pid)
-            return error_output(exc)
+            out = error_output(exc)
+            if isinstance(exc, (TypeError, KeyError, AttributeError)):
+                out.error = f"{out.error}{label_note(item.label)}"
+            return out
         leave_if_forked(pid)
         if type(value) is float and abs(value) <= MAX_ABS_SCORE:  # the common case, kept cheap
             return RewardOutput(value)
+        problem = check_return(value, self.convention)
+        if problem is not None:
+            return RewardOutput(0.0, {}, problem)
         return safe_output(value)
 
     def _run_group(self, inputs: list[RewardInput]) -> list[RewardOutput]:
@@ -74,6 +90,9 @@ class BoundReward:
                 values = call_trl(self.fn, list(inputs), self.kwargs)
             else:
                 values = list(self.fn(list(inputs), **self.kwargs))
+        except ConventionError as exc:
+            leave_if_forked(pid)
+            return [RewardOutput(0.0, {}, str(exc)) for _ in inputs]
         except (Exception, SystemExit, KeyboardInterrupt) as exc:
             leave_if_forked(pid)
             return [error_output(exc)] * len(inputs)
@@ -81,4 +100,8 @@ class BoundReward:
         if len(values) != len(inputs):
             message = f"group reward returned {len(values)} scores for {len(inputs)} samples"
             return [RewardOutput(0.0, {}, message)] * len(inputs)
+        if self.convention == TRL:  # TRL: None is "not applicable to this sample", not an error
+            return [
+                RewardOutput(0.0, {"not_applicable": True}) if v is None else safe_output(v) for v in values
+            ]
         return [safe_output(value) for value in values]

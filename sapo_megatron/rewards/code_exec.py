@@ -15,7 +15,12 @@ The tests come from ``metadata`` (a dict, or a JSON string of one), else from th
   each) and compare the return value with the output (JSON; an output wrapped in a one-element list also
   matches);
 - ``{"test": "assert ..."}`` (one test) or ``{"tests": ["assert ...", ...]}`` (one test each): the script runs
-  with the solution's names in scope and passes when every statement of it ran.
+  with the functions and classes the solution defines in scope and passes when every statement of it ran;
+  ``"imports"`` / ``"test_imports"`` (MBPP's: a list of import lines) run before it, and ``"entry_point"``
+  (HumanEval's) is the function a ``check(candidate)`` test is called with.
+
+A task whose tests cannot judge (empty, asserting nothing, ``check`` never called, inputs and outputs that do not
+pair) is a task error, raised before any code runs (:mod:`.code_tasks`); so are settings out of range.
 
 ``fn_name`` and assertion tests run in a checker process of their own beside the solution's
 (:func:`.sandbox.run_checked`): the checker calls into the solution and receives plain values only, and the
@@ -38,7 +43,14 @@ import re
 import time
 from typing import Any, Literal
 
-from sapo_megatron.rewards.sandbox import SandboxLimits, run_checked, run_python
+from sapo_megatron.rewards.code_tasks import (
+    CodeTaskError,
+    check_pairs,
+    check_script,
+    check_settings,
+    expected_value,
+)
+from sapo_megatron.rewards.sandbox import SandboxLimits, exact_int, run_checked, run_python
 
 _THINK = re.compile(r"<think>.*?</think>", re.DOTALL | re.IGNORECASE)
 _FENCE = re.compile(r"```[ \t]*([\w+#.-]*)[^\n]*\n(.*?)```", re.DOTALL)
@@ -71,7 +83,7 @@ def parse_tests(label: str, metadata: Any) -> dict[str, Any] | None:
     for candidate in (metadata, label):
         if isinstance(candidate, str):
             try:
-                candidate = json.loads(candidate)
+                candidate = json.loads(candidate, parse_int=exact_int)
             except ValueError:
                 continue
         if isinstance(candidate, dict) and (
@@ -97,13 +109,15 @@ def code_exec(
     """``{"score", "passed", "total"}`` for the response's code on the tests (module docstring). Tests still
     unrun after ``total_wall_s`` fail (keep it below ``algorithm.reward_timeout_s``: slow code is then a wrong
     answer, not a reward error)."""
-    if mode not in ("all", "fraction"):
-        raise ValueError(f"code_exec mode must be 'all' or 'fraction', got {mode!r}")
+    check_settings(
+        {"mode": mode, "wall_s": wall_s, "cpu_s": cpu_s, "total_wall_s": total_wall_s, "memory_mb": memory_mb}
+        | {"max_tests": max_tests}
+    )
     tests = parse_tests(label, metadata)
     if tests is None:
         return {"score": 0.0, "passed": 0, "total": 0, "reason": "no test cases in metadata or label"}
     code = extract_code(response)
-    cases = _cases(tests)[:max_tests]
+    cases = _cases(tests)[:max_tests]  # every case checked (a task error raises) before any runs
     passed, deadline = 0, time.monotonic() + total_wall_s
     for run in cases:
         left = deadline - time.monotonic()
@@ -121,13 +135,18 @@ def code_exec(
 
 def _cases(tests: dict[str, Any]) -> list:
     if "inputs" in tests:
-        outputs = tests.get("outputs", [])
-        pairs = list(zip(tests["inputs"], outputs))
+        pairs = check_pairs(tests)
         if tests.get("fn_name"):
-            return [_call_case(tests["fn_name"], args, out) for args, out in pairs]
+            return [_call_case(tests["fn_name"], args, expected_value(out)) for args, out in pairs]
         return [_stdio_case(inp, out) for inp, out in pairs]
-    scripts = [tests["test"]] if "test" in tests else list(tests["tests"])
-    return [_assert_case(script) for script in scripts]
+    scripts = [tests["test"]] if "test" in tests else tests["tests"]
+    if not isinstance(scripts, list) or not scripts:
+        raise CodeTaskError("code_exec task error: 'tests' must be a non-empty list of test scripts")
+    imports = tests.get("imports") or tests.get("test_imports") or []
+    if not isinstance(imports, list) or not all(isinstance(line, str) for line in imports):
+        raise CodeTaskError("code_exec task error: 'imports' / 'test_imports' must be a list of import lines")
+    prelude = "".join(line + "\n" for line in imports)
+    return [_assert_case(prelude + check_script(script, tests.get("entry_point"))) for script in scripts]
 
 
 def _stdio_case(stdin: Any, expected: Any):
@@ -140,14 +159,13 @@ def _stdio_case(stdin: Any, expected: Any):
     return run
 
 
-def _call_case(name: str, args: Any, expected: Any):
+def _call_case(name: str, args: Any, want: Any):
     def run(code: str, limits: SandboxLimits, require: bool) -> bool:
         test = _CALL_TEST.format(name=name, args=json.dumps(_arguments(args)))
         verdict = run_checked({"solution.py": code}, test, limits, require_isolation=require).verdict
         if not verdict or verdict.get("ok") is not True or "value" not in verdict:
             return False
         got = verdict["value"]
-        want = json.loads(expected) if isinstance(expected, str) else expected
         return got == want or (isinstance(want, list) and len(want) == 1 and got == want[0])
 
     return run

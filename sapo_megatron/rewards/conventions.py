@@ -15,6 +15,15 @@ lists of prompts and completions – chat messages (``[{"role": "assistant", "co
 when the dataset's prompts are messages, else strings – and every other dataset column as a list, one entry per
 completion. TRL also passes ``completion_ids`` and ``trainer_state``; here neither exists, so a TRL reward that
 requires them is refused.
+
+What each returns, and the one line a wrong shape gets (naming the convention and the fix): verl's
+``compute_score`` a number or a dict with ``score`` (``None`` and a ``(score, info)`` tuple are refused); TRL's a
+list with one float per completion – a ``None`` entry is TRL's "not applicable to this sample" and scores 0.0
+with the field ``not_applicable`` (TRL sums its reward functions with ``nansum``, so with one function that
+sample's reward is 0 too), never an error; a scalar or a ``{"score": [...]}`` dict is refused. A dataset column
+named like a ``reward_kwargs`` key is refused (the call would get the name twice). When a reward fails on a
+label that is the JSON text of a dict or list (verl keeps a dict ``ground_truth``; here labels are text), the
+error says so.
 """
 
 from __future__ import annotations
@@ -24,6 +33,11 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from sapo_megatron.rewards.types import RewardInput, is_group_reward
+
+
+class ConventionError(TypeError):
+    """A reward's call or return value does not fit its convention; the message names it and the fix."""
+
 
 NATIVE, VERL, TRL, GROUP = "native", "verl", "trl", "group"
 
@@ -127,4 +141,50 @@ def call_trl(fn: Callable[..., Any], inputs: list[RewardInput], kwargs: Mapping[
     params = parameters(fn) or {}
     if not takes_var_keyword(params):
         arguments = {name: value for name, value in arguments.items() if name in params}
-    return list(fn(**arguments, **kwargs))
+    twice = sorted(set(arguments) & set(kwargs))
+    if twice:
+        raise ConventionError(
+            f"the dataset column(s) {twice} and algorithm.reward_kwargs key(s) of the same name would both be "
+            "passed to the TRL reward: rename the column or the reward_kwargs key"
+        )
+    values = fn(**arguments, **kwargs)
+    if isinstance(values, Mapping):
+        raise ConventionError(
+            f"the TRL reward returned a dict (keys {sorted(map(str, values))[:5]}); TRL's reward functions return a "
+            "list with one float per completion"
+        )
+    if not isinstance(values, (list, tuple)) and not hasattr(values, "tolist"):
+        raise ConventionError(
+            f"the TRL reward returned a {type(values).__name__}, not a list; TRL's reward functions return one float "
+            "per completion (list[float], None where a reward does not apply)"
+        )
+    return list(values.tolist() if hasattr(values, "tolist") else values)
+
+
+def check_return(value: Any, convention: str | None) -> str | None:
+    """The one-line error for a per-sample return value of a shape no convention accepts (None: fine)."""
+    who = "verl's compute_score" if convention == VERL else "the reward"
+    if value is None:
+        return f"{who} returned None; return a number or a dict with 'score' (verl: {{'score': s, ...}})"
+    if isinstance(value, tuple):
+        return (
+            f"{who} returned a tuple of {len(value)}; return a number, or a dict with 'score' and the other "
+            "fields (e.g. {'score': score, **info} for a (score, info) pair)"
+        )
+    return None
+
+
+def label_note(label: Any) -> str:
+    """A note for an error on a label that is JSON text of a dict or list (a verl ground truth stored as one)."""
+    if isinstance(label, str) and label.lstrip()[:1] in ("{", "["):
+        import json
+
+        try:
+            kind = type(json.loads(label)).__name__
+        except ValueError:
+            return ""
+        return (
+            f" (note: the label / ground_truth is the JSON text of a {kind}, not a {kind}: json.loads(ground_truth) "
+            "reads it)"
+        )
+    return ""

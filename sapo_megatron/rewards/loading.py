@@ -1,6 +1,7 @@
 """From a reward spec (a registered name or an import path) to a checked callable (stdlib only: workers import it).
 
-An import path is ``path/to/file.py:function`` (relative to the working directory) or ``package.module:function``.
+An import path is ``path/to/file.py:function`` (relative to the working directory; the file's folder is importable,
+as for ``python file.py``) or ``package.module:function``.
 verl's ``compute_score`` and TRL's batched rewards are recognised by signature (:mod:`.conventions`). A per-sample
 reward of this project is called with the keyword arguments ``response`` and ``label``, plus whichever of ``prompt``,
 ``source`` and ``metadata`` it declares (all of them with ``**kwargs``), plus ``algorithm.reward_kwargs``. A group
@@ -75,6 +76,7 @@ def _load_file(path: Path) -> Any:
         raise RewardSpecError(f"cannot load {path} as a Python module")
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[name] = module
+    _importable_folder(path.parent)
     try:
         module_spec.loader.exec_module(module)
     except (Exception, SystemExit, KeyboardInterrupt) as exc:  # a module that exits at import is broken too
@@ -86,6 +88,13 @@ def _load_file(path: Path) -> Any:
         )
         raise RewardSpecError(f"importing {path} {what}: {exc}") from None
     return module
+
+
+def _importable_folder(folder: Path) -> None:
+    """The reward file's own folder goes first on ``sys.path``, as ``python file.py`` puts it: a reward file
+    imports the modules next to it (``from my_helpers import ...``) wherever the run was started."""
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
 
 
 def absolute_spec(spec: str) -> str:

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from sapo_megatron.rewards.answers import exact_match, extract_last_number, numeric_match
 from sapo_megatron.rewards.code_exec import code_exec
+from sapo_megatron.rewards.code_tasks import check_settings
 from sapo_megatron.rewards.dapo import dapo_math
 from sapo_megatron.rewards.logic import knights_knaves, mixed_tasks
 from sapo_megatron.rewards.math_verify_reward import INSTALL_HINT, math_verify_available, math_verify_reward
@@ -80,8 +81,9 @@ def check_registered(name: str, *, field: str = "algorithm.reward", kwargs=None)
 
         try:
             check_signature(_REGISTRY[name], kwargs)
-        except RewardSpecError as exc:
-            raise ConfigError(f"{field}={name!r}: {exc}") from None
+            _CHECK_KWARGS.get(name, lambda _: None)(kwargs)
+        except (RewardSpecError, ValueError) as exc:
+            raise ConfigError(f"{field}={name!r}: {exc}", hint="fix algorithm.reward_kwargs") from None
 
 
 register_reward("exact_match")(exact_match)
@@ -91,6 +93,8 @@ register_reward("math_verify", missing_dependency=lambda: None if math_verify_av
 )
 register_reward("dapo_math")(dapo_math)
 register_reward("code_exec")(code_exec)
+_CHECK_KWARGS: dict[str, Callable[[Any], None]] = {"code_exec": check_settings}
+"""Per reward, a check of its ``reward_kwargs``' values (ranges), run before training."""
 register_reward("knights_knaves")(knights_knaves)
 register_reward("mixed_tasks")(mixed_tasks)
 

@@ -32,8 +32,10 @@ class RewardServerSection(Protocol):
     def model_dump(self) -> dict[str, Any]: ...
 
 
-RewardSpec = str | Mapping[str, Any] | RewardServerSection
-"""A registered name, an import path (``file.py:fn`` / ``pkg.mod:fn``) or ``{url: ..., api_key_env: ...}``."""
+RewardSpec = str | Mapping[str, Any] | RewardServerSection | list[Any]
+"""A registered name, an import path (``file.py:fn`` / ``pkg.mod:fn``), ``{url: ..., api_key_env: ...}``, or a list
+of those (each a spec or ``{reward: SPEC, weight: W, name: N, kwargs: {...}}``): the weighted sum of their scores
+(TRL's ``reward_funcs`` with ``reward_weights``), see :class:`RewardMix`."""
 
 INLINE_BY_DEFAULT = frozenset({"exact_match", "numeric_match", "dapo_math", "knights_knaves"})
 
@@ -94,6 +96,10 @@ def check_reward_spec(
     name, missing dependency, not importable, not callable, a signature it cannot be called with."""
     from sapo_megatron.errors import ConfigError
 
+    if isinstance(spec, list):
+        for index, (entry, _, _, entry_kwargs) in enumerate(mix_entries(spec)):
+            check_reward_spec(entry, field=f"{field}[{index}]", kwargs=entry_kwargs)
+        return
     if not isinstance(spec, str):
         try:
             remote = _remote_settings(spec)
@@ -114,7 +120,10 @@ def check_reward_spec(
 def check_reward_available(spec: RewardSpec, *, field: str = "algorithm.reward", kwargs=None) -> None:
     """Any reward spec, before training: a registered name (:func:`~.registry.check_registered`: known, its
     packages installed, ``kwargs`` accepted), an import path or a reward server (:func:`check_reward_spec`)."""
-    if isinstance(spec, str) and ":" not in spec:
+    if isinstance(spec, list):
+        for index, (entry, _, _, entry_kwargs) in enumerate(mix_entries(spec)):
+            check_reward_available(entry, field=f"{field}[{index}]", kwargs=entry_kwargs)
+    elif isinstance(spec, str) and ":" not in spec:
         check_registered(spec, field=field, kwargs=kwargs)
     else:
         check_reward_spec(spec, field=field, kwargs=kwargs)
@@ -128,13 +137,28 @@ def build_reward_runner(
     name: str | None = None,
     kwargs: Mapping[str, Any] | None = None,
     field: str = "algorithm.reward",
+    after_thinking: bool = False,
 ) -> RewardRunner:
     """The runner for ``spec`` (checked with :func:`check_reward_spec` first, errors naming ``field``);
-    ``workers``: 0 inline, N a pool, ``"auto"`` (module docstring)."""
+    ``workers``: 0 inline, N a pool, ``"auto"`` (module docstring); ``after_thinking``: the reward scores the
+    text after a response's thinking block (``algorithm.reward_after_thinking``)."""
     check_reward_spec(spec, kwargs=kwargs, field=field)
+    if isinstance(spec, list):
+        parts = [
+            (
+                part,
+                weight,
+                build_reward_runner(entry, workers=workers, timeout_s=timeout_s, kwargs=entry_kwargs),
+            )
+            for entry, weight, part, entry_kwargs in mix_entries(spec)
+        ]
+        title = name or " + ".join(f"{w:g}×{n}" for n, w, _ in parts)
+        return RewardMix(parts, title, after_thinking=after_thinking)
     if not isinstance(spec, str):
         remote = _remote_settings(spec)
-        return RewardRunner(RemoteReward(remote), name or remote.url, group=False)
+        return RewardRunner(
+            RemoteReward(remote), name or remote.url, group=False, after_thinking=after_thinking
+        )
     spec = absolute_spec(spec)
     count = default_workers(spec) if workers == "auto" else int(workers)
     bound = BoundReward.from_spec(spec, kwargs)
@@ -143,14 +167,15 @@ def build_reward_runner(
         backend = WorkerPool(spec, kwargs or {}, workers=count, timeout_s=timeout_s)
     else:
         backend = _Inline(bound, timeout_s)
-    return RewardRunner(backend, name or spec, group=bound.group)
+    return RewardRunner(backend, name or spec, group=bound.group, after_thinking=after_thinking)
 
 
 class RewardRunner:
     """Scores batches (:meth:`score`) and counts calls / errors for the run and for the step."""
 
-    def __init__(self, backend: _Backend, name: str, *, group: bool) -> None:
+    def __init__(self, backend: _Backend, name: str, *, group: bool, after_thinking: bool = False) -> None:
         self.backend, self.name, self.group = backend, name, group
+        self.after_thinking = after_thinking
         self.errors = self.calls = 0
         self._step_errors = self._step_calls = 0
         self._step_first_error: str | None = None
@@ -253,3 +278,85 @@ def _budget_hint(first_error: str | None) -> str:
     else:
         what = "fix the reward (or install what it needs)"
     return f"{what}; those samples would all score 0"
+
+
+def mix_entries(spec: list[Any]) -> list[tuple[Any, float, str, dict[str, Any]]]:
+    """``(spec, weight, name, kwargs)`` of each entry of a reward list; the name (for the per-function metrics)
+    defaults to the function's (``file.py:fn`` → ``fn``), made unique with its index."""
+    out: list[tuple[Any, float, str, dict[str, Any]]] = []
+    for index, item in enumerate(spec):
+        values = item.model_dump() if hasattr(item, "model_dump") else item
+        if isinstance(values, Mapping) and "reward" in values:
+            entry, weight = values["reward"], float(values.get("weight", 1.0))
+            name, kwargs = values.get("name"), dict(values.get("kwargs") or {})
+        else:
+            entry, weight, name, kwargs = values, 1.0, None, {}
+        if name is None:
+            name = entry.rpartition(":")[2] if isinstance(entry, str) else "remote"
+        if any(name == other for _, _, other, _ in out):
+            name = f"{name}_{index}"
+        out.append((entry, weight, name, kwargs))
+    return out
+
+
+class RewardMix(RewardRunner):
+    """Several rewards scored on the same batch, each in its own runner (inline, pool or server), combined as
+    ``sum_i weight_i * score_i`` (TRL's ``(rewards_per_func * reward_weights).nansum(dim=1)``; an entry that
+    errs adds 0, its error still counted). Each sample's fields get every function's score
+    under its name; :meth:`take_step_metrics` adds ``reward/<name>/mean`` per function (TRL's
+    ``rewards/<name>/mean``)."""
+
+    def __init__(
+        self, parts: list[tuple[str, float, RewardRunner]], name: str, *, after_thinking: bool
+    ) -> None:
+        super().__init__(_MixBackend(parts), name, group=False, after_thinking=after_thinking)
+        self.parts = parts
+        self._sums = {part_name: 0.0 for part_name, _, _ in parts}
+        self._count_scored = 0
+
+    def score(self, inputs: list[RewardInput]) -> list[RewardOutput]:
+        if not inputs:
+            return []
+        start = time.perf_counter()
+        per_part = [runner.score(inputs) for _, _, runner in self.parts]
+        outputs = [self._combine([scored[i] for scored in per_part]) for i in range(len(inputs))]
+        self._count(outputs, time.perf_counter() - start)
+        with self._lock:
+            for (part_name, _, _), scored in zip(self.parts, per_part):
+                self._sums[part_name] += sum(out.score for out in scored)
+            self._count_scored += len(inputs)
+        return outputs
+
+    def _combine(self, outs: list[RewardOutput]) -> RewardOutput:
+        fields: dict[str, Any] = {}
+        for out in outs:
+            fields.update(out.fields)
+        fields.update({part_name: out.score for (part_name, _, _), out in zip(self.parts, outs)})
+        error = next((out.error for out in outs if out.error is not None), None)
+        total = sum(weight * out.score for (_, weight, _), out in zip(self.parts, outs))
+        return RewardOutput(total, fields, error)
+
+    def take_step_metrics(self) -> dict[str, float]:
+        out = super().take_step_metrics()
+        for _, _, runner in self.parts:
+            runner.take_step_metrics()  # their own step counters restart with the mix's
+        with self._lock:
+            count = max(self._count_scored, 1)
+            out.update({f"reward/{part_name}/mean": total / count for part_name, total in self._sums.items()})
+            self._sums = dict.fromkeys(self._sums, 0.0)
+            self._count_scored = 0
+        return out
+
+
+class _MixBackend:
+    """The parts' runners, closed together (scoring goes through :meth:`RewardMix.score`)."""
+
+    def __init__(self, parts: list[tuple[str, float, RewardRunner]]) -> None:
+        self.parts = parts
+
+    def run(self, units: list[list[RewardInput]]) -> list[list[RewardOutput]]:
+        raise NotImplementedError("RewardMix.score calls its parts")
+
+    def close(self) -> None:
+        for _, _, runner in self.parts:
+            runner.close()

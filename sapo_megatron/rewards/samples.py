@@ -7,22 +7,29 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from sapo_megatron.data.thinking import split_thinking
 from sapo_megatron.rewards.runner import RewardRunner
 from sapo_megatron.rewards.types import RewardInput
 
 
 def reward_inputs(
-    groups: Sequence[Sequence[Any]], prompts: Sequence[Any], decode: Callable[[list[int]], str]
+    groups: Sequence[Sequence[Any]],
+    prompts: Sequence[Any],
+    decode: Callable[[list[int]], str],
+    *,
+    after_thinking: bool = False,
 ) -> list[RewardInput]:
     """One :class:`RewardInput` per sample (groups flattened in order); the prompt text is the decoded prompt
-    ids the engine received, the label the row's ``ground_truth``, the source its ``domain``."""
+    ids the engine received, the label the row's ``ground_truth``, the source its ``domain``. ``after_thinking``:
+    the response is the text after the thinking block (:func:`~sapo_megatron.data.thinking.split_thinking`; a
+    response cut while thinking is the empty string)."""
     inputs = []
     for group_id, (group, row) in enumerate(zip(groups, prompts)):
         prompt_text = decode(list(group[0].prompt_ids)) if group else ""
         for sample in group:
             inputs.append(
                 RewardInput(
-                    response=decode(list(sample.response_ids)),
+                    response=_response(decode(list(sample.response_ids)), after_thinking),
                     label=row.ground_truth,
                     prompt=prompt_text,
                     source=row.domain,
@@ -35,6 +42,10 @@ def reward_inputs(
     return inputs
 
 
+def _response(text: str, after_thinking: bool) -> str:
+    return split_thinking(text)[1] if after_thinking else text
+
+
 def score_sample_groups(
     runner: RewardRunner,
     groups: Sequence[Sequence[Any]],
@@ -42,8 +53,8 @@ def score_sample_groups(
     decode: Callable[[list[int]], str],
 ) -> list[list[float]]:
     """Scores ``[groups][n]`` of the samples; sets each sample's ``reward_fields`` (with ``reward_error`` when
-    the reward failed on it)."""
-    inputs = reward_inputs(groups, prompts, decode)
+    the reward failed on it). The runner's ``after_thinking`` says which text the reward sees."""
+    inputs = reward_inputs(groups, prompts, decode, after_thinking=runner.after_thinking)
     scored = runner.score(inputs)
     if len(scored) != len(inputs):  # a reward backend lost track of its work: never pair scores wrongly
         from sapo_megatron.rewards.types import RewardError

@@ -1,6 +1,6 @@
 """Running untrusted code: a subprocess in its own session with rlimits, a wall timeout and, where the kernel
-allows (root with CAP_SYS_ADMIN), its own network, PID and mount namespaces, a private root file system and an
-unprivileged uid. docs/rewards.md ("The sandbox") lists what is and is not contained, with the test of each.
+allows (root with CAP_SYS_ADMIN), its own network, PID, mount, IPC and UTS namespaces, a private root file
+system, a fresh session keyring and an unprivileged uid of its own. docs/rewards.md ("The sandbox") lists what is and is not contained, with the test of each.
 
 What contains what (``sandbox_boot.py`` does it, in this order):
 
@@ -11,12 +11,18 @@ What contains what (``sandbox_boot.py`` does it, in this order):
   site-packages, the shared libraries they load (:func:`readonly_set`), ``/dev/{null,zero,full,random,urandom}``
   and ``/etc/ld.so.cache``; then ``pivot_root`` and the old root detached. Nothing else of the machine is
   visible: no checkout, no home, no ``/run`` (so no Unix socket of a host daemon), no ``/etc``;
+- a new IPC namespace (no host SysV shared memory, semaphore or message queue; what the code creates dies with
+  it) and a new UTS namespace (host name ``sandbox``); ``/proc/cmdline`` and the boot id read as empty;
 - one tmpfs of ``tmpfs_mb`` for all writes: ``/tmp`` (the work dir ``/tmp/work``), ``/var/tmp`` and ``/dev/shm``;
   the root itself is read-only;
-- an unprivileged uid (``60000 + pid % 5000``) with no supplementary groups and ``no_new_privs``;
+- an unprivileged uid of its own among the trainer's concurrent sandboxes (:func:`_uid_slot`: ``100000 +
+  (pid % 10000) * 100 + slot``, the checker's 2,000,000 above), so one run's processes never count against
+  another's ``RLIMIT_NPROC``; no supplementary groups, ``no_new_privs``, a fresh empty session keyring;
+- a seccomp filter: no new namespaces, no ``setns``, no kernel key store (``keyctl``, ``add_key``,
+  ``request_key``), no ``memfd_create`` / ``memfd_secret`` (memory that ``RLIMIT_AS`` does not count);
 - rlimits: CPU time ``RLIMIT_CPU`` (``cpu_s``), address space ``RLIMIT_AS`` (``memory_mb``), file size
   ``RLIMIT_FSIZE`` (``max_file_mb``: also bounds stdout / stderr, which go to files), processes ``RLIMIT_NPROC``
-  (``max_procs``, per uid), no core files; a wall-clock timeout (``wall_s``) that kills the process group;
+  (``max_procs``, per uid), open files ``RLIMIT_NOFILE`` (``max_open_files``), no core files; a wall-clock timeout (``wall_s``) that kills the process group;
 - an environment of its own (``PATH``, ``LANG``, ``HOME``): none of the trainer's variables.
 
 :func:`run_checked` runs test code against a solution so that the verdict cannot be forged: the solution runs in
@@ -46,13 +52,14 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 BOOT = Path(__file__).with_name("sandbox_boot.py")
 CHECKER = Path(__file__).with_name("sandbox_check.py")
-ISOLATED = ("net", "pid", "root", "private_tmp", "seccomp")
+ISOLATED = ("net", "pid", "ipc", "uts", "root", "private_tmp", "seccomp", "keyring")
 """What :func:`isolation` must report for ``require_isolation``."""
 
 
@@ -65,6 +72,7 @@ class SandboxLimits:
     max_procs: int = 32
     tmpfs_mb: int = 64
     max_output_bytes: int = 1 << 20
+    max_open_files: int = 256
 
 
 @dataclass(frozen=True)
@@ -76,6 +84,30 @@ class SandboxResult:
     verdict: dict | None = None
     """:func:`run_checked` only: the checker's report, ``{"ok": bool, "value": ..., "error": str}``; None when
     the checker wrote none (it was killed, or timed out)."""
+
+
+class LongInt:
+    """A JSON integer longer than Python's 4,300-digit conversion limit, kept as its digits and compared exactly
+    (the sandbox lifts the limit for the code; the trainer keeps it)."""
+
+    __slots__ = ("digits",)
+
+    def __init__(self, digits: str) -> None:
+        self.digits = digits
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, LongInt) and other.digits == self.digits
+
+    def __hash__(self) -> int:
+        return hash(self.digits)
+
+    def __repr__(self) -> str:
+        return f"LongInt({len(self.digits)} digits)"
+
+
+def exact_int(text: str) -> int | LongInt:
+    """``json.loads``'s ``parse_int``: an int, or a :class:`LongInt` past the conversion limit."""
+    return int(text) if len(text.lstrip("-")) <= 4000 else LongInt(text)
 
 
 class SandboxUnavailable(RuntimeError):
@@ -227,12 +259,33 @@ def _namespaces_wanted() -> bool:
     return os.environ.get("SAPO_SANDBOX_NAMESPACES", "1") != "0"
 
 
-def _sandbox_uid() -> int:
-    return 60000 + os.getpid() % 5000 if os.geteuid() == 0 and _namespaces_wanted() else 0
+UID_SLOTS = 100
+"""Concurrent sandboxes of one trainer process, each under a uid of its own; one more waits for a free uid."""
+_slots = threading.Condition()
+_busy: set[int] = set()
 
 
-def _settings(workdir: Path, limits: SandboxLimits, **run: object) -> dict:
-    uid = _sandbox_uid()
+@contextlib.contextmanager
+def _uid_slot() -> Iterator[int]:
+    """A uid no other running sandbox of this process has (0 when the sandbox does not change uid):
+    ``RLIMIT_NPROC`` counts a uid's processes machine-wide, so a shared uid let one run's fork bomb fail
+    another's ``fork()``. Trainers whose pids agree modulo 10,000 share the range (documented)."""
+    if os.geteuid() != 0 or not _namespaces_wanted():
+        yield 0
+        return
+    with _slots:
+        _slots.wait_for(lambda: len(_busy) < UID_SLOTS)
+        slot = min(set(range(UID_SLOTS)) - _busy)
+        _busy.add(slot)
+    try:
+        yield 100000 + (os.getpid() % 10000) * UID_SLOTS + slot
+    finally:
+        with _slots:
+            _busy.discard(slot)
+            _slots.notify()
+
+
+def _settings(workdir: Path, limits: SandboxLimits, uid: int, **run: object) -> dict:
     python = sandbox_python()
     return {
         "workdir": str(workdir),
@@ -240,7 +293,7 @@ def _settings(workdir: Path, limits: SandboxLimits, **run: object) -> dict:
         # only root builds the private root (mount, pivot_root): elsewhere no need to ask the interpreter
         "root_plan": root_plan(readonly_set(python)) if _namespaces_wanted() and os.geteuid() == 0 else [],
         "uid": uid,
-        "checker_uid": uid + 10000
+        "checker_uid": uid + 2_000_000
         if uid
         else 0,  # never the solution's: it cannot signal or trace the checker
         "limits": {
@@ -249,6 +302,7 @@ def _settings(workdir: Path, limits: SandboxLimits, **run: object) -> dict:
             "RLIMIT_FSIZE": limits.max_file_mb << 20,
             "RLIMIT_NPROC": limits.max_procs,
             "RLIMIT_CORE": 0,
+            "RLIMIT_NOFILE": limits.max_open_files,
         },
         "tmpfs_mb": limits.tmpfs_mb,
         "namespaces": _namespaces_wanted(),
@@ -270,7 +324,8 @@ def isolation() -> dict[str, object]:
     except (ValueError, SyntaxError, SandboxUnavailable, subprocess.SubprocessError, OSError):
         found = {}
     found = {
-        key: bool(found.get(key)) for key in ("net", "pid", "mount", "root", "proc", "private_tmp", "seccomp")
+        key: bool(found.get(key))
+        for key in ("net", "pid", "mount", "ipc", "uts", "root", "proc", "private_tmp", "seccomp", "keyring")
     } | {"uid": found.get("uid", os.geteuid())}
     if not (all(found[key] for key in ISOLATED) and found["uid"] != 0):
         logger.warning(
@@ -316,17 +371,21 @@ def run_checked(
 
 
 def _run(limits: SandboxLimits, stdin: str = "", **run: object) -> SandboxResult:
+    with _uid_slot() as uid:
+        return _run_as(uid, limits, stdin, **run)
+
+
+def _run_as(uid: int, limits: SandboxLimits, stdin: str = "", **run: object) -> SandboxResult:
     root = Path(tempfile.mkdtemp(prefix="sapo-sandbox-"))
     try:
         workdir = root / "work"
         workdir.mkdir()
         (root / "fs").mkdir()  # the private root's mount point
-        uid = _sandbox_uid()
         if uid:
             os.chown(workdir, uid, uid)
             root.chmod(0o711)  # without a private root the code's uid reaches its work dir through this one
         (root / "stdin").write_text(stdin)
-        settings = marshal.dumps(_settings(workdir, limits, **run))
+        settings = marshal.dumps(_settings(workdir, limits, uid, **run))
         settings_read, settings_write = os.pipe()
         verdict_read, verdict_write = os.pipe()
         with (
@@ -396,7 +455,7 @@ class _Reader:
         if len(self.data) > self._cap:
             return {"ok": False, "error": f"the checker's report is over {self._cap} bytes"}
         try:
-            verdict = json.loads(self.data)
+            verdict = json.loads(self.data, parse_int=exact_int)
         except ValueError:
             return None
         return verdict if isinstance(verdict, dict) else None

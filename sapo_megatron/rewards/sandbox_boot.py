@@ -2,13 +2,14 @@
 only). It reads its settings (a marshalled dict) from the pipe ``SETTINGS_FD``; ``VERDICT_FD`` goes to the checker alone.
 
 In order: die with the parent (``PR_SET_PDEATHSIG``) and stay untraceable (``PR_SET_DUMPABLE`` 0); new network,
-PID and mount namespaces where the kernel allows (each one that fails is skipped and reported); then fork. The
+PID, mount, IPC (SysV shared memory, semaphores, message queues) and UTS (host name) namespaces where the kernel
+allows (each one that fails is skipped and reported); then fork. The
 child – PID 1 of the new PID namespace, so that when it exits the kernel kills every process it left behind –
 makes mount propagation private and builds the private root (:func:`_build_root`): a tmpfs with the read-only set
-bound in, a fresh ``/proc``, a few device nodes, one size-capped tmpfs for ``/tmp`` (work dir ``/tmp/work``),
+bound in, a fresh ``/proc`` (``/proc/cmdline`` and the boot id blanked), a few device nodes, one size-capped tmpfs for ``/tmp`` (work dir ``/tmp/work``),
 ``/var/tmp`` and ``/dev/shm``; ``pivot_root`` into it, the old root detached, the new root remounted read-only.
 It writes the files into the work dir, then either ``exec``s ``python -I`` on the code as an unprivileged uid with
-the rlimits, or (a check run) starts the solution's host and the checker (``sandbox_check.py``) under two
+the rlimits, a fresh session keyring and the seccomp filter, or (a check run) starts the solution's host and the checker (``sandbox_check.py``) under two
 different uids, feeds the checker its tests and waits for it. The launcher waits and exits with the child's
 status (128 + signal when killed). With ``"probe": true`` it prints what it managed (a dict's ``repr``) instead.
 """
@@ -21,17 +22,52 @@ import signal
 import sys
 
 CLONE_NEWNS, CLONE_NEWPID, CLONE_NEWNET = 0x00020000, 0x20000000, 0x40000000
+CLONE_NEWIPC, CLONE_NEWUTS = 0x08000000, 0x04000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 0x1, 0x2, 0x4, 0x8, 0x20
 MS_BIND, MS_REC, MS_PRIVATE = 0x1000, 0x4000, 0x40000
 MNT_DETACH = 2
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_SET_NO_NEW_PRIVS = 1, 4, 38
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217}
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
-# per machine: the audit architecture and the numbers of clone, clone3, unshare, setns
+# per machine: the audit architecture and the numbers of the system calls the filter looks at
 SECCOMP_ARCH = {
-    "x86_64": (0xC000003E, {"clone": 56, "clone3": 435, "unshare": 272, "setns": 308}),
-    "aarch64": (0xC00000B7, {"clone": 220, "clone3": 435, "unshare": 97, "setns": 268}),
+    "x86_64": (
+        0xC000003E,
+        {
+            "clone": 56,
+            "clone3": 435,
+            "unshare": 272,
+            "setns": 308,
+            "add_key": 248,
+            "request_key": 249,
+            "keyctl": 250,
+            "memfd_create": 319,
+            "memfd_secret": 447,
+        },
+    ),
+    "aarch64": (
+        0xC00000B7,
+        {
+            "clone": 220,
+            "clone3": 435,
+            "unshare": 97,
+            "setns": 268,
+            "add_key": 217,
+            "request_key": 218,
+            "keyctl": 219,
+            "memfd_create": 279,
+            "memfd_secret": 447,
+        },
+    ),
 }
+REFUSED = ("setns", "add_key", "request_key", "keyctl", "memfd_create", "memfd_secret")
+"""System calls the code never gets (EPERM): joining another namespace, the kernel's key store (the trainer's
+session keyring holds credentials), and anonymous memory files (``memfd_create``: their pages are not counted by
+``RLIMIT_AS``, so they would hold memory past ``memory_mb``)."""
+SYS_KEYCTL = {"x86_64": 250, "aarch64": 219}
+KEYCTL_JOIN_SESSION_KEYRING = 1
+HIDDEN = ("/proc/cmdline", "/proc/sys/kernel/random/boot_id")
+"""Host facts the fresh ``/proc`` still shows: covered by ``/dev/null`` (empty)."""
 NEW_NAMESPACES = 0x7E020000  # CLONE_NEWNS | NEWCGROUP | NEWUTS | NEWIPC | NEWUSER | NEWPID | NEWNET
 WORKDIR = "/tmp/work"
 DEVICES = ("null", "zero", "full", "random", "urandom")
@@ -48,8 +84,16 @@ def main() -> None:
     libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
     isolation = {
         name: settings["namespaces"] and libc.unshare(flag) == 0
-        for name, flag in (("net", CLONE_NEWNET), ("pid", CLONE_NEWPID), ("mount", CLONE_NEWNS))
+        for name, flag in (
+            ("net", CLONE_NEWNET),
+            ("pid", CLONE_NEWPID),
+            ("mount", CLONE_NEWNS),
+            ("ipc", CLONE_NEWIPC),
+            ("uts", CLONE_NEWUTS),
+        )
     }
+    if isolation["uts"]:
+        libc.sethostname(b"sandbox", 7)
     isolation.update(root=False, proc=False, private_tmp=False, uid=os.geteuid())
     read_end, write_end = os.pipe()
     pid = os.fork()
@@ -95,6 +139,7 @@ def _child(settings: dict, libc, isolation: dict, report_fd: int, verdict_fd: in
     os.chdir(workdir)
     isolation["uid"] = uid or os.geteuid()
     if settings.get("probe"):
+        isolation["keyring"] = _fresh_session_keyring(libc)
         libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
         isolation["seccomp"] = _no_new_namespaces(libc)
         os.write(report_fd, repr(isolation).encode())
@@ -130,6 +175,9 @@ def _build_root(settings: dict, libc) -> None:
     for name in ("proc", "dev", "tmp", "var", "run", "etc"):
         os.makedirs(os.path.join(new, name), mode=0o755, exist_ok=True)
     _mount(libc, "proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, check=True)
+    for path in HIDDEN:
+        if os.path.exists(new + path):
+            _mount(libc, "/dev/null", new + path, None, MS_BIND, check=True)
     for device in DEVICES:
         _bind_node(libc, "/dev/" + device, new + "/dev/" + device)
     for name, target in (
@@ -195,39 +243,52 @@ def _become(libc, uid: int, limits: dict) -> None:
         os.setgid(uid)
         os.setuid(uid)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # cleared by setuid: set again
+    _fresh_session_keyring(libc)
     libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
     _no_new_namespaces(libc)
     for name, value in limits.items():
         resource.setrlimit(getattr(resource, name), (value, value + 1 if name == "RLIMIT_CPU" else value))
 
 
+def _fresh_session_keyring(libc) -> bool:
+    """Join a new, empty session keyring: the trainer's (inherited across fork and exec) is out of reach even
+    where the seccomp filter is not available."""
+    number = SYS_KEYCTL.get(os.uname().machine)
+    return number is not None and libc.syscall(number, KEYCTL_JOIN_SESSION_KEYRING, None) >= 0
+
+
 def _no_new_namespaces(libc) -> bool:
-    """A seccomp filter: ``unshare`` / ``clone`` with a namespace flag and ``setns`` fail with EPERM, ``clone3``
-    (whose flags a filter cannot read) with ENOSYS, so that libc falls back to ``clone``; another architecture's
-    system calls kill the process. Without it an unprivileged user namespace would give the code its own mounts
-    (a tmpfs of any size). False where the machine is not in :data:`SECCOMP_ARCH`."""
+    """A seccomp filter: ``unshare`` / ``clone`` with a namespace flag fail with EPERM, and so do the calls of
+    :data:`REFUSED`; ``clone3`` (whose flags a filter cannot read) fails with ENOSYS, so that libc falls back to
+    ``clone``; another architecture's system calls kill the process. Without it an unprivileged user namespace
+    would give the code its own mounts (a tmpfs of any size). False where the machine is not in
+    :data:`SECCOMP_ARCH`."""
     if os.uname().machine not in SECCOMP_ARCH:
         return False
     audit, number = SECCOMP_ARCH[os.uname().machine]
     allow, kill = 0x7FFF0000, 0x80000000
     eperm, enosys = 0x00050000 | 1, 0x00050000 | 38
     load, equal, at_least, any_bit, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    refused = [number[name] for name in REFUSED]
+    n = len(refused)
+    # a jump's offset counts from the next instruction: target - (index + 1)
+    flags, to_eperm, to_enosys = 9 + n, 12 + n, 13 + n  # the flags check and the two returns
     program = [
         (load, 0, 0, 4),  # 0: the architecture
         (equal, 1, 0, audit),  # 1
         (ret, 0, 0, kill),  # 2
         (load, 0, 0, 0),  # 3: the system call number
-        (at_least, 8, 0, 0x40000000),  # 4: x32 calls on x86_64 -> 13
-        (equal, 8, 0, number["clone3"]),  # 5 -> 14
-        (equal, 6, 0, number["setns"]),  # 6 -> 13
-        (equal, 2, 0, number["unshare"]),  # 7 -> 10
-        (equal, 1, 0, number["clone"]),  # 8 -> 10
-        (ret, 0, 0, allow),  # 9
-        (load, 0, 0, 16),  # 10: the low half of the first argument, the flags
-        (any_bit, 1, 0, NEW_NAMESPACES),  # 11 -> 13
-        (ret, 0, 0, allow),  # 12
-        (ret, 0, 0, eperm),  # 13
-        (ret, 0, 0, enosys),  # 14
+        (at_least, to_eperm - 5, 0, 0x40000000),  # 4: x32 calls on x86_64
+        (equal, to_enosys - 6, 0, number["clone3"]),  # 5
+        *((equal, to_eperm - (7 + i), 0, nr) for i, nr in enumerate(refused)),  # 6 .. 5 + n
+        (equal, flags - (7 + n), 0, number["unshare"]),  # 6 + n
+        (equal, flags - (8 + n), 0, number["clone"]),  # 7 + n
+        (ret, 0, 0, allow),  # 8 + n
+        (load, 0, 0, 16),  # 9 + n: the low half of the first argument, the flags
+        (any_bit, 1, 0, NEW_NAMESPACES),  # 10 + n -> 12 + n
+        (ret, 0, 0, allow),  # 11 + n
+        (ret, 0, 0, eperm),  # 12 + n
+        (ret, 0, 0, enosys),  # 13 + n
     ]
 
     class Instruction(ctypes.Structure):

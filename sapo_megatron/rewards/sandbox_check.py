@@ -14,7 +14,11 @@ the host is decoded strictly (:func:`decode`: JSON of ``None``, ``bool``, ``int`
 the tests' comparisons; a handle equals only a handle (the solution compares its own objects) and never a plain
 value. Exiting (``sys.exit``, ``os._exit``, ``atexit``), patching ``json`` or anything else in the host, or
 killing it, ends or changes the host only: the checker sees a missing reply or an exception and fails the test.
-The tests see Python's builtins, not the solution's names that shadow them (``all``, ``len``, ...).
+The tests see Python's builtins, not the solution's names that shadow them (``all``, ``len``, ...), and of the
+solution's names only the functions and classes it defines: a standard-library module name the tests use as a
+module (``math.sqrt``) is the checker's own module (a test that uses ``math`` without importing it gets the real
+``math``, never the solution's object named ``math``), and the solution's other globals (imports, constants, instances) are not in the tests' scope
+(``import solution`` still reaches them).
 
 Wire: each message is a 4-byte big-endian length and that much JSON, at most :data:`MAX_MESSAGE` bytes.
 """
@@ -190,7 +194,10 @@ def host(requests: int, replies: int, path: str) -> None:
                 }
                 reply = [
                     "ok",
-                    [[name, _encode_or_handle(value, handle, objects)] for name, value in names.items()],
+                    [
+                        [name, _encode_or_handle(value, handle, objects), _defined_here(value)]
+                        for name, value in names.items()
+                    ],
                 ]
             elif request[0] == "call":
                 target, args, kwargs = (decode(part, resolve) for part in request[1:4])
@@ -202,6 +209,15 @@ def host(requests: int, replies: int, path: str) -> None:
         except BaseException as exc:  # the solution's exceptions go to the checker, which decides
             reply = ["raise", type(exc).__name__, str(exc)[:1000]]
         send(replies, reply)
+
+
+def _defined_here(value: Any) -> bool:
+    """A function or class the solution's module defines (what tests call), not a name it imported."""
+    import inspect
+
+    return (inspect.isfunction(value) or inspect.isclass(value)) and getattr(
+        value, "__module__", None
+    ) == "solution"
 
 
 def _encode_or_handle(value: Any, handle: Callable[[Any], list[Any]], objects: list[Any]) -> list[Any]:
@@ -338,16 +354,24 @@ class Connection:
             raise SolutionError(f"{name}: {text}")
         return reply
 
-    def load(self) -> dict:
+    def load(self) -> tuple[dict, set]:
+        """The solution's names, and which of them it defines as functions or classes."""
         reply = self._exchange(["load"])
         if type(reply[1]) is not list:
             raise ProtocolError("a malformed list of names")
-        names = {}
-        for pair in reply[1]:
-            if type(pair) is not list or len(pair) != 2 or type(pair[0]) is not str:
+        names, defined = {}, set()
+        for entry in reply[1]:
+            if (
+                type(entry) is not list
+                or len(entry) != 3
+                or type(entry[0]) is not str
+                or type(entry[2]) is not bool
+            ):
                 raise ProtocolError("a malformed name")
-            names[pair[0]] = self._decode(pair[1])
-        return names
+            names[entry[0]] = self._decode(entry[1])
+            if entry[2]:
+                defined.add(entry[0])
+        return names, defined
 
     def call(self, target: Remote, args: tuple, kwargs: dict):
         request = ["call", self._encode(target), self._encode(list(args)), self._encode(kwargs)]
@@ -397,11 +421,11 @@ def check(requests: int, replies: int, tests: int, verdict: int) -> None:
     result: dict[str, Any] = {"ok": False}
     try:
         connection = Connection(requests, replies)
-        names = connection.load()
+        names, defined = connection.load()
         module = types.ModuleType("solution")
         module.__dict__.update(names)
         sys.modules["solution"] = module
-        scope = {k: v for k, v in names.items() if not hasattr(builtins, k)}
+        scope = _test_scope(names, defined, _used_as_modules(script))
         scope.update(
             __name__="__main__", __builtins__=builtins, __solution__=module, __report__=reported.append
         )
@@ -417,11 +441,46 @@ def check(requests: int, replies: int, tests: int, verdict: int) -> None:
     os.close(verdict)
 
 
+def _used_as_modules(script: str) -> set:
+    """The bare names the tests read an attribute of (``math`` in ``math.sqrt(2)``)."""
+    import ast
+
+    try:
+        tree = ast.parse(script)
+    except SyntaxError:
+        return set()
+    return {
+        node.value.id
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+    }
+
+
+def _test_scope(names: dict, defined: set, modules: set) -> dict:
+    """The solution's names the tests see: a standard-library module name the tests use as a module is the
+    checker's own module (whatever the solution bound to it), a function or class the solution defines is its
+    proxy, nothing else; never a name that shadows a builtin."""
+    scope = {}
+    for name, value in names.items():
+        if hasattr(builtins, name):
+            continue
+        own = _module(name) if name in modules or name not in defined else None
+        if own is not None:
+            scope[name] = own
+        elif name in defined:
+            scope[name] = value
+    return scope
+
+
 def _not_a_value(value):
     raise TypeError(f"the solution returned a {type(value).__name__} object, not a value")
 
 
 if __name__ == "__main__":
+    if hasattr(
+        sys, "set_int_max_str_digits"
+    ):  # a right answer may be an int of any length (CPU-bounded here)
+        sys.set_int_max_str_digits(0)
     role, *fds = sys.argv[1:]
     if role == "host":
         host(int(fds[0]), int(fds[1]), fds[2])

@@ -35,6 +35,7 @@ class CollectSettings:
     overlong_cache_len: int | None = None
     return_routed_experts: bool = False
     image_pad_id: int | None = None  # the tokenizer's <|image_pad|> when prompts have images
+    mask_truncated: bool = False  # algorithm.mask_truncated_completions
 
 
 @dataclass
@@ -176,7 +177,19 @@ def collect(
     batch.metrics["rollout/over_sampled_prompts"] = float(over_sampled)
     batch.metrics["response/aborted_frac"] = pool.aborted_samples / max(pool.samples, 1)  # all that came back
     batch.metrics["time/rollout_s"] = time.perf_counter() - start
+    if settings.mask_truncated:
+        batch.metrics["response/masked_truncated_frac"] = mask_truncated(batch.samples)
     return batch
+
+
+def mask_truncated(samples: Sequence[Sample]) -> float:
+    """TRL's ``mask_truncated_completions``: a response cut by the token limit (``finish_reason: length``) gets
+    loss mask 0 – it still counted in its group's mean and std – so no gradient flows through a cut answer;
+    returns the share masked. Runs after the rollout metrics, which see the responses as generated."""
+    cut = [s for s in samples if s.finish_reason == "length"]
+    for sample in cut:
+        sample.loss_mask = [0] * len(sample.response_ids)
+    return len(cut) / max(len(samples), 1)
 
 
 def _extra(needed: int, over_sampling: float) -> int:

@@ -472,6 +472,16 @@ COMMAND_OUTPUTS: dict[str, tuple[str, ...]] = {
 """What each command other than ``train`` writes into its ``--output-dir`` (a marker file first)."""
 
 
+def owning_run(path: str | Path) -> Path | None:
+    """The training run directory strictly above ``path`` (links resolved), if there is one: a folder with a
+    run's ``metrics.jsonl`` or ``checkpoints/``."""
+    resolved = Path(os.path.realpath(path))
+    for parent in resolved.parents:
+        if (parent / "metrics.jsonl").is_file() or (parent / "checkpoints").is_dir():
+            return parent
+    return None
+
+
 def check_command_output_dir(path: str | Path, *, command: str, overwrite: bool) -> None:
     """Refuse ``path`` as ``command``'s ``--output-dir`` when it holds a run or another command's outputs.
 
@@ -483,6 +493,12 @@ def check_command_output_dir(path: str | Path, *, command: str, overwrite: bool)
     out = Path(path)
     if out.exists() and not out.is_dir():
         raise RunDirError(f"--output-dir {out} is a file", hint="choose a directory")
+    run = owning_run(out)
+    if run is not None:  # never, whatever --overwrite says: the run's own files (report/, eval/) live there
+        raise RunDirError(
+            f"--output-dir {out} is inside the training run {run}; {command} never writes into a run it does not own",
+            hint=f"choose a folder outside the run (e.g. {run.parent / (run.name + '-' + command)})",
+        )
     if overwrite or not out.is_dir():
         return
     state = inspect_run_dir(out)

@@ -35,6 +35,7 @@ from sapo_megatron import jsonio
 CONSOLE_KEYS = {
     "reward/mean": "reward",
     "accuracy": "acc",
+    "eval_score": "eval",
     "sft/nll": "nll",
     "loss/total": "loss",
     "grad_norm": "gnorm",

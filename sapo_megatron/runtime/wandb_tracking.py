@@ -9,7 +9,8 @@ metric row, the samples as a table and, after training, the report's plots.
 - Resume: the W&B run id is kept in ``RUN_DIR/wandb/run_id``; a resumed run (``--resume``) continues that W&B
   run (``resume="allow"``), a fresh start (or ``--overwrite``) begins a new one.
 - ``mode: offline`` writes everything under ``RUN_DIR/wandb/`` without network (``wandb sync`` uploads it
-  later); ``disabled`` turns W&B into no-ops.
+  later); ``disabled`` turns W&B into no-ops. ``online`` (the default) needs an API key: ``WANDB_API_KEY``, or
+  the ``~/.netrc`` entry ``wandb login`` writes; without one the run stops before the model loads, in one line.
 
 Only the main rank logs. ``wandb`` is an optional dependency: a run that asks for it without the package stops
 before training with the install command.
@@ -70,9 +71,41 @@ def import_wandb() -> Any:
 
 
 def check_trackers(cfg: Any) -> None:
-    """Before training: :class:`WandbMissing` when ``tracking.wandb`` is set and ``wandb`` does not import."""
+    """Before training: :class:`WandbMissing` when ``tracking.wandb`` is set and ``wandb`` does not import, or
+    is online without an API key."""
     if cfg.tracking.wandb is not None:
         import_wandb()
+        check_wandb_key(cfg.tracking.wandb.mode)
+
+
+def check_wandb_key(
+    mode: str, environ: Mapping[str, str] | None = None, netrc_path: Path | None = None
+) -> None:
+    """:class:`WandbMissing` when W&B would run online (``mode`` online and ``WANDB_MODE`` not offline / disabled)
+    without an API key: ``WANDB_API_KEY``, or a ``~/.netrc`` (``$NETRC``) entry for the W&B host."""
+    import netrc
+    import os
+    from urllib.parse import urlparse
+
+    env = os.environ if environ is None else environ
+    if (
+        mode != "online"
+        or env.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun")
+        or env.get("WANDB_API_KEY")
+    ):
+        return
+    host = urlparse(env.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    path = netrc_path or Path(env.get("NETRC", Path.home() / ".netrc"))
+    try:
+        if netrc.netrc(str(path)).authenticators(host):
+            return
+    except (OSError, netrc.NetrcParseError):
+        pass
+    raise WandbMissing(
+        f"tracking.wandb.mode is online, but no W&B API key is set (WANDB_API_KEY, or a {path} entry for {host} "
+        "from `wandb login`)",
+        hint="export WANDB_API_KEY=..., run `wandb login`, or set tracking.wandb.mode: offline",
+    )
 
 
 def run_id(run_dir: Path, *, resume: bool) -> str:

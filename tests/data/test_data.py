@@ -291,7 +291,7 @@ def test_tokenizer_loading_errors(tmp_path):
     ) as err:
         HFTokenizer(tmp_path)
     assert "\n" not in str(err.value)
-    with pytest.raises(TokenizerError, match="not 'char', not 'chat' and not a directory"):
+    with pytest.raises(TokenizerError, match="not 'char', not 'chat', not 'qwen3' and not a directory"):
         load_tokenizer(str(tmp_path / "missing"))
     (tmp_path / "char_tokenizer.json").write_text('{"type": "bpe"}')
     with pytest.raises(TokenizerError, match="is not a char tokenizer file"):

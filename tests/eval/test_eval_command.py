@@ -69,7 +69,8 @@ def test_hf_folder_run_folder_checkpoint_and_server_agree(run_dir, tmp_path, cap
     # eval.json: the documented shape; numbers that the samples reproduce
     assert from_run["model"] == str(run_dir) and from_run["seed"] == 1234
     sums = from_run["datasets"]["sums"]
-    assert list(sums) == ["n", "num_prompts", *METRIC_KEYS, "by_source"]
+    assert list(sums) == ["n", "scores", "num_prompts", *METRIC_KEYS, "by_source"]
+    assert sums["scores"] == "0/1"  # numeric_match: avg@n is an accuracy
     assert (sums["n"], sums["num_prompts"]) == (4, 4)
     assert list(sums["by_source"]) == ["a", "b"]
     assert list(sums["by_source"]["a"]) == ["num_prompts", *METRIC_KEYS]

@@ -27,6 +27,8 @@ import pytest
 from sapo_megatron.errors import UserError
 
 CASES_TSV = Path(__file__).with_name("hostile_cases.tsv")
+CASES_TSV_3 = Path(__file__).with_name("hostile_cases_3.tsv")
+"""Round 3 (issue 39): the cases tried on main 3855bb6, with the class each had there."""
 CLASSES = ("CLEAR", "OK", "WARN", "UNCLEAR", "TRACEBACK", "HANG", "SILENT", "DATA-LOST", "EXPOSURE")
 AREAS = (
     "datasets",
@@ -38,6 +40,16 @@ AREAS = (
     "configs",
     "checkpoints",
 )
+AREAS_3 = (
+    "sandbox namespaces",
+    "verdicts",
+    "tool output",
+    "tools",
+    "images",
+    "reward conventions",
+    "commands",
+)
+"""Round 3's areas (``hostile_cases_3.tsv``), a table of their own in docs/hardening.md."""
 TEST_MODULES = (
     "tests.security.test_hostile_data",
     "tests.security.test_hostile_templates",
@@ -47,6 +59,13 @@ TEST_MODULES = (
     "tests.security.test_hostile_configs",
     "tests.security.test_hostile_checkpoints",
     "tests.eval.test_run_settings",
+    "tests.security.test_hostile_tool_output",
+    "tests.security.test_hostile_sandbox",
+    "tests.security.test_hostile_verdicts",
+    "tests.security.test_hostile_tools",
+    "tests.security.test_hostile_images",
+    "tests.security.test_hostile_conventions",
+    "tests.security.test_hostile_commands",
 )
 """The modules whose :func:`case` calls make up the table (imported by :func:`derived_table`)."""
 
@@ -100,14 +119,15 @@ EXPECTED: dict[tuple[str, str], str] = {}
 
 def case(area: str, name: str, cls: str, *values: Any) -> Any:
     """A ``pytest.param`` of ``values`` for the hostile case ``name`` of ``area``, expected to be ``cls`` now."""
-    assert area in AREAS and cls in CLASSES, (area, cls)
+    assert area in (*AREAS, *AREAS_3) and cls in CLASSES, (area, cls)
     assert EXPECTED.setdefault((area, name), cls) == cls, f"{name!r} expected twice with different classes"
     return pytest.param(cls, *values, id=name)
 
 
-def listed_cases() -> list[tuple[str, str, str]]:
-    """``(area, case, class on 19f5fae)`` of ``hostile_cases.tsv``."""
-    with CASES_TSV.open() as handle:
+def listed_cases(round_: int = 2) -> list[tuple[str, str, str]]:
+    """``(area, case, class before)`` of ``hostile_cases.tsv`` (round 2, on 19f5fae) or of
+    ``hostile_cases_3.tsv`` (round 3, on 3855bb6)."""
+    with (CASES_TSV if round_ == 2 else CASES_TSV_3).open() as handle:
         rows = list(csv.reader(handle, delimiter="\t"))
     return [(area, name, cls) for area, name, cls in rows[1:]]
 
@@ -186,15 +206,15 @@ def expect_cli(cls: str, argv: list[str], capsys: Any, *words: str) -> str:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def derived_table() -> tuple[dict[str, Counter], list[tuple[str, str]]]:
-    """Area → Counter of expected classes, over the listed cases; and the listed cases no test expects
-    (their old class is counted, so the table always covers every case)."""
+def derived_table(round_: int = 2) -> tuple[dict[str, Counter], list[tuple[str, str]]]:
+    """Area → Counter of expected classes, over the listed cases of round ``round_``; and the listed cases no
+    test expects (their old class is counted, so the table always covers every case)."""
     for module in TEST_MODULES:
         importlib.import_module(module)
-    counts: dict[str, Counter] = {area: Counter() for area in AREAS}
+    counts: dict[str, Counter] = {area: Counter() for area in (AREAS if round_ == 2 else AREAS_3)}
     untested = []
     expected = {**sandbox_expected(), **EXPECTED}
-    for area, name, old in listed_cases():
+    for area, name, old in listed_cases(round_):
         now = expected.get((area, name))
         if now is None:
             untested.append((area, name))
@@ -202,10 +222,18 @@ def derived_table() -> tuple[dict[str, Counter], list[tuple[str, str]]]:
     return counts, untested
 
 
+def before_table(round_: int) -> dict[str, Counter]:
+    """Area → Counter of the classes the listed cases had before the round's fixes."""
+    counts: dict[str, Counter] = {area: Counter() for area in (AREAS if round_ == 2 else AREAS_3)}
+    for area, _, old in listed_cases(round_):
+        counts[area][old] += 1
+    return counts
+
+
 def markdown(counts: dict[str, Counter]) -> str:
     header = "| area | " + " | ".join(cls.lower() for cls in CLASSES) + " | total |"
     lines = [header, "|---" * (len(CLASSES) + 2) + "|"]
-    for area in [*AREAS, "all"]:
+    for area in [*counts, "all"]:
         counter = sum(counts.values(), Counter()) if area == "all" else counts[area]
         cells = [str(counter[cls]) if counter[cls] else "–" for cls in CLASSES]
         lines.append(f"| {area} | " + " | ".join(cells) + f" | {sum(counter.values())} |")
@@ -217,5 +245,8 @@ if __name__ == "__main__":  # the registry filled by the test modules is the one
 
     table, missing = hostile.derived_table()
     print(hostile.markdown(table))
-    for area, name in missing:
+    table3, missing3 = hostile.derived_table(3)
+    print("\nRound 3, before:\n" + hostile.markdown(hostile.before_table(3)))
+    print("\nRound 3, now:\n" + hostile.markdown(table3))
+    for area, name in [*missing, *missing3]:
         print(f"not a test yet (old class counted): {area}: {name}", file=sys.stderr)

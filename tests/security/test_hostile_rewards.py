@@ -172,7 +172,7 @@ def test_rewards_that_cannot_be_used_are_refused_when_built(rewards_file, cls, s
     [
         case(AREA, 'returns "1.0"', "CLEAR", "returns_text_number", 0, "as its score; return a number"),
         case(AREA, 'returns "yes"', "CLEAR", "returns_yes", 0, "reward returned the text 'yes'"),
-        case(AREA, "returns None", "CLEAR", "returns_none", 0, "NoneType"),
+        case(AREA, "returns None", "CLEAR", "returns_none", 0, "returned None"),
         case(AREA, "returns True", "OK", "returns_true", 0, ""),
         case(AREA, "returns -inf", "CLEAR", "returns_minus_inf", 0, "non-finite score -inf"),
         case(AREA, "returns 1e308", "CLEAR", "returns_huge", 0, "outside the accepted range [-1e+06, 1e+06]"),

@@ -101,6 +101,16 @@ class RowResult:
     routed_experts: np.ndarray | None
 
 
+class ContextLengthError(RolloutError, ValueError):
+    """A request longer than the model's context: one line with the fix (a ``ValueError`` to the HTTP server,
+    which answers 400 with it, as SGLang does)."""
+
+    hint = (
+        "raise the model's max_position_embeddings ('auto' sizes it from the prompts, their tool schemas, "
+        "max_new_tokens and rollout.multi_turn.max_context_tokens), or lower max_new_tokens"
+    )
+
+
 class _RouterCapture:
     """Forward hooks on every MoE router that keep the top-k expert indices of the current forward."""
 
@@ -398,7 +408,7 @@ class CPUEngine(RolloutEngine):
             raise ValueError(f"input_ids has token ids outside [0, {self.vocab_size}): {bad[:5]}")
         total = len(row.prompt_ids) + row.sampling.max_new_tokens
         if total > self.max_context:
-            raise ValueError(
+            raise ContextLengthError(
                 f"requested {len(row.prompt_ids)} prompt + {row.sampling.max_new_tokens} new tokens exceeds the "
                 f"model's maximum context length {self.max_context}"
             )

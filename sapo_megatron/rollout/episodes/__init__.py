@@ -69,9 +69,9 @@ def build_tools(mt: MultiTurnConfig) -> ToolSet:
     """The run's tools: the sandboxed Python tool (unless switched off) and the tools file's."""
     tools: list[Tool] = []
     if mt.python_tool:
-        limits = SandboxLimits(
-            wall_s=mt.python_timeout_s, cpu_s=max(1, int(mt.python_timeout_s)), memory_mb=mt.python_memory_mb
-        )
+        # the call's timeout caps the code's: a sandbox never runs on after its call has answered "timed out"
+        wall_s = min(mt.python_timeout_s, mt.tool_timeout_s)
+        limits = SandboxLimits(wall_s=wall_s, cpu_s=max(1, int(wall_s)), memory_mb=mt.python_memory_mb)
         # a thread per running call: it only waits on the sandbox's process (the cap is ToolSet's semaphore)
         pool = ThreadPoolExecutor(mt.max_concurrent_tools, thread_name_prefix="python-tool")
         tools.append(python_tool(limits, pool))

@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from sapo_megatron.errors import UserError
 from sapo_megatron.rollout.base import RolloutEngine, RolloutError
 from sapo_megatron.rollout.episodes.episode import (
     EpisodeContext,
@@ -34,6 +35,15 @@ from sapo_megatron.rollout.episodes.tools import ToolSet
 from sapo_megatron.rollout.types import EpisodeInfo, GenerationRequest, ImageInputs, Sample
 
 logger = logging.getLogger(__name__)
+
+
+class EpisodeContextError(UserError):
+    """No prompt of a batch leaves room to generate under ``rollout.multi_turn.max_context_tokens``."""
+
+
+_GATHER_S = 0.01
+"""With one engine call at a time (the CPU engine), a turn waits this long for the turns that become ready with
+it (tool calls finish in their own threads, so results that arrive together are spread by a few ms)."""
 _TURN_SEED_STRIDE = 7919  # turn k of a sample samples with seed + k · stride: reproducible, distinct per turn
 
 
@@ -54,8 +64,12 @@ class TurnBatcher:
     async def generate(self, request: GenerationRequest) -> Sample:
         future = asyncio.get_running_loop().create_future()
         self._pending.append((request, future))
-        if len(self._pending) == 1:
-            asyncio.get_running_loop().call_soon(self._dispatch)  # after the other ready turns joined
+        if len(self._pending) == 1:  # after the other ready turns joined
+            loop = asyncio.get_running_loop()
+            if self.parallel_calls == 1:  # tool results arrive from their threads a few ms apart
+                loop.call_later(_GATHER_S, self._dispatch)
+            else:
+                loop.call_soon(self._dispatch)
         return await future
 
     def _dispatch(self) -> None:
@@ -122,11 +136,37 @@ class EpisodeEngine(RolloutEngine):
         batcher = TurnBatcher(self.engine, self.parallel_calls, self._engine_calls)
         turn_ids = itertools.count()  # a request id per turn: servers refuse a repeated one (SGLang's rid)
         episodes = [self._episode(batcher, req, i, turn_ids) for req in requests for i in range(req.n)]
+        self._check_room(requests)
         try:
             samples = iter(await asyncio.gather(*episodes))
         finally:
             self._counters["episode/engine_calls"] += batcher.calls
         return [[next(samples) for _ in range(req.n)] for req in requests]
+
+    def _check_room(self, requests: Sequence[GenerationRequest]) -> None:
+        """Prompts that leave no room for one generated token under ``max_context_tokens`` end at once as
+        truncated (counted in ``episode/no_room``); when that is every prompt of the call nothing could ever be
+        trained, so it is an error naming the setting."""
+        limit = self.limits.max_context_tokens
+        full = [req for req in requests if len(req.prompt_ids) >= limit]
+        self._counters["episode/no_room"] = self._counters.get("episode/no_room", 0.0) + sum(
+            r.n for r in full
+        )
+        if full and len(full) == len(requests):
+            longest = max(len(req.prompt_ids) for req in full)
+            raise EpisodeContextError(
+                f"rollout.multi_turn.max_context_tokens={limit} leaves no room for a single generated token: "
+                f"every prompt of this batch is at least that long (the longest {longest} tokens)",
+                hint="raise rollout.multi_turn.max_context_tokens above the prompts' length plus the turns you want",
+            )
+        if full:
+            logger.warning(
+                "%d of %d prompts are at least rollout.multi_turn.max_context_tokens=%d tokens long: their episodes "
+                "end at once, untrained",
+                len(full),
+                len(requests),
+                limit,
+            )
 
     async def _episode(
         self, batcher: TurnBatcher, req: GenerationRequest, index: int, turn_ids: Iterator[int]

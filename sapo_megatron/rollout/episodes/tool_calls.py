@@ -10,6 +10,10 @@ precedes the first ``<tool_call>\\n``, stripped; each ``<tool_call>\\n…\\n</to
 with ``name`` and ``arguments`` (or ``parameters``). Where SGLang drops a block silently (bad JSON, a name it does
 not know), training needs to tell the model: such a block becomes a :class:`ToolCall` with ``error`` set, whose
 observation is that error.
+
+A thinking block comes off first, as SGLang's ``qwen3`` reasoning parser takes it off before the tool parser sees
+the text (:func:`~sapo_megatron.data.thinking.split_thinking`): a ``<tool_call>`` the model writes while it thinks
+is no call.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from sapo_megatron.data.thinking import split_thinking
 
 BEGIN, END = "<tool_call>\n", "\n</tool_call>"
 _BLOCK = re.compile(rf"{re.escape(BEGIN)}(.*?){re.escape(END)}", re.DOTALL)
@@ -33,7 +39,9 @@ class ToolCall:
 
 
 def parse_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
-    """``(normal_text, calls)`` of a model turn's text (special tokens kept or not: they are not part of it)."""
+    """``(normal_text, calls)`` of a model turn's text (special tokens kept or not: they are not part of it);
+    ``normal_text`` is the answer's, after any thinking block."""
+    _, text = split_thinking(text)
     start = text.find(BEGIN)
     if start < 0:
         return text, []

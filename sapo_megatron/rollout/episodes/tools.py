@@ -2,9 +2,14 @@
 
 A tool is an async callable ``tool(**arguments) -> str`` with an OpenAI-style function schema (what the chat
 template shows the model, as verl's tools YAML and Qwen's ``tools=`` hold it). :class:`ToolSet` runs the calls:
-each under a per-call timeout, at most ``max_concurrent`` at once over all episodes (verl's and slime's retool
-semaphore), and a tool that raises, times out, or is not known answers with the error as its observation, counted
-in ``tool_errors`` (the model learns from it; the run goes on).
+each in a thread of its own with its own event loop (a tool that blocks – ``time.sleep`` in an ``async def``, a
+blocking socket – stalls only that thread, never the episodes' loop) under a hard per-call timeout, at most
+``max_concurrent`` at once over all episodes (verl's and slime's retool semaphore). A tool that raises anything
+(``BaseException`` included: ``SystemExit``, ``KeyboardInterrupt``, ``CancelledError``), times out, returns
+something other than a ``str`` (named with the tool), or is not known answers with the error as its
+observation, counted in ``tool_errors`` (the model learns from it; the run goes on). A call that timed out
+leaves its thread behind until the tool returns (Python cannot stop a thread): ``tool_threads_stuck`` counts
+them.
 
 User tools come from a YAML file (``rollout.multi_turn.tools_file``)::
 
@@ -21,8 +26,10 @@ A class is instantiated once with ``config``; the instance is then called. A fun
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import json
+import threading
 import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sapo_megatron.data.tool_schemas import PYTHON_SCHEMA  # the prompts show it too (sizing)
 from sapo_megatron.errors import UserError
 from sapo_megatron.rewards.loading import RewardSpecError, load_function
 from sapo_megatron.rewards.sandbox import SandboxLimits, run_python
@@ -62,32 +70,22 @@ class ToolOutcome:
     error: bool = False
 
 
-PYTHON_SCHEMA = {
-    "type": "function",
-    "function": {
-        "name": "python",
-        "description": "Run Python code in a sandbox and return what it prints (stdout, then stderr).",
-        "parameters": {
-            "type": "object",
-            "properties": {"code": {"type": "string", "description": "the Python program to run"}},
-            "required": ["code"],
-        },
-    },
-}
-
-
 def python_tool(limits: SandboxLimits, executor: ThreadPoolExecutor) -> Tool:
     """The built-in ``python`` tool: the code runs in :func:`~sapo_megatron.rewards.sandbox.run_python` (the
     ``code_exec`` reward's sandbox, with its limits: wall and CPU time, memory, processes, no network) in a thread
     of ``executor``; the observation is its stdout, then its stderr (the traceback of an error)."""
 
     async def run(code: str) -> str:
+        if not isinstance(code, str):
+            raise TypeError(f"the python tool's 'code' must be a string, got {type(code).__name__}")
         loop = asyncio.get_running_loop()
         result = await loop.run_in_executor(
             executor, lambda: run_python({"main.py": code}, "main.py", "", limits)
         )
         if result.timed_out:
-            raise TimeoutError(f"the code ran longer than {limits.wall_s:g} s")
+            raise TimeoutError(f"the code timed out after {limits.wall_s:g} s")
+        if result.returncode == 127 and result.stderr.startswith("sandbox setup failed"):
+            raise RuntimeError("the sandbox could not start the code (an internal error, not the code's)")
         out = result.stdout + (result.stderr if result.returncode else "")
         return out if out else "(no output)"
 
@@ -106,6 +104,7 @@ class ToolSet:
         self.timeout_s = timeout_s
         self.max_concurrent = max_concurrent
         self.max_output_chars = max_output_chars
+        self.stuck: set[concurrent.futures.Future] = set()  # calls that timed out and still run
         # one semaphore per event loop: each generate call runs its own loop, and two can run at once (a batch
         # generated in the background while the main thread evaluates)
         self._slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
@@ -128,20 +127,58 @@ class ToolSet:
         if loop not in self._slots:
             self._slots[loop] = asyncio.Semaphore(self.max_concurrent)
         async with self._slots[loop]:
+            future = _in_own_thread(tool, call.arguments)
             try:
-                text = await asyncio.wait_for(tool.run(**call.arguments), self.timeout_s)
+                kind, value = await asyncio.wait_for(
+                    asyncio.shield(asyncio.wrap_future(future)), self.timeout_s
+                )
             except TimeoutError:
+                self.stuck.add(future)
+                future.add_done_callback(self.stuck.discard)
                 return ToolOutcome(
                     f"Error: the tool {call.name} timed out after {self.timeout_s:g} s", error=True
                 )
-            except Exception as exc:  # the error is the observation (verl's BaseTool does the same)
-                return ToolOutcome(f"Error: {type(exc).__name__}: {exc}", error=True)
-        return ToolOutcome(self._clip(str(text)))
+        if kind == "raised":  # the error is the observation (verl's BaseTool does the same)
+            return ToolOutcome(f"Error: {value}", error=True)
+        if not isinstance(value, str):
+            return ToolOutcome(
+                f"Error: the tool {call.name} returned {type(value).__name__}, not str (a tool returns text)",
+                error=True,
+            )
+        return ToolOutcome(self._clip(str.__str__(value)))
 
     def _clip(self, text: str) -> str:
         if len(text) <= self.max_output_chars:
             return text
         return text[: self.max_output_chars] + f"... (truncated to {self.max_output_chars} characters)"
+
+
+def _in_own_thread(tool: Tool, arguments: Mapping[str, Any]) -> concurrent.futures.Future:
+    """Run ``tool`` on ``arguments`` in a new daemon thread with its own event loop; the future's result is
+    ``("returned", value)`` or ``("raised", "Type: message")`` – never an exception, whatever the tool raised."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def target() -> None:
+        try:
+            value = asyncio.run(_call(tool.run, dict(arguments)))
+        except BaseException as exc:  # SystemExit, KeyboardInterrupt, CancelledError: the tool's, contained
+            future.set_result(("raised", _describe(exc)))
+        else:
+            future.set_result(("returned", value))
+
+    threading.Thread(target=target, name=f"tool-{tool.name}", daemon=True).start()
+    return future
+
+
+async def _call(run: ToolFn, arguments: dict[str, Any]) -> Any:
+    return await run(**arguments)
+
+
+def _describe(exc: BaseException) -> str:
+    try:
+        return f"{type(exc).__name__}: {exc}"[:2000]
+    except BaseException:
+        return f"{type(exc).__name__} (its message could not be shown)"
 
 
 def load_tools_file(path: str | Path) -> list[Tool]:
@@ -195,5 +232,49 @@ def _check_schema(schema: Any, where: str) -> None:
             f"{where}: schema must be an OpenAI function schema {{type: function, function: {{name, description, "
             "parameters}}}}"
         )
-    if not isinstance(function.get("parameters", {}), Mapping):
+    parameters = function.get("parameters", {"type": "object"})
+    if not isinstance(parameters, Mapping):
         raise ToolSpecError(f"{where}: schema.function.parameters must be a JSON schema object")
+    problem = _schema_problem(parameters)
+    if problem:
+        raise ToolSpecError(
+            f"{where}: schema.function.parameters is not a JSON schema of the arguments ({problem}); write "
+            "{type: object, properties: {NAME: {type: ...}}, required: [...]}"
+        )
+
+
+_JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
+
+
+def _schema_problem(parameters: Mapping[str, Any]) -> str | None:
+    """What makes ``parameters`` no schema of a call's arguments (SGLang's server checks tool schemas with
+    ``jsonschema``'s ``check_schema``; this checks the part a tool call relies on, without that package)."""
+    if parameters.get("type", "object") != "object":
+        return f"type is {parameters.get('type')!r}, not 'object': a call's arguments are an object"
+    properties = parameters.get("properties", {})
+    if not isinstance(properties, Mapping):
+        return "properties is not a mapping of argument names to schemas"
+    for name, schema in properties.items():
+        if not isinstance(schema, Mapping):
+            return f"properties.{name} is not a schema"
+        kinds = schema.get("type")
+        for kind in kinds if isinstance(kinds, list) else [kinds] if kinds is not None else []:
+            if kind not in _JSON_TYPES:
+                return f"properties.{name}.type {kind!r} is not a JSON schema type"
+    required = parameters.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(r, str) and r in properties for r in required):
+        return "required must list names that are in properties"
+    unknown = set(parameters) - {
+        "type",
+        "properties",
+        "required",
+        "additionalProperties",
+        "description",
+        "$schema",
+        "title",
+        "definitions",
+        "$defs",
+    }
+    if unknown:
+        return f"unknown keys {sorted(unknown)}"
+    return None
