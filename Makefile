@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-vl test test-fast lint bench install clean distill-evidence vl-evidence qwen3-tokenizer
+.PHONY: demo demo-vl test test-fast lint bench install clean distill-evidence vl-evidence qwen3-tokenizer loss-evidence
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -75,6 +75,15 @@ vl-evidence: $(STAMP)
 	    --tasks name_colour,count_shapes --logic 1000 --math 1000
 	$(BIN)/sapo-megatron compare --arms $(VL_EVIDENCE)/sapo.yaml,$(VL_EVIDENCE)/gspo.yaml,$(VL_EVIDENCE)/grpo_r2.yaml \
 	    --seeds 3 --steps 40 --output-dir runs/vl_evidence
+
+# docs/losses/evidence.md: SAPO against the baselines where drift is real (fp8 rollout, 16 experts top-1, 4
+# updates per rollout batch, RL lr 1e-4), 3 seeds, without and with R3 (about 17 min on 2 shared cores)
+LOSS_EVIDENCE_STRESS := --set model.hf_config.num_experts=16 --set model.hf_config.num_experts_per_tok=1 \
+    --set model.hf_config.norm_topk_prob=false --set trainer.mini_batches=4 --set trainer.prompts_per_step=16 \
+    --set optimizer.lr=1e-4 --set eval.every=0
+loss-evidence: $(STAMP)
+	$(BIN)/sapo-megatron compare --losses sapo,grpo,cispo,gmpo,dppo_tv,m2po --replay none,r3 --seeds 3 --steps 8 \
+	    --output-dir runs/loss_evidence $(LOSS_EVIDENCE_STRESS)
 
 # docs/gpu.md: the wheels tools/gpu_check.py needs beyond what the offline GPU machine has, into .gpu_kit (git-ignored,
 # about 5 MiB; carried to that machine, where `OUT=dir bash tools/gpu_kit/run.sh` installs it and runs the check)

@@ -276,7 +276,7 @@ def _add_train_parser(commands) -> None:
 
 
 COMPARE_DEFAULTS = {"losses": "sapo,gspo,grpo", "replay": "none,r2,r3", "corrections": "none"}
-CORRECTION_NAMES = ("none", "tis", "icepop")
+CORRECTION_NAMES = ("none", "tis", "icepop", "token_is", "seq_is", "geo_rs")
 """The keys of :data:`sapo_megatron.compare.CORRECTIONS`, for the help (importing compare loads the config)."""
 
 
@@ -311,7 +311,8 @@ def _add_compare_parser(commands) -> None:
         "--losses",
         default=COMPARE_DEFAULTS["losses"],
         help="comma-separated policy losses, each with its paper settings: sapo (tau 1.0/1.05), gspo "
-        "(eps 3e-4/4e-4), grpo (DAPO eps 0.2/0.28, token-mean)",
+        "(eps 3e-4/4e-4), grpo (DAPO eps 0.2/0.28, token-mean), cispo (weight cap 5), gmpo (log clip 0.4), "
+        "dppo_tv (TV 0.15), dppo_kl (KL 0.05), m2po (M2 0.04); docs/compare.md",
     )
     compare.add_argument(
         "--replay",
@@ -322,7 +323,8 @@ def _add_compare_parser(commands) -> None:
     compare.add_argument(
         "--corrections",
         default=COMPARE_DEFAULTS["corrections"],
-        help=f"comma-separated mismatch corrections from {', '.join(CORRECTION_NAMES)} (tis: cap 2.0)",
+        help=f"comma-separated mismatch corrections from {', '.join(CORRECTION_NAMES)} (tis: cap 2.0; "
+        "token_is / seq_is / geo_rs: verl's rollout-correction presets, docs/losses.md)",
     )
     compare.add_argument(
         "--grid",

@@ -145,8 +145,8 @@ def test_unknown_or_missing_variant_name_lists_the_variants():
     assert "grpo (agg, max_len, kl_coef, entropy_coef, eps_low, eps_high, dual_clip)" in message
     message = error_of(raw(algorithm={"correction": {"cap": 3}}))
     assert message.splitlines()[1] == (
-        "  - algorithm.correction: no 'name' given; choose one of: none (no settings); tis (cap); icepop (low, high). "
-        "Example: --set 'algorithm.correction={name: none}'"
+        "  - algorithm.correction: no 'name' given; choose one of: none (no settings); tis (cap); icepop (low, high); "
+        "rollout_corr (is_level, is_threshold, reject). Example: --set 'algorithm.correction={name: none}'"
     )
     assert "algorithm.loss: expected a mapping with a 'name', got 'grpo'" in error_of(
         raw(algorithm={"loss": "grpo"})

@@ -62,3 +62,25 @@ def test_the_vl_mixed_recipe_loads_with_the_sapo_papers_loss():
     names = [d.name for d in cfg.eval.datasets]
     assert names == ["aime24", "livecodebench", "knights_knaves", "mathvista"]
     assert cfg.eval.datasets[1].n == 8
+
+
+BASELINES = {
+    "cispo": {"name": "cispo", "max_ratio": 5.0, "min_ratio": None, "agg": "token-mean"},
+    "gmpo": {"name": "gmpo", "clip_low": 0.4, "clip_high": 0.4, "agg": "seq-mean-token-mean"},
+    "dppo_tv": {"name": "dppo_tv", "delta_low": 0.15, "delta_high": 0.15, "ratio_cap": None, "max_len": 8192},
+    "dppo_kl": {"name": "dppo_kl", "delta_low": 0.05, "delta_high": 0.05, "ratio_cap": None, "max_len": 8192},
+    "m2po": {"name": "m2po", "m2_threshold": 0.04, "agg": "token-mean"},
+}
+
+
+def test_the_baseline_recipes_are_the_sapo_run_with_their_authors_loss():
+    sapo = load_config(RECIPES / "sapo_qwen3_30b_a3b.yaml").model_dump(mode="json")
+    for arm, expected in BASELINES.items():
+        cfg = load_config(RECIPES / f"{arm}_qwen3_30b_a3b.yaml").model_dump(mode="json")
+        differing = {key for key in sapo if sapo[key] != cfg[key]}
+        assert differing <= VARIED, (arm, differing - VARIED)
+        algorithm = cfg["algorithm"]
+        assert {key: algorithm["loss"][key] for key in expected} == expected, arm
+        assert algorithm["routing_replay"] == "none", arm  # the claims are made without routing replay
+        assert algorithm["advantage"]["name"] == ("drgrpo" if arm.startswith("dppo") else "grpo"), arm
+        assert cfg["trainer"] == sapo["trainer"] and cfg["rollout"] == sapo["rollout"]

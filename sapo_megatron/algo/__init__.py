@@ -11,22 +11,23 @@ from sapo_megatron.algo.advantages import (
     overlong_penalty,
 )
 from sapo_megatron.algo.aggregation import AGG_MODES, AggMode, aggregate, masked_mean, token_weights
-from sapo_megatron.algo.losses import (
+from sapo_megatron.algo.loss_registry import (
     POLICY_LOSSES,
-    GrpoLoss,
-    GspoLoss,
     PolicyLoss,
     PolicyLossConfig,
-    SapoLoss,
     build_policy_loss,
     policy_loss,
 )
+from sapo_megatron.algo.losses import GrpoLoss, GspoLoss, SapoLoss
+from sapo_megatron.algo.losses_baselines import CispoLoss, DppoLoss, GmpoLoss, M2poLoss, m2po_keep_mask
 from sapo_megatron.algo.mismatch import (
     TIS,
     IcePop,
     MismatchCorrection,
     MismatchCorrectionConfig,
     NoCorrection,
+    RejectRule,
+    RolloutCorrection,
     mismatch_metrics,
 )
 from sapo_megatron.algo.opd import (
@@ -59,12 +60,16 @@ __all__ = [
     "TIS",
     "AdvantageConfig",
     "AggMode",
+    "CispoLoss",
+    "DppoLoss",
     "FixedFusion",
     "Fusion",
     "FusionConfig",
+    "GmpoLoss",
     "GrpoLoss",
     "GspoLoss",
     "IcePop",
+    "M2poLoss",
     "MismatchCorrection",
     "MismatchCorrectionConfig",
     "MopdFusion",
@@ -72,7 +77,9 @@ __all__ = [
     "OpdFusion",
     "PolicyLoss",
     "PolicyLossConfig",
+    "RejectRule",
     "RlFusion",
+    "RolloutCorrection",
     "SAFSchedule",
     "SafAnneal",
     "SafCompress",
@@ -85,6 +92,7 @@ __all__ = [
     "check_fusion_loss",
     "fuse_advantages",
     "grpo_advantages",
+    "m2po_keep_mask",
     "masked_mean",
     "mismatch_metrics",
     "mopd_is_weight",

@@ -20,18 +20,17 @@ GSPO's per-sequence clip fractions), a sum (``loss/*``: this call's share of the
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sapo_megatron.algo.aggregation import AggMode, Normaliser, aggregate, masked_mean
 from sapo_megatron.algo.metric import MetricSet, Reduce, metric_set
 from sapo_megatron.algo.mismatch import (
     LOG_RATIO_CLAMP,
     MismatchCorrection,
-    MismatchCorrectionConfig,
+    correction_metrics,
     correction_weights,
     mismatch_metrics,
 )
@@ -90,10 +89,11 @@ class _PolicyLossBase(BaseModel):
         metrics.update(_ratio_stats("ratio/", _token_ratio(logp, old), mask, Reduce.TOKEN_MEAN))
         kl_old = masked_mean(k3(old, logp.detach()), mask)
         metrics.add("policy/kl_old", kl_old, Reduce.TOKEN_MEAN, per_update=True)
-        is_weight_bt = correction_weights(correction, old, rollout)  # detached inside
+        is_weight_bt = correction_weights(correction, old, rollout, mask)  # detached inside
         if is_weight_bt is not None:
             pg_bt = pg_bt * is_weight_bt
             metrics.add("mismatch/is_weight_mean", masked_mean(is_weight_bt, mask), Reduce.TOKEN_MEAN)
+            metrics.update(correction_metrics(correction, old, rollout, mask))
         if rollout is not None:
             metrics.update(mismatch_metrics(old, rollout, mask))
 
@@ -232,51 +232,6 @@ class GspoLoss(_PolicyLossBase):
         return loss_bt, metrics
 
 
-PolicyLoss = SapoLoss | GrpoLoss | GspoLoss
-PolicyLossConfig = Annotated[PolicyLoss, Field(discriminator="name")]
-POLICY_LOSSES: dict[str, type[_PolicyLossBase]] = {
-    "sapo": SapoLoss,
-    "grpo": GrpoLoss,
-    "gspo": GspoLoss,
-    "gspo_token": GspoLoss,
-}
-COMPUTE_KWARGS = ("rollout_logp_bt", "ref_logp_bt", "entropy_bt", "correction", "num_sequences", "num_tokens")
-
-
-def build_policy_loss(config: PolicyLoss | Mapping[str, Any]) -> PolicyLoss:
-    """Validate a mapping such as ``{"name": "sapo", "tau_neg": 1.05}`` (or pass a built loss through)."""
-    return TypeAdapter(PolicyLossConfig).validate_python(config)
-
-
-def policy_loss(
-    name: str,
-    logp: torch.Tensor,
-    old_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    **settings: Any,
-) -> tuple[torch.Tensor, Metrics]:
-    """One-call form for scripts: ``policy_loss("sapo", logp_bt, old_logp_bt, adv, mask_bt, tau_neg=1.05)``.
-
-    ``settings`` are the loss's fields (``tau_pos``, ``eps_low``, ``agg``, ``max_len``, ...) plus the keyword
-    arguments of ``compute`` (``rollout_logp_bt``, ``correction`` (model or mapping), ``num_tokens``, ...).
-    """
-    if name not in POLICY_LOSSES:
-        raise ValueError(f"unknown policy loss {name!r}; choose one of {sorted(POLICY_LOSSES)}")
-    fields = [f for f in POLICY_LOSSES[name].model_fields if f != "name"]
-    accepted = sorted([*fields, *COMPUTE_KWARGS])
-    unknown = sorted(set(settings) - set(accepted))
-    if unknown:
-        raise ValueError(f"unknown setting(s) {unknown} for policy loss {name!r}; accepted: {accepted}")
-    loss_fn = POLICY_LOSSES[name].model_validate(
-        {"name": name, **{k: v for k, v in settings.items() if k in fields}}
-    )
-    kwargs = {k: v for k, v in settings.items() if k in COMPUTE_KWARGS}
-    if isinstance(kwargs.get("correction"), Mapping):
-        kwargs["correction"] = TypeAdapter(MismatchCorrectionConfig).validate_python(kwargs["correction"])
-    return loss_fn.compute(logp, old_logp, advantages, mask, **kwargs)
-
-
 # ---------------------------------------------------------------------------------------------- tensor helpers
 
 
@@ -378,14 +333,14 @@ def _sequence_mean(x_bt: torch.Tensor, mask_bt: torch.Tensor) -> torch.Tensor:
     return masked_mean(_row_mean(x_bt, mask_bt), mask_bt.any(-1))
 
 
-def _require_sequence_advantages(adv_bt: torch.Tensor, mask_bt: torch.Tensor) -> None:
+def _require_sequence_advantages(adv_bt: torch.Tensor, mask_bt: torch.Tensor, name: str = "gspo") -> None:
     if adv_bt.numel() == 0:
         return
     adv_b = _row_mean(adv_bt, mask_bt)
     spread = torch.where(mask_bt, (adv_bt - adv_b[:, None]).abs(), 0.0).amax()
     if spread > 1e-6 + 1e-5 * adv_b.abs().max():
         raise ValueError(
-            "gspo needs sequence-level advantages; use gspo_token or sapo "
+            f"{name} needs sequence-level advantages; use gspo_token or sapo "
             f"(advantages vary within a sequence by up to {float(spread):.3g})"
         )
 

@@ -6,6 +6,7 @@ token at the same parameters. ``exp(δ)`` is the importance ratio π_trainer / �
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Literal
 
 import torch
@@ -58,7 +59,124 @@ class IcePop(BaseModel):
         return torch.where((ratio_bt >= self.low) & (ratio_bt <= self.high), ratio_bt, 0.0)
 
 
-MismatchCorrection = NoCorrection | TIS | IcePop
+RejectStat = Literal[
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
+]
+
+
+class RejectRule(BaseModel):
+    """One verl ``rollout_rs`` option: a divergence statistic of ``δ`` per token or per sequence, and its bounds.
+
+    ``k1 = −δ``, ``k2 = δ²/2``, ``k3 = e^δ − 1 − δ`` per token; ``seq_sum`` / ``seq_mean`` / ``seq_max`` over the
+    sequence's tokens. ``*_k1`` keeps ``log(lower) ≤ k1 ≤ log(upper)`` (both needed; as in verl's code this keeps
+    the ratio ``e^δ`` in ``[1/upper, 1/lower]``, the same band when ``lower = 1/upper``); ``k2``/``k3`` keep
+    ``stat ≤ upper``. ``seq_mean_k1`` is verl's geometric rejection (the geometric-mean ratio of the sequence).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    stat: RejectStat
+    upper: float = Field(gt=0)
+    lower: float | None = Field(None, gt=0, description="k1 statistics only")
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> RejectRule:
+        if self.stat.endswith("k1") and (self.lower is None or self.lower >= self.upper):
+            raise ValueError(
+                f"reject rule {self.stat} needs lower < upper (ratio bounds), got lower={self.lower}"
+            )
+        if not self.stat.endswith("k1") and self.lower is not None:
+            raise ValueError(f"reject rule {self.stat} takes only upper (lower is for the k1 statistics)")
+        return self
+
+    def keep(self, delta_bt: torch.Tensor, mask_bt: torch.Tensor) -> torch.Tensor:
+        """``[batch, seq]`` bool: the tokens this rule keeps (whole sequences for the ``seq_*`` statistics)."""
+        estimator = self.stat.rsplit("_", 1)[1]
+        token_bt = {"k1": -delta_bt, "k2": 0.5 * delta_bt**2, "k3": delta_bt.exp() - 1.0 - delta_bt}[
+            estimator
+        ]
+        if self.stat.startswith("token"):
+            stat = token_bt
+        elif self.stat.startswith("seq_sum"):
+            stat = torch.where(mask_bt, token_bt, 0.0).sum(-1, keepdim=True)
+        elif self.stat.startswith("seq_mean"):
+            stat = torch.where(mask_bt, token_bt, 0.0).sum(-1, keepdim=True) / mask_bt.sum(
+                -1, keepdim=True
+            ).clamp(min=1)
+        else:
+            row_max = torch.where(mask_bt, token_bt, -torch.inf).amax(-1, keepdim=True)
+            stat = torch.where(torch.isinf(row_max), 0.0, row_max)
+        if estimator == "k1":
+            keep = (stat >= math.log(self.lower)) & (stat <= math.log(self.upper))  # type: ignore[arg-type]
+        else:
+            keep = stat <= self.upper
+        return keep.expand_as(mask_bt)
+
+
+class RolloutCorrection(BaseModel):
+    """verl's rollout correction (``docs/algo/rollout_corr.md``): an importance weight at the token, sequence
+    or geometric level, truncated at ``is_threshold``, times the rejection masks of ``reject`` (all must keep).
+
+    - ``is_level: token``: ``min(e^{δ_t}, C)``; ``sequence``: ``min(e^{Σ_t δ_t}, C)`` on every token of the
+      sequence (log-sum clamped to ±20 as verl); ``geometric``: ``min(e^{mean_t δ_t}, C)``; ``null``: weight 1
+      (rejection only).
+    - Rejected tokens get weight 0; the normalisers still count them (verl drops them from the response mask).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: Literal["rollout_corr"] = "rollout_corr"
+    is_level: Literal["token", "sequence", "geometric"] | None = "token"
+    is_threshold: float = Field(2.0, gt=0, description="truncation cap C of the IS weight (verl's default 2)")
+    reject: list[RejectRule] = Field(default_factory=list)
+
+    def weight_masked(self, delta_bt: torch.Tensor, mask_bt: torch.Tensor) -> torch.Tensor:
+        """``[batch, seq]``: truncated IS weight times the rejection masks (0 off ``mask_bt``)."""
+        weight_bt = self.raw_is_weight(delta_bt, mask_bt).clamp(max=self.is_threshold)
+        return torch.where(mask_bt & self.keep(delta_bt, mask_bt), weight_bt, 0.0)
+
+    def raw_is_weight(self, delta_bt: torch.Tensor, mask_bt: torch.Tensor) -> torch.Tensor:
+        """The IS weight before truncation, broadcast to ``[batch, seq]`` (ones for ``is_level: null``)."""
+        if self.is_level is None:
+            return torch.ones_like(delta_bt)
+        if self.is_level == "token":
+            return delta_bt.exp()
+        log_w = torch.where(mask_bt, delta_bt, 0.0).sum(-1, keepdim=True)
+        if self.is_level == "geometric":
+            log_w = log_w / mask_bt.sum(-1, keepdim=True).clamp(min=1)
+        return log_w.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().expand_as(delta_bt)
+
+    def keep(self, delta_bt: torch.Tensor, mask_bt: torch.Tensor) -> torch.Tensor:
+        keep = torch.ones_like(mask_bt)
+        for rule in self.reject:
+            keep = keep & rule.keep(delta_bt, mask_bt)
+        return keep
+
+    def metrics(self, delta_bt: torch.Tensor, mask_bt: torch.Tensor) -> MetricSet:
+        """Token means: the weight after truncation and rejection, the share truncated, the share rejected in all
+        and per rule."""
+        raw_bt = self.raw_is_weight(delta_bt, mask_bt)
+        out = {
+            "rollout_corr/weight_mean": masked_mean(self.weight_masked(delta_bt, mask_bt), mask_bt),
+            "rollout_corr/truncated_frac": masked_mean((raw_bt > self.is_threshold).float(), mask_bt),
+            "rollout_corr/rejected_frac": masked_mean((~self.keep(delta_bt, mask_bt)).float(), mask_bt),
+        }
+        for rule in self.reject:
+            out[f"rollout_corr/rejected_frac_{rule.stat}"] = masked_mean(
+                (~rule.keep(delta_bt, mask_bt)).float(), mask_bt
+            )
+        return metric_set(out, Reduce.TOKEN_MEAN)
+
+
+MismatchCorrection = NoCorrection | TIS | IcePop | RolloutCorrection
 MismatchCorrectionConfig = Annotated[MismatchCorrection, Field(discriminator="name")]
 
 
@@ -66,8 +184,10 @@ def correction_weights(
     correction: MismatchCorrection | None,
     old_logp_bt: torch.Tensor,
     rollout_logp_bt: torch.Tensor | None,
+    mask_bt: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
-    """Detached fp32 per-token weights ``[batch, seq]`` that multiply the token loss; None for no correction."""
+    """Detached fp32 per-token weights ``[batch, seq]`` that multiply the token loss; None for no correction.
+    ``mask_bt`` (the valid tokens) is needed by :class:`RolloutCorrection`'s sequence-level weights and rules."""
     if correction is None or correction.name == "none":
         return None
     if rollout_logp_bt is None:
@@ -77,7 +197,23 @@ def correction_weights(
         )
     delta_bt = _delta(old_logp_bt, rollout_logp_bt)
     # Detached: the weight corrects the sampling distribution, it is not something to optimise.
+    if isinstance(correction, RolloutCorrection):
+        if mask_bt is None:
+            raise ValueError("rollout_corr needs mask_bt (its sequence-level weights sum over valid tokens)")
+        return correction.weight_masked(delta_bt, mask_bt.bool()).detach()
     return correction.weight(delta_bt).detach()
+
+
+def correction_metrics(
+    correction: MismatchCorrection | None,
+    old_logp_bt: torch.Tensor,
+    rollout_logp_bt: torch.Tensor | None,
+    mask_bt: torch.Tensor,
+) -> MetricSet:
+    """The correction's own diagnostics (``rollout_corr/*``, token means); empty for none / TIS / IcePop."""
+    if not isinstance(correction, RolloutCorrection) or rollout_logp_bt is None:
+        return MetricSet()
+    return correction.metrics(_delta(old_logp_bt, rollout_logp_bt).detach(), mask_bt.bool())
 
 
 def mismatch_metrics(

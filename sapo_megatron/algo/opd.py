@@ -19,7 +19,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sapo_megatron.algo.aggregation import masked_mean
-from sapo_megatron.algo.losses import PolicyLoss
+from sapo_megatron.algo.loss_registry import PolicyLoss
 from sapo_megatron.algo.mismatch import LOG_RATIO_CLAMP, IcePop
 from sapo_megatron.algo.saf import SAFSchedule, saf_compress, saf_keep_mask, saf_sparsify
 
@@ -259,9 +259,10 @@ def check_fusion_loss(fusion: Fusion, loss: PolicyLoss) -> None:
     Every mode but ``rl`` gives token-level advantages. Sequence-level GSPO (``name: gspo``) clips one ratio per
     sequence and needs one advantage per sequence; SAPO, GRPO and GSPO-token have a per-token ratio and carry them.
     """
-    if fusion.mode != "rl" and loss.name == "gspo":
+    if fusion.mode != "rl" and loss.name in ("gspo", "gmpo"):
         raise ValueError(
-            f"algorithm.fusion.mode={fusion.mode!r} gives token-level advantages, which algorithm.loss.name='gspo' "
+            f"algorithm.fusion.mode={fusion.mode!r} gives token-level advantages, which "
+            f"algorithm.loss.name={loss.name!r} "
             "cannot carry: its sequence-level ratio needs one advantage per sequence. Use algorithm.loss.name "
             "'gspo_token' (same sequence ratio, per-token gradient), 'sapo' or 'grpo', or algorithm.fusion.mode 'rl'"
         )

@@ -44,6 +44,28 @@ LOSSES: dict[str, dict[str, Any]] = {
     # DAPO (arXiv:2503.14476) clip-higher ε 0.2 / 0.28 with token-mean aggregation. Dynamic sampling is left to
     # the base config: it would change which prompts each arm trains on.
     "grpo": {"name": "grpo", "eps_low": 0.2, "eps_high": 0.28, "dual_clip": None, "agg": "token-mean"},
+    # CISPO (MiniMax-M1, arXiv:2506.13585) as TRL ships it: weight min(r, 5) (ScaleRL's ε_max), token-mean.
+    "cispo": {"name": "cispo", "max_ratio": 5.0, "min_ratio": None, "agg": "token-mean"},
+    # GMPO (arXiv:2507.20673): log-ratio clip (e^-0.4, e^0.4), geometric mean per sequence.
+    "gmpo": {"name": "gmpo", "clip_low": 0.4, "clip_high": 0.4, "agg": "seq-mean-token-mean"},
+    # DPPO (arXiv:2602.04879, verl docs/algo/dppo.md): binary TV 0.15 / binary KL 0.05, no ratio cap. The
+    # authors train with seq-mean-token-sum-norm, which needs max_len; token-mean keeps the arm config-free.
+    "dppo_tv": {
+        "name": "dppo_tv",
+        "delta_low": 0.15,
+        "delta_high": 0.15,
+        "ratio_cap": None,
+        "agg": "token-mean",
+    },
+    "dppo_kl": {
+        "name": "dppo_kl",
+        "delta_low": 0.05,
+        "delta_high": 0.05,
+        "ratio_cap": None,
+        "agg": "token-mean",
+    },
+    # M2PO (arXiv:2510.01161, AReaL gsm8k_m2po.yaml): second-moment mask at 0.04, unclipped ratio, token-mean.
+    "m2po": {"name": "m2po", "m2_threshold": 0.04, "agg": "token-mean"},
 }
 """Loss name on the command line → ``algorithm.loss`` settings of its arms."""
 
@@ -51,6 +73,16 @@ CORRECTIONS: dict[str, dict[str, Any]] = {
     "none": {"name": "none"},
     "tis": {"name": "tis", "cap": 2.0},
     "icepop": {"name": "icepop", "low": 0.5, "high": 2.0},
+    # verl's rollout-correction presets (docs/algo/rollout_corr.md): decoupled_token_is, decoupled_seq_is
+    # (threshold 2.0) and decoupled_geo_rs (geometric rejection, seq_mean_k1 within 0.999_1.001).
+    "token_is": {"name": "rollout_corr", "is_level": "token", "is_threshold": 2.0, "reject": []},
+    "seq_is": {"name": "rollout_corr", "is_level": "sequence", "is_threshold": 2.0, "reject": []},
+    "geo_rs": {
+        "name": "rollout_corr",
+        "is_level": None,
+        "is_threshold": 2.0,  # unused without an IS weight; spelled out so that the arm's config reads whole
+        "reject": [{"stat": "seq_mean_k1", "lower": 0.999, "upper": 1.001}],
+    },
 }
 """Correction name on the command line → ``algorithm.correction`` of its arms."""
 
@@ -64,7 +96,7 @@ WARM_START_DIR = "warm_start"
 ARM_CONFIG_FILE = "compare.yaml"
 """The config compare wrote for a run (its own resolved copy is ``config.yaml``)."""
 ARM_NAME = re.compile(
-    r"^(?P<loss>[a-z_]+)-(?P<replay>[a-z0-9]+)-(?P<correction>[a-z]+)(?P<grid>(-[a-z0-9_.]+)*)-s(?P<seed>\d+)$"
+    r"^(?P<loss>[a-z0-9_]+)-(?P<replay>[a-z0-9]+)-(?P<correction>[a-z_]+)(?P<grid>(-[a-z0-9_.]+)*)-s(?P<seed>\d+)$"
 )
 CONFIG_ARM_NAME = re.compile(r"^(?P<label>[a-z0-9_]+)(?P<grid>(-[a-z0-9_.]+)*)-s(?P<seed>\d+)$")
 """Run directories of config arms: ``<config file stem>[-<grid point>]-s<seed>``."""

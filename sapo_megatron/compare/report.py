@@ -20,7 +20,8 @@ Definitions (``report.json`` → ``arms[i].final``):
   99.9th percentile of the token importance ratio), ``ratio_max`` (the largest ratio of the run), ``kl_old`` (mean
   ``policy/kl_old``, the k3 between the updating and the old policy), ``clip_frac`` (mean ``clip/frac``),
   ``gate_w_pos`` / ``gate_w_neg`` (mean SAPO gate over tokens of positive / negative advantage) and
-  ``gate_seq_std`` (mean within-sequence standard deviation of the gate); null for a loss that logs none;
+  ``gate_seq_std`` (mean within-sequence standard deviation of the gate), ``m2po_masked`` (M2PO's dropped-token
+  share) and ``rejected_frac`` (a ``rollout_corr`` correction's rejected-token share); null for a loss that logs none;
 - ``collapsed``: :func:`collapse_reasons` is not empty (the rule is :data:`COLLAPSE_RULE`).
 
 ``arms[i].eval`` → per eval dataset (the run's ``eval`` section, rows of phase ``eval``): ``metric`` (its
@@ -86,6 +87,8 @@ DIAGNOSTICS = {
     "gate_w_pos": "sapo/w_mean_pos",
     "gate_w_neg": "sapo/w_mean_neg",
     "gate_seq_std": "sapo/seq_w_std",
+    "m2po_masked": "m2po/frac_masked",
+    "rejected_frac": "rollout_corr/rejected_frac",
 }
 """The policy diagnostics of each step (short name → metric name); ``final`` holds their mean over the steps,
 except ``ratio_max`` (the largest)."""
@@ -486,6 +489,8 @@ def _configuration_columns(results: Sequence[ArmResult]) -> list[Column]:
             ),
         ),
         ("gate std in seq", lambda arms: _spread(r.final["gate_seq_std"] for r in arms)),
+        ("M2PO masked", lambda arms: _spread(r.final["m2po_masked"] for r in arms)),
+        ("rejected (rollout_corr)", lambda arms: _spread(r.final["rejected_frac"] for r in arms)),
     ]
     return columns
 

@@ -158,3 +158,32 @@ def test_every_metric_is_made_with_its_reduction():
     gspo = _reductions(GspoLoss(), *batch, **ref)
     assert {name: gspo[name] for name in clip} == {name: (seq, True) for name in clip}  # GSPO clips sequences
     assert gspo["ratio/seq_mean"] == (seq, False) and gspo["ratio/seq_max"] == ("max", False)
+
+
+BASELINE_GROUPS = METRIC_GROUPS | {"cispo", "dppo", "m2po", "rollout_corr"}
+
+
+@pytest.mark.parametrize("name", ["cispo", "gmpo", "dppo_tv", "dppo_kl", "m2po"])
+def test_the_baselines_metrics_are_detached_scalars_with_their_reduction(name):
+    from sapo_megatron.algo import RolloutCorrection, build_policy_loss
+
+    batch = make_batch([[1.2, 0.8, 1.0], [0.9, 1.1, 1.0]], [[1, 1, 0], [1, 1, 1]], [1.0, -1.0])
+    loss = build_policy_loss({"name": name, "kl_coef": 0.1, **({"ratio_cap": 1.1} if "dppo" in name else {})})
+    correction = RolloutCorrection(reject=[{"stat": "token_k2", "upper": 0.5}])
+    _, metrics = loss.compute(
+        *batch, rollout_logp_bt=batch[1] + 0.05, ref_logp_bt=batch[1], correction=correction
+    )
+    for key, value in metrics.items():
+        assert value.dim() == 0 and not value.requires_grad and value.dtype == torch.float32, key
+        assert key.split("/")[0] in BASELINE_GROUPS, key
+    reductions = {n: (m.reduce.value, m.per_update) for n, m in metrics.items_with_reduction()}
+    assert {n: r for n, r in reductions.items() if n.startswith("rollout_corr/")} == {
+        "rollout_corr/weight_mean": ("token_mean", False),
+        "rollout_corr/truncated_frac": ("token_mean", False),
+        "rollout_corr/rejected_frac": ("token_mean", False),
+        "rollout_corr/rejected_frac_token_k2": ("token_mean", False),
+    }
+    own = {n: r for n, r in reductions.items() if n.split("/")[0] in ("clip", "cispo", "dppo", "m2po")}
+    assert own and all(per_update for _, per_update in own.values())  # logged per update as mb{i}/...
+    expected = "pos_token_mean" if name == "cispo" else "token_mean"
+    assert reductions.get("cispo/frac_capped_pos", (expected, True))[0] == expected

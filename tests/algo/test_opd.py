@@ -10,11 +10,15 @@ from pydantic import TypeAdapter, ValidationError
 
 from sapo_megatron.algo import (
     FUSION_MODES,
+    CispoLoss,
+    DppoLoss,
     FixedFusion,
     FusionConfig,
+    GmpoLoss,
     GrpoLoss,
     GspoLoss,
     IcePop,
+    M2poLoss,
     MopdFusion,
     OpdFusion,
     RlFusion,
@@ -298,3 +302,16 @@ def test_sequence_level_gspo_is_refused_for_token_advantages():
     logp = torch.zeros(2, 6)
     with pytest.raises(ValueError, match="gspo needs sequence-level advantages"):
         GspoLoss(name="gspo").compute(logp, logp, adv, MASK)
+
+
+def test_gmpo_is_refused_for_token_advantages_and_the_token_baselines_are_not():
+    with pytest.raises(ValueError, match=r"algorithm\.loss\.name='gmpo' cannot carry"):
+        check_fusion_loss(SafFusion(), GmpoLoss())
+    for loss in (CispoLoss(), DppoLoss(), DppoLoss(name="dppo_kl"), M2poLoss()):
+        check_fusion_loss(SafFusion(), loss)
+    adv, _ = fuse(FixedFusion())
+    logp = torch.zeros(2, 6)
+    with pytest.raises(ValueError, match="gmpo needs sequence-level advantages"):
+        GmpoLoss().compute(logp, logp, adv, MASK)
+    loss, _ = CispoLoss().compute(logp.requires_grad_(), logp.detach(), adv, MASK)  # token advantages carried
+    assert torch.isfinite(loss)

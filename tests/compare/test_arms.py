@@ -244,3 +244,17 @@ def test_config_arms_must_share_model_sft_and_data(tmp_path):
     bad.write_text((DISTILL / "fixed.yaml").read_text())
     with pytest.raises(CompareError, match=r"must be lower-case letters"):
         build_config_plan([str(bad)], {}, seeds=1, steps=5, output_dir=tmp_path)
+
+
+def test_every_baseline_and_verl_correction_is_an_arm(tmp_path):
+    from sapo_megatron.compare.arms import ARM_NAME
+
+    result = plan(tmp_path, losses=list(LOSSES), replays=["none"], corrections=list(CORRECTIONS), seeds=1)
+    assert len(result.arms) == len(LOSSES) * len(CORRECTIONS) == 8 * 6
+    for run in result.arms:
+        arm, cfg = run.arm, run.cfg
+        loss = cfg.algorithm.loss.model_dump()
+        assert {key: loss[key] for key in LOSSES[arm.loss]} == LOSSES[arm.loss], arm.name
+        assert cfg.algorithm.correction.model_dump() == CORRECTIONS[arm.correction], arm.name
+        parsed = ARM_NAME.match(arm.name)  # a rerun recognises the directory (dppo_tv-none-geo_rs-s0)
+        assert parsed and (parsed["loss"], parsed["correction"]) == (arm.loss, arm.correction)

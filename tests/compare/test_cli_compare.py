@@ -41,7 +41,10 @@ def test_steps_and_output_dir_are_required(capsys):
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--losses", "sapo,ppo"], "--losses: unknown name 'ppo'; choose from sapo, gspo, grpo"),
+        (
+            ["--losses", "sapo,ppo"],
+            "--losses: unknown name 'ppo' (did you mean 'dppo_tv'?); choose from sapo, gspo, grpo, cispo, gmpo, dppo_tv, dppo_kl, m2po",
+        ),
         (
             ["--replay", "none,r33"],
             "--replay: unknown name 'r33' (did you mean 'r3'?); choose from none, r2, r3",

@@ -27,6 +27,8 @@ FINAL_KEYS = [
     "gate_w_pos",
     "gate_w_neg",
     "gate_seq_std",
+    "m2po_masked",
+    "rejected_frac",
     "collapsed",
 ]
 ARM_KEYS = ["name", "loss", "replay", "correction", "seed", "overrides", "run_dir", "steps", "final", "eval"]
@@ -430,3 +432,17 @@ def test_a_dataset_of_several_sources_reports_each_sources_avg(tmp_path):
     assert {"eval_heldout_name_colour.png", "eval_heldout_knights_knaves.png"} <= {
         p.name for p in files.plots
     }
+
+
+def test_the_baselines_masking_diagnostics_are_step_means(tmp_path):
+    m2po = Arm("m2po", "none", "geo_rs", 0)
+    curves = {
+        **healthy(4),
+        "m2po/frac_masked": [0.0, 0.1, 0.2, 0.3],
+        "rollout_corr/rejected_frac": flat(0.05, 4),
+    }
+    write_run(tmp_path, m2po, curves, summary={})
+    final = load_arm_result(m2po, tmp_path / m2po.name).final
+    assert final["m2po_masked"] == pytest.approx(0.15) and final["rejected_frac"] == pytest.approx(0.05)
+    write_run(tmp_path, SAPO, healthy(4), summary={})
+    assert load_arm_result(SAPO, tmp_path / SAPO.name).final["m2po_masked"] is None
