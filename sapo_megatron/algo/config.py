@@ -7,10 +7,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from sapo_megatron.algo.advantages import AdvantageConfig
-from sapo_megatron.algo.losses import PolicyLossConfig, SapoLoss
-from sapo_megatron.algo.mismatch import MismatchCorrectionConfig, NoCorrection
-from sapo_megatron.algo.opd import FusionConfig, RlFusion
+from sapo_megatron.algo import (
+    AdvantageConfig,
+    FusionConfig,
+    MismatchCorrectionConfig,
+    NoCorrection,
+    PolicyLossConfig,
+    RlFusion,
+    SapoLoss,
+)
 from sapo_megatron.config_section import Section
 
 
