@@ -298,6 +298,8 @@ def test_padding_fraction_counts_the_positions_without_a_token():
 def test_config_refuses_a_budget_below_an_episode():
     episode = {
         **_config(max_tokens_per_micro_batch=256),
+        # a model whose context holds the episode (a context below it is refused on its own, tests/rollout)
+        "model": {"hf_config": tiny_hf_config("moe", max_position_embeddings=2048)},
         "rollout": {"max_new_tokens": 64, "multi_turn": {"max_context_tokens": 1024}},
         "data": {"tokenizer": "/models/qwen3", "apply_chat_template": True},
     }

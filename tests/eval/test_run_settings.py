@@ -114,7 +114,11 @@ def test_compare_runs_reports_finished_runs_and_says_n_and_t(chat_run, tmp_path,
     report = (out / "report.md").read_text()
     assert "held-out accuracy: avg@2 of sums (n 2, T 1), before" in report and "greedy" not in report
     arms = json.loads((out / "report.json").read_text())["arms"]
-    assert [(a["name"], a["steps"]) for a in arms] == [("run-s0", 1), ("again-run-s0", 1)]
+    # both paths end in "run": each arm is labelled by its parent folder too (tests/security, compare labels)
+    assert [(a["name"], a["steps"]) for a in arms] == [
+        (f"{chat_run.parent.name}-run-s0", 1),
+        ("again-run-s0", 1),
+    ]
     assert (chat_run / "metrics.jsonl").read_text() == before  # nothing ran
     assert main(["compare", "--runs", str(tmp_path), "--output-dir", str(out)]) == 2
     assert "not a run directory (no metrics.jsonl)" in capsys.readouterr().err
