@@ -37,6 +37,16 @@ class RolloutError(UserError, RuntimeError):
         super().__init__(f"{message} [{context}]" if context else message)
 
 
+class ContextLengthError(RolloutError, ValueError):
+    """A request longer than the model's context: one line with the fix (a ``ValueError`` to the HTTP server,
+    which answers 400 with it, as SGLang does)."""
+
+    hint = (
+        "raise the model's max_position_embeddings ('auto' sizes it from the prompts, their tool schemas, "
+        "max_new_tokens and rollout.multi_turn.max_context_tokens), or lower max_new_tokens"
+    )
+
+
 class LocalServer(Protocol):
     """A server a run started in its own process (the CPU engine behind SGLang's HTTP API,
     ``rollout.cpu.server``, imported only where it is used); stopped when the run ends."""

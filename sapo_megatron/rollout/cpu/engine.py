@@ -47,7 +47,12 @@ import torch
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-from sapo_megatron.rollout.base import RolloutEngine, RolloutError, normalize_response_starts
+from sapo_megatron.rollout.base import (  # ContextLengthError: also importable from here, as before
+    ContextLengthError,
+    RolloutEngine,
+    RolloutError,
+    normalize_response_starts,
+)
 from sapo_megatron.rollout.cpu.vision import EngineVision, is_vision_model
 from sapo_megatron.rollout.precision import EngineNumerics
 from sapo_megatron.rollout.types import (
@@ -99,16 +104,6 @@ class RowResult:
     # Entries for prompt positions logprob_start_len .. P-1; the entry of position 0 is None.
     input_logprobs: list[float | None] | None
     routed_experts: np.ndarray | None
-
-
-class ContextLengthError(RolloutError, ValueError):
-    """A request longer than the model's context: one line with the fix (a ``ValueError`` to the HTTP server,
-    which answers 400 with it, as SGLang does)."""
-
-    hint = (
-        "raise the model's max_position_embeddings ('auto' sizes it from the prompts, their tool schemas, "
-        "max_new_tokens and rollout.multi_turn.max_context_tokens), or lower max_new_tokens"
-    )
 
 
 class _RouterCapture:
