@@ -84,3 +84,19 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     )
     for duration, nodeid in sorted(_over_budget, reverse=True):
         terminalreporter.write_line(f"{duration:7.1f} s  {nodeid}")
+
+
+@pytest.fixture(scope="module")
+def isolated() -> dict:
+    """The code sandbox's isolation report; its namespaces need root with CAP_SYS_ADMIN. As root (CI) a missing
+    isolation fails; elsewhere the tests that take this fixture skip (the fallback: tests/rewards/test_code_exec.py)."""
+    import os
+
+    from sapo_megatron.rewards.sandbox import ISOLATED, isolation
+
+    found = isolation()
+    if not all(found[key] for key in ISOLATED):
+        if os.geteuid() == 0:
+            pytest.fail(f"running as root, yet the sandbox cannot isolate: {found}")
+        pytest.skip("the sandbox's namespaces need root with CAP_SYS_ADMIN (the fallback: test_code_exec.py)")
+    return found
