@@ -587,7 +587,7 @@ def _launch_ranks(cfg: RunConfig, argv: list[str]) -> int:
     from sapo_megatron.runtime.local_launch import launch_local
 
     command = [sys.executable, "-m", "sapo_megatron.cli", *argv]
-    return launch_local(command, cfg.launch.procs_per_node, port=free_port())
+    return launch_local(command, cfg.launch.procs_per_node)
 
 
 def free_port() -> int:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sapo_megatron.cli import free_port
 from sapo_megatron.runtime.local_launch import launch_local
 
 if __name__ == "__main__":
@@ -15,4 +14,4 @@ if __name__ == "__main__":
     parser.add_argument("--settle-s", type=float, default=5.0)
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args()
-    sys.exit(launch_local(args.command, args.nprocs, port=free_port(), settle_s=args.settle_s, grace_s=5.0))
+    sys.exit(launch_local(args.command, args.nprocs, settle_s=args.settle_s, grace_s=5.0))

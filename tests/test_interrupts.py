@@ -299,3 +299,30 @@ def test_print_line_writes_its_line_and_newline_in_one_write(monkeypatch):
     monkeypatch.setattr(sys, "stderr", recorder)
     print_line("sapo-megatron: SIGTERM: stopping after the current step")
     assert [w for w in recorder.writes if w] == ["sapo-megatron: SIGTERM: stopping after the current step\n"]
+
+
+def test_the_launcher_holds_the_rendezvous_port_for_the_whole_job(tmp_path):
+    """The launcher hosts the ranks' store (as torchrun's agent does): while the ranks start, the port is already
+    bound, so another process cannot take it between its choice and rank 0's bind (CI once lost that race: rank 1
+    got "Connection reset by peer" from whatever held the port). Two ranks then form a gloo group through it."""
+    from sapo_megatron.runtime.local_launch import launch_local
+
+    rank_code = f"""
+import os, socket, sys, torch, torch.distributed as dist
+assert os.environ["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+probe = socket.socket()
+try:
+    probe.bind(("127.0.0.1", int(os.environ["MASTER_PORT"])))
+    sys.exit(3)  # the port was free: nobody holds it for the job
+except OSError:
+    pass
+finally:
+    probe.close()
+dist.init_process_group("gloo")
+total = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(total)
+open(os.path.join({str(tmp_path)!r}, "rank" + os.environ["RANK"]), "w").write(str(total.item()))
+dist.destroy_process_group()
+"""
+    assert launch_local([sys.executable, "-c", rank_code], 2) == 0
+    assert sorted(p.read_text() for p in tmp_path.iterdir()) == ["3.0", "3.0"]

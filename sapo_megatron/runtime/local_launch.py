@@ -10,6 +10,11 @@ and kills it, orphaning the workers; and the previous ``subprocess.call(torchrun
 after a Ctrl-C, leaving the workers running on their own. Multi-node jobs still start under ``torchrun``
 (``launch/slurm_train.sbatch``).
 
+The rendezvous store is hosted by this launcher, as torchrun's agent hosts it (``TORCHELASTIC_USE_AGENT_STORE``):
+it binds a port the kernel picks and holds it for the whole job, so nothing can take the port between choosing it
+and rank 0 binding it. (Choosing a free port and letting rank 0 bind it seconds later, after its imports, lost
+that race once in CI under pytest-xdist: rank 1 reached another process on the port, "Connection reset by peer".)
+
 The ranks run in their own sessions, so a terminal's Ctrl-C reaches only this process, which forwards it: every
 rank sees each signal exactly once. When a rank fails, the others get ``settle_s`` to finish on their own (they
 usually fail too, or print nothing), then SIGTERM, and SIGKILL after ``grace_s``.
@@ -52,9 +57,15 @@ def note_failure() -> None:
         )  # CLOCK_MONOTONIC: one per machine
 
 
-def rank_env(rank: int, world_size: int, port: int, failure_dir: str | None = None) -> dict[str, str]:
-    """The environment of local rank ``rank`` (what torchrun sets, for one node), and where it notes a failure."""
+def rank_env(
+    rank: int, world_size: int, port: int, failure_dir: str | None = None, *, agent_store: bool = False
+) -> dict[str, str]:
+    """The environment of local rank ``rank`` (what torchrun sets, for one node), and where it notes a failure;
+    with ``agent_store`` every rank joins the store the launcher hosts on ``port`` as a client."""
     env = dict(os.environ)
+    env.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    if agent_store:  # read by torch.distributed.rendezvous._create_c10d_store
+        env["TORCHELASTIC_USE_AGENT_STORE"] = "True"
     if failure_dir is not None:
         env[FAILURE_DIR_ENV] = failure_dir
     env.setdefault(
@@ -73,23 +84,38 @@ def rank_env(rank: int, world_size: int, port: int, failure_dir: str | None = No
 
 
 def launch_local(
-    command: Sequence[str], nprocs: int, *, port: int, settle_s: float = 5.0, grace_s: float = 30.0
+    command: Sequence[str],
+    nprocs: int,
+    *,
+    port: int | None = None,
+    settle_s: float = 5.0,
+    grace_s: float = 30.0,
 ) -> int:
     """Run ``command`` as ``nprocs`` ranks; returns the exit status of the rank that failed first (the root
-    cause; a rank killed by signal N counts as 128 + N), or 0 when all succeed."""
+    cause; a rank killed by signal N counts as 128 + N), or 0 when all succeed. Without ``port`` this process
+    hosts the ranks' rendezvous store (see the module's text); with one, rank 0 hosts it there."""
+    store = _agent_store(nprocs) if port is None else None
+    store_port = store.port if store is not None else port
+    assert store_port is not None
     with tempfile.TemporaryDirectory(prefix="sapo-launch-") as failure_dir:
-        return _launch(
-            command, nprocs, port=port, settle_s=settle_s, grace_s=grace_s, failure_dir=failure_dir
-        )
+        envs = [
+            rank_env(rank, nprocs, store_port, failure_dir, agent_store=store is not None)
+            for rank in range(nprocs)
+        ]
+        return _launch(command, envs, settle_s=settle_s, grace_s=grace_s, failure_dir=failure_dir)
+
+
+def _agent_store(nprocs: int):
+    """A TCP store on 127.0.0.1 at a port the kernel picks, served from a thread of this process until it ends."""
+    import torch.distributed as dist
+
+    return dist.TCPStore("127.0.0.1", 0, nprocs, is_master=True, wait_for_workers=False)
 
 
 def _launch(
-    command: Sequence[str], nprocs: int, *, port: int, settle_s: float, grace_s: float, failure_dir: str
+    command: Sequence[str], envs: list[dict[str, str]], *, settle_s: float, grace_s: float, failure_dir: str
 ) -> int:
-    procs = [
-        subprocess.Popen(list(command), env=rank_env(rank, nprocs, port, failure_dir), start_new_session=True)
-        for rank in range(nprocs)
-    ]
+    procs = [subprocess.Popen(list(command), env=env, start_new_session=True) for env in envs]
 
     def forward(signum: int, frame: FrameType | None) -> None:
         for proc in procs:
