@@ -1,7 +1,11 @@
 """The CPU server's batcher: concurrent ``/generate`` requests are gathered for a few milliseconds and run through
 the engine as one batch (the client sends one HTTP request per sample). If a batch fails, its requests are retried
 one by one, so that only the failing one gets the error; a request whose client hung up before its batch ran is
-dropped without computing it (:class:`ClientGone`)."""
+dropped without computing it (:class:`ClientGone`).
+
+While generation is paused (:mod:`.pause`) no new batch starts; an ``abort`` pause answers the requests queued
+before it at once with ``finish_reason`` abort and no tokens (SGLang aborts its waiting queue), and holds those that
+arrive during the pause until ``continue_generation``."""
 
 from __future__ import annotations
 
@@ -13,6 +17,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
+from sapo_megatron.rollout.cpu.decode import RowResult
 from sapo_megatron.rollout.cpu.engine import CPUEngine, RowSpec
 
 logger = logging.getLogger(__name__)
@@ -37,7 +42,7 @@ class Batcher:
         with self._pending_lock:
             self.pending += 1
         future.add_done_callback(self._done)
-        self._queue.put(_Item(rows, future, client_gone))
+        self._queue.put(_Item(rows, future, client_gone, self.engine.pause_gate.abort_epoch))
         return future
 
     def _done(self, _future: Future) -> None:
@@ -49,10 +54,18 @@ class Batcher:
         self._thread.join(timeout=30)
 
     def _loop(self) -> None:
+        held: list[_Item] = []
         while True:
-            item = self._queue.get()
+            item = held.pop(0) if held else self._queue.get()
             if item is None:
                 break
+            if self.engine.pause_gate.paused:
+                held = self._hold([item, *held])
+                if held and held[-1] is None:
+                    for stale in held[:-1]:
+                        stale.future.set_exception(RuntimeError("server stopped"))
+                    break
+                continue
             items = [item]
             deadline = time.monotonic() + self.window_s
             stopping = False
@@ -79,10 +92,32 @@ class Batcher:
             if item is not None:
                 item.future.set_exception(RuntimeError("server stopped"))
 
+    def _hold(self, items: list[_Item]) -> list:
+        """While paused: abort the items queued before an abort pause, keep the others (and newcomers) for after
+        ``continue_generation``. A trailing None means the server stops."""
+        gate = self.engine.pause_gate
+        while True:
+            kept = []
+            for item in items:
+                if item is not None and item.epoch < gate.abort_epoch:
+                    item.future.set_result([_aborted() for _ in item.rows])
+                else:
+                    kept.append(item)
+            items = kept
+            if (items and items[-1] is None) or gate.wait_running(0.02):
+                return items
+            while True:
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+
     def _run(self, items: list[_Item]) -> None:
         live = []
         for item in items:
-            if item.client_gone():  # nobody waits for it: do not compute it
+            if item.epoch < self.engine.pause_gate.abort_epoch:  # queued before an abort pause
+                item.future.set_result([_aborted() for _ in item.rows])
+            elif item.client_gone():  # nobody waits for it: do not compute it
                 item.future.set_exception(ClientGone("the client closed its connection"))
                 self.dropped += 1
             else:
@@ -111,6 +146,18 @@ class _Item:
     rows: list[RowSpec]
     future: Future
     client_gone: Callable[[], bool]
+    epoch: int  # the engine's abort epoch when it arrived
+
+
+def _aborted() -> RowResult:
+    return RowResult(
+        output_ids=[],
+        output_logprobs=[],
+        finish_reason="abort",
+        matched_stop=None,
+        input_logprobs=None,
+        routed_experts=None,
+    )
 
 
 class ClientGone(RuntimeError):

@@ -37,7 +37,7 @@ import inspect
 import logging
 import re
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -53,10 +53,11 @@ from sapo_megatron.rollout.base import (  # ContextLengthError: also importable 
     RolloutError,
     normalize_response_starts,
 )
+from sapo_megatron.rollout.cpu.decode import BatchDecode, RowResult
+from sapo_megatron.rollout.cpu.pause import PAUSE_MODES, PauseGate, PauseMode, ScriptedPause
 from sapo_megatron.rollout.cpu.vision import EngineVision, is_vision_model
 from sapo_megatron.rollout.precision import EngineNumerics
 from sapo_megatron.rollout.types import (
-    FinishReason,
     GenerationRequest,
     ImageInputs,
     Sample,
@@ -93,17 +94,6 @@ class RowSpec:
     routed_experts_start: int = 0  # routes from this position on (SGLang's routed_experts_start_len)
     images: tuple[bytes, ...] = ()
     pixels: dict[str, torch.Tensor] | None = None
-
-
-@dataclasses.dataclass
-class RowResult:
-    output_ids: list[int]
-    output_logprobs: list[float]
-    finish_reason: FinishReason
-    matched_stop: int | None
-    # Entries for prompt positions logprob_start_len .. P-1; the entry of position 0 is None.
-    input_logprobs: list[float | None] | None
-    routed_experts: np.ndarray | None
 
 
 class _RouterCapture:
@@ -197,6 +187,7 @@ class CPUEngine(RolloutEngine):
         self.seed = seed
         self._seed_rng = np.random.default_rng(seed)
         self._lock = threading.RLock()
+        self.pause_gate = PauseGate()
         self._closed = False
         self._counters = {"rollout/samples": 0.0, "rollout/generated_tokens": 0.0}
 
@@ -273,6 +264,7 @@ class CPUEngine(RolloutEngine):
                         finish_reason=res.finish_reason,
                         routed_experts=res.routed_experts,
                         routed_experts_start=req.routed_experts_start,
+                        token_versions=res.token_versions,
                     )
                 )
             samples.append(group)
@@ -378,6 +370,34 @@ class CPUEngine(RolloutEngine):
             raise ValueError(f"weight {name} has shape {list(shape)}, the model expects {list(target.shape)}")
         return param_name, target
 
+    def pause_generation(self, mode: str = "abort", timeout_s: float | None = None) -> None:
+        """Pause generation like SGLang's ``/pause_generation`` (see :mod:`.pause`): ``abort`` finishes running
+        rows now, ``in_place`` keeps them and their cache, ``retract`` drops the cache and prefills again with the
+        weights of the continue. Weight updates are allowed while paused; returns once no forward runs."""
+        self.pause_gate.pause(mode, timeout_s)
+
+    def continue_generation(self) -> None:
+        self.pause_gate.resume()
+
+    def pause_after(self, tokens: int, mode: str, during: Callable[[], None]) -> None:
+        """Deterministic pause: the next batch that has sampled ``tokens`` tokens pauses in ``mode``, runs
+        ``during`` (e.g. a weight update) and continues (``abort``: its live rows finish, ``during`` is not run)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r} is not one of {PAUSE_MODES}")
+        self.pause_gate.scripted.append(ScriptedPause(tokens, cast("PauseMode", mode), during))
+
+    @contextlib.contextmanager
+    def _unlocked(self) -> Iterator[None]:
+        """Release the compute locks that a decode loop holds while it waits for ``continue_generation``, so that
+        weights can be updated meanwhile."""
+        _COMPUTE_LOCK.release()
+        self._lock.release()
+        try:
+            yield
+        finally:
+            self._lock.acquire()
+            _COMPUTE_LOCK.acquire()
+
     def flush_cache(self) -> None:
         """Nothing to do: every call starts from an empty KV cache (no prefix cache)."""
 
@@ -419,146 +439,17 @@ class CPUEngine(RolloutEngine):
             if row.images and row.pixels is None:
                 self.prepare_images(row)
             self.validate_row(row)
+        self.pause_gate.wait_running(None)  # new work waits for continue_generation, as in SGLang
         with self._lock:
             seeds = [r.seed if r.seed is not None else int(self._seed_rng.integers(2**62)) for r in rows]
             results: list[RowResult] = []
             with _COMPUTE_LOCK, _torch_threads(self.num_threads):
                 for start in range(0, len(rows), self.max_batch_size):
                     chunk = slice(start, start + self.max_batch_size)
-                    results.extend(self._run_batch(list(rows[chunk]), seeds[chunk]))
+                    results.extend(BatchDecode(self, list(rows[chunk]), seeds[chunk], self._unlocked).run())
             self._counters["rollout/samples"] += len(rows)
             self._counters["rollout/generated_tokens"] += sum(len(r.output_ids) for r in results)
             return results
-
-    @torch.no_grad()
-    def _run_batch(self, rows: list[RowSpec], seeds: list[int]) -> list[RowResult]:
-        batch = len(rows)
-        prompt_lens = [len(r.prompt_ids) for r in rows]
-        width = max(prompt_lens)
-        input_ids = torch.zeros((batch, width), dtype=torch.long)
-        attention_mask = torch.zeros((batch, width), dtype=torch.long)
-        for i, row in enumerate(rows):  # left padding keeps every row's next token in the last column
-            input_ids[i, width - prompt_lens[i] :] = torch.tensor(row.prompt_ids)
-            attention_mask[i, width - prompt_lens[i] :] = 1
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        last_pos = position_ids[:, -1]
-        vision_kwargs: dict[str, torch.Tensor] = {}
-        if self._vision is not None:  # 3-D MRoPE positions, the images' pixels
-            grids = [r.pixels["image_grid_thw"] for r in rows if r.pixels is not None]
-            if grids:
-                vision_kwargs["pixel_values"] = torch.cat(
-                    [r.pixels["pixel_values"] for r in rows if r.pixels]
-                )
-                vision_kwargs["image_grid_thw"] = torch.cat(grids)
-            position_ids, last_pos = self._vision.positions(
-                input_ids, attention_mask, vision_kwargs.get("image_grid_thw")
-            )
-            vision_kwargs["mm_token_type_ids"] = self._vision.mm_token_type_ids(input_ids, attention_mask)
-
-        capture = self._routers is not None and any(r.return_routed_experts for r in rows)
-        want_input_logprobs = any(r.logprob_start_len >= 0 for r in rows)
-        if self._routers is not None:
-            self._routers.enabled = capture
-        cache = _new_cache()
-        try:
-            out = self.model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                use_cache=True,
-                logits_to_keep=0 if want_input_logprobs else 1,
-                **{self._cache_kwarg: cache},
-                **vision_kwargs,
-            )
-            logits = out.logits.float()
-            routed_steps: list[np.ndarray] = []
-            if capture and self._routers is not None:
-                routed_steps.append(self._routers.take(batch, width))
-
-            input_logprobs = [
-                _input_logprobs(logits[i], row, width) if row.logprob_start_len >= 0 else None
-                for i, row in enumerate(rows)
-            ]
-            outputs, logprobs, finish, matched = self._decode(
-                rows,
-                seeds,
-                logits[:, -1, :],
-                cache,
-                attention_mask,
-                last_pos,
-                routed_steps,
-                capture,
-            )
-        finally:
-            if self._routers is not None:
-                self._routers.enabled = False
-
-        results = []
-        for i, row in enumerate(rows):
-            routed = None
-            if row.return_routed_experts:
-                routed = _row_routing(routed_steps, i, prompt_lens[i], width, len(outputs[i]))
-                routed = routed[row.routed_experts_start :]
-            results.append(
-                RowResult(
-                    output_ids=outputs[i],
-                    output_logprobs=logprobs[i],
-                    finish_reason=finish[i],
-                    matched_stop=matched[i],
-                    input_logprobs=input_logprobs[i],
-                    routed_experts=routed,
-                )
-            )
-        return results
-
-    def _decode(self, rows, seeds, next_logits, cache, attention_mask, last_pos, routed_steps, capture):
-        batch = len(rows)
-        generators = [torch.Generator().manual_seed(s) for s in seeds]
-        stop_sets = [
-            set(r.sampling.stop_token_ids) | (set() if r.ignore_eos else set(self.eos_token_ids))
-            for r in rows
-        ]
-        outputs: list[list[int]] = [[] for _ in rows]
-        logprobs: list[list[float]] = [[] for _ in rows]
-        finish: list[FinishReason] = ["length"] * batch
-        matched: list[int | None] = [None] * batch
-        done = [r.sampling.max_new_tokens == 0 for r in rows]
-        max_steps = max(r.sampling.max_new_tokens for r in rows)
-        for _ in range(max_steps):
-            if all(done):
-                break
-            tokens, token_logprobs = self._sample(rows, next_logits, generators, done)
-            for i in range(batch):
-                if done[i]:
-                    continue
-                token = int(tokens[i])
-                outputs[i].append(token)
-                logprobs[i].append(float(token_logprobs[i]))
-                if len(outputs[i]) >= rows[i].sampling.max_new_tokens:
-                    done[i], finish[i] = True, "length"
-                elif token in stop_sets[i]:
-                    done[i], finish[i], matched[i] = True, "stop", token
-            if all(done):
-                break  # the final tokens are never fed back, as in SGLang
-            attention_mask = torch.cat(
-                [attention_mask, torch.ones((batch, 1), dtype=attention_mask.dtype)], dim=1
-            )
-            last_pos = last_pos + 1
-            out = self.model(
-                input_ids=tokens.view(batch, 1),
-                attention_mask=attention_mask,
-                position_ids=last_pos.view(batch, 1),
-                use_cache=True,
-                logits_to_keep=1,
-                **{self._cache_kwarg: cache},
-            )
-            if capture and self._routers is not None:
-                step = self._routers.take(batch, 1)
-                # A row that finished feeds a filler token: mark it so that it is not taken as routing.
-                step[np.asarray(done)] = np.iinfo(np.int32).min
-                routed_steps.append(step)
-            next_logits = out.logits[:, -1, :].float()
-        return outputs, logprobs, finish, matched
 
     def _sample(self, rows, logits, generators, done):
         """Next token and its reported logprob for every row. logits: float32 [batch, vocab]."""
@@ -644,40 +535,12 @@ def _load_model(model_dir: str | Path) -> PreTrainedModel:
             hf_logging.enable_progress_bar()
 
 
-def _new_cache():
-    from transformers import DynamicCache
-
-    return DynamicCache()
-
-
 def _eos_ids(model: torch.nn.Module) -> tuple[int, ...]:
     for source in (getattr(model, "generation_config", None), model.config):
         eos = getattr(source, "eos_token_id", None)
         if eos is not None:
             return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
     return ()
-
-
-def _input_logprobs(logits_sv: torch.Tensor, row: RowSpec, width: int) -> list[float | None]:
-    """log p(ids[t] | ids[:t]) for t >= logprob_start_len, from one row's prefill logits [width, vocab]."""
-    length = len(row.prompt_ids)
-    row_logits = logits_sv[width - length :]
-    ids = torch.tensor(row.prompt_ids)
-    values = torch.log_softmax(row_logits[:-1], dim=-1).gather(1, ids[1:, None]).squeeze(1).tolist()
-    full: list[float | None] = [None, *values]
-    return full[row.logprob_start_len :]
-
-
-def _row_routing(
-    steps: list[np.ndarray], row: int, prompt_len: int, width: int, num_output: int
-) -> np.ndarray:
-    """[prompt_len + num_output - 1, layers, top_k]: the prompt's prefill rows, then one row per fed output token."""
-    parts = [steps[0][row, width - prompt_len :]]
-    parts.extend(step[row] for step in steps[1:num_output])
-    routed = np.concatenate(parts, axis=0)[: prompt_len + num_output - 1]
-    if (routed == np.iinfo(np.int32).min).any():
-        raise AssertionError("routing of a finished row leaked into its routed_experts")
-    return np.ascontiguousarray(routed, dtype=np.int32)
 
 
 def _state_mismatch(served: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor]) -> str | None:

@@ -75,10 +75,13 @@ from sapo_megatron.rollout.cpu.http import (
 )
 from sapo_megatron.rollout.cpu.memory import MemoryEndpoints
 from sapo_megatron.rollout.cpu.parsing import BadRequest, json_body, parse_generate, validation_error
+from sapo_megatron.rollout.cpu.pause import PAUSE_MODES
 from sapo_megatron.rollout.cpu.weights import (
+    _OPTIONAL_STR,
     InvalidRequest,
     WeightEndpoints,
     WeightGuard,
+    _fields,
 )
 from sapo_megatron.rollout.protocol import encode_routed_experts, finish_reason_json
 from sapo_megatron.rollout.types import SamplingParams
@@ -96,7 +99,11 @@ FLUSH_CACHE_TEXT = (
     "Cache flushed.\nPlease check backend logs for more details. "
     "(When there are running or waiting requests, the operation will not be performed.)\n"
 )
-FLUSH_CACHE_FAILED_TEXT = "Flush cache failed.\n"  # SGLang: ret.message or this, with HTTP 400
+FLUSH_CACHE_FAILED_TEXT = "Flush cache failed.\n"
+_BASE_REQ = {
+    "rid": (_OPTIONAL_STR, None),
+    "http_worker_ipc": (_OPTIONAL_STR, None),
+}  # SGLang's BaseReq fields  # SGLang: ret.message or this, with HTTP 400
 
 
 class CPUServer:
@@ -220,6 +227,8 @@ class CPUServer:
             "/update_weights_from_distributed": (("POST",), weights.update_from_distributed),
             "/begin_weight_update": (("POST",), weights.begin_session),
             "/end_weight_update": (("POST",), weights.end_session),
+            "/pause_generation": (("POST",), self.pause_generation),
+            "/continue_generation": (("POST",), self.continue_generation),
         }
 
     def authorize(self, method: str, path: str, headers: Mapping[str, str]) -> bool:
@@ -252,10 +261,30 @@ class CPUServer:
         return json_response(status, payload)
 
     # ------------------------------------------------------------------ endpoints
+    def pause_generation(
+        self, body: dict[str, Any], _request: Request | None = None
+    ) -> tuple[HTTPStatus, Any]:
+        """SGLang's ``PauseGenerationReqInput`` (``mode``: abort | retract | in_place, default abort; see
+        :mod:`.pause`); answers once no forward runs."""
+        mode = _fields(body, {"mode": (str, "abort"), **_BASE_REQ})["mode"]
+        if mode not in PAUSE_MODES:
+            raise InvalidRequest(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}")
+        self.engine.pause_generation(mode)
+        return HTTPStatus.OK, {"message": "Generation paused successfully.", "status": "ok"}
+
+    def continue_generation(
+        self, body: dict[str, Any], _request: Request | None = None
+    ) -> tuple[HTTPStatus, Any]:
+        """SGLang's ``ContinueGenerationReqInput`` (``torch_empty_cache``: accepted, nothing to free on CPU)."""
+        _fields(body, {"torch_empty_cache": (bool, True), **_BASE_REQ})
+        self.engine.continue_generation()
+        return HTTPStatus.OK, {"message": "Generation continued successfully.", "status": "ok"}
+
     def flush_cache(self) -> tuple[HTTPStatus, str]:
         """Nothing to flush (no prefix cache); refused (400) while requests run or wait, as SGLang's scheduler
-        refuses (``flush_cache``: "Cache not flushed because there are pending requests")."""
-        if self.batcher.pending:
+        refuses (``flush_cache``: "Cache not flushed because there are pending requests"), except during a retract
+        or abort pause, whose requests hold no cache (SGLang: ``is_fully_idle(ignore_waiting=_engine_paused)``)."""
+        if self.batcher.pending and self.engine.pause_gate.mode not in ("retract", "abort"):
             return HTTPStatus.BAD_REQUEST, FLUSH_CACHE_FAILED_TEXT
         return HTTPStatus.OK, FLUSH_CACHE_TEXT
 
@@ -277,6 +306,8 @@ class CPUServer:
     def _reply(self, row: RowSpec, res: RowResult, info: dict[str, Any]) -> dict[str, Any]:
         if res.finish_reason == "stop":
             finish = finish_reason_json("stop", matched=res.matched_stop)
+        elif res.finish_reason == "abort":  # SGLang's FINISH_ABORT().to_json()
+            finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
         else:
             finish = finish_reason_json("length", length=row.sampling.max_new_tokens)
         meta: dict[str, Any] = {
@@ -286,6 +317,8 @@ class CPUServer:
             "completion_tokens": len(res.output_ids),
             "cached_tokens": 0,
             "weight_version": self.weights.weight_version,
+            # not in SGLang: the engine's weight version (update count) of the forward behind each output token
+            "output_token_weight_versions": res.token_versions,
         }
         if info["return_logprob"]:
             meta["output_token_logprobs"] = [
