@@ -121,6 +121,16 @@ class RolloutEngine(abc.ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} has no NCCL weight-sync path")
 
+    def pause_generation(self, mode: str = "retract") -> None:
+        """Stop generating for a weight update, like SGLang's ``/pause_generation``: ``abort`` cuts running
+        samples short (a client continues them after :meth:`continue_generation`), ``in_place`` keeps them with
+        their cache, ``retract`` keeps their tokens and recomputes the cache with the new weights. Samples that span
+        the update carry ``token_versions``."""
+        raise NotImplementedError(f"{type(self).__name__} cannot pause generation")
+
+    def continue_generation(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot pause generation")
+
     @abc.abstractmethod
     def flush_cache(self) -> None:
         """Drop cached prefixes (after a weight change they belong to the old policy)."""

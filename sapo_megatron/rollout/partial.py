@@ -10,10 +10,15 @@ length.
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import numpy as np
 
 from sapo_megatron.rollout.types import GenerationRequest, Sample
+
+# SGLang 0.5.23 ``PauseGenerationReqInput.mode`` (srt/managers/io_struct.py); see rollout/cpu/pause.py
+PauseMode = Literal["abort", "retract", "in_place"]
+PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
 
 
 def continuation_request(request: GenerationRequest, partial: Sample) -> GenerationRequest:
@@ -38,7 +43,8 @@ def continuation_request(request: GenerationRequest, partial: Sample) -> Generat
         sampling=sampling,
         return_routed_experts=request.return_routed_experts,
         group_id=request.group_id,
-        routed_experts_start=max(len(prefix) - 1, 0),
+        # nothing made yet: the request itself; else the partial's last token on (its feed makes the next log-prob)
+        routed_experts_start=len(prefix) - 1 if partial.response_ids else request.routed_experts_start,
         images=request.images,
     )
 
@@ -49,8 +55,12 @@ def splice(
     """``partial`` followed by ``continuation``: one sample whose tokens carry the version of their forward."""
     versions = list(partial.token_versions or [partial_version] * len(partial.response_ids))
     versions += continuation.token_versions or [continuation_version] * len(continuation.response_ids)
-    routed = None
-    if partial.routed_experts is not None and continuation.routed_experts is not None:
+    routed = continuation.routed_experts if not partial.response_ids else None
+    if (
+        partial.response_ids
+        and partial.routed_experts is not None
+        and continuation.routed_experts is not None
+    ):
         keep = len(partial.prompt_ids) + len(partial.response_ids) - 1 - partial.routed_experts_start
         routed = np.concatenate([partial.routed_experts[:keep], continuation.routed_experts], axis=0)
     return dataclasses.replace(

@@ -286,7 +286,8 @@ def parse_generate_reply(
             raise fail_field(f"meta_info.{key}", f"is {meta[key]!r}, expected {expected}{why}")
 
     routed = None
-    if want_routed_experts:
+    aborted_before_start = finish_reason == "abort" and not output_ids  # no forward ran: no routes
+    if want_routed_experts and not (aborted_before_start and meta.get("routed_experts") is None):
         if "routed_experts" not in meta or meta["routed_experts"] is None:
             raise fail_field(
                 "meta_info.routed_experts", "is missing; start the server with --enable-return-routed-experts"

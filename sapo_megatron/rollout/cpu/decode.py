@@ -18,17 +18,53 @@ Route row ``p`` pairs with the log-prob of token ``p + 1`` (prompt rows with the
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
 
-from sapo_megatron.rollout.types import FinishReason
+from sapo_megatron.rollout.types import FinishReason, SamplingParams
 
 if TYPE_CHECKING:
-    from sapo_megatron.rollout.cpu.engine import CPUEngine, RowSpec
+    from sapo_megatron.rollout.cpu.pause import PauseGate
 
 _FILLER = np.iinfo(np.int32).min  # routing of a finished row's filler token
+
+
+@dataclasses.dataclass
+class RowSpec:
+    """One sequence to generate (one sample of a request), as the engine sees it.
+
+    ``logprob_start_len``: -1 for no input logprobs, else the first prompt position whose logprob is returned.
+    ``images``: PNG bytes of the prompt's images; :meth:`CPUEngine.prepare_images` expands ``prompt_ids`` and
+    sets ``pixels`` (``pixel_values``, ``image_grid_thw``).
+    """
+
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    seed: int | None = None
+    return_routed_experts: bool = False
+    logprob_start_len: int = -1
+    ignore_eos: bool = False
+    routed_experts_start: int = 0  # routes from this position on (SGLang's routed_experts_start_len)
+    images: tuple[bytes, ...] = ()
+    pixels: dict[str, torch.Tensor] | None = None
+
+
+class DecodingEngine(Protocol):
+    """What a batch needs of :class:`~sapo_megatron.rollout.cpu.engine.CPUEngine`."""
+
+    model: Any
+    _routers: Any
+    _vision: Any
+    _cache_kwarg: str
+    eos_token_ids: tuple[int, ...]
+    weight_version: int
+    pause_gate: PauseGate
+
+    def _sample(
+        self, rows: list[RowSpec], logits: torch.Tensor, generators: list, done: list[bool]
+    ) -> Any: ...
 
 
 @dataclasses.dataclass
@@ -72,7 +108,7 @@ class _Row:
 class BatchDecode:
     """Runs rows (at most the engine's batch size) to completion; the engine's locks are held by the caller."""
 
-    def __init__(self, engine: CPUEngine, rows: list[RowSpec], seeds: list[int], unlocked: Any) -> None:
+    def __init__(self, engine: DecodingEngine, rows: list[RowSpec], seeds: list[int], unlocked: Any) -> None:
         self.engine = engine
         self.unlocked = unlocked
         self.capture = engine._routers is not None and any(r.return_routed_experts for r in rows)

@@ -32,7 +32,6 @@ on how rows were batched.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import logging
 import re
@@ -53,7 +52,7 @@ from sapo_megatron.rollout.base import (  # ContextLengthError: also importable 
     RolloutError,
     normalize_response_starts,
 )
-from sapo_megatron.rollout.cpu.decode import BatchDecode, RowResult
+from sapo_megatron.rollout.cpu.decode import BatchDecode, RowResult, RowSpec  # re-exported
 from sapo_megatron.rollout.cpu.pause import PAUSE_MODES, PauseGate, PauseMode, ScriptedPause
 from sapo_megatron.rollout.cpu.vision import EngineVision, is_vision_model
 from sapo_megatron.rollout.precision import EngineNumerics
@@ -74,26 +73,6 @@ _COMPUTE_LOCK = threading.Lock()
 _EXPERT_WEIGHT = re.compile(
     r"^(?P<prefix>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$"
 )
-
-
-@dataclasses.dataclass
-class RowSpec:
-    """One sequence to generate (one sample of a request), as the engine sees it.
-
-    ``logprob_start_len``: -1 for no input logprobs, else the first prompt position whose logprob is returned.
-    ``images``: PNG bytes of the prompt's images; :meth:`CPUEngine.prepare_images` expands ``prompt_ids`` and
-    sets ``pixels`` (``pixel_values``, ``image_grid_thw``).
-    """
-
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    seed: int | None = None
-    return_routed_experts: bool = False
-    logprob_start_len: int = -1
-    ignore_eos: bool = False
-    routed_experts_start: int = 0  # routes from this position on (SGLang's routed_experts_start_len)
-    images: tuple[bytes, ...] = ()
-    pixels: dict[str, torch.Tensor] | None = None
 
 
 class _RouterCapture:
@@ -370,7 +349,7 @@ class CPUEngine(RolloutEngine):
             raise ValueError(f"weight {name} has shape {list(shape)}, the model expects {list(target.shape)}")
         return param_name, target
 
-    def pause_generation(self, mode: str = "abort", timeout_s: float | None = None) -> None:
+    def pause_generation(self, mode: str = "retract", timeout_s: float | None = None) -> None:
         """Pause generation like SGLang's ``/pause_generation`` (see :mod:`.pause`): ``abort`` finishes running
         rows now, ``in_place`` keeps them and their cache, ``retract`` drops the cache and prefills again with the
         weights of the continue. Weight updates are allowed while paused; returns once no forward runs."""

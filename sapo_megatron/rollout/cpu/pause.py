@@ -37,8 +37,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Literal
 
-PauseMode = Literal["abort", "retract", "in_place"]
-PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
+from sapo_megatron.rollout.partial import PAUSE_MODES, PauseMode
+
 Action = Literal["go", "abort", "retract", "in_place"]
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from sapo_megatron.rollout.base import RolloutError
+from sapo_megatron.rollout.partial import PAUSE_MODES
 from sapo_megatron.rollout.sglang.errors import MalformedReply, OnTransient, Refused, check_status
 from sapo_megatron.rollout.sglang.fleet import Fleet, Server
 from sapo_megatron.rollout.sglang.memory import MEMORY_TAGS, MemoryStateError, normalize_tags
@@ -202,6 +203,33 @@ class ControlPlane:
             logger.warning("the router would still send requests to them: generating on the workers directly")
         if flush_cache:
             self.flush_cache()
+
+    # ------------------------------------------------------------------ pause / continue (see pausing.py)
+    def pause_generation(self, mode: str = "retract", *, timeout_s: float = 300.0) -> None:
+        """``POST /pause_generation {mode}`` on every worker (abort | retract | in_place); weights may then be
+        updated. A worker that does not answer within ``timeout_s`` or is unreachable fails the pause with one
+        error naming it (:class:`~.errors.Unavailable`); a stop signal cuts the wait short."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause_generation: mode {mode!r} is not one of {list(PAUSE_MODES)}")
+        self.fleet.pause.begin(mode)
+        self._on_every_worker(
+            lambda s: self.fleet.request(
+                "POST", s, "/pause_generation", {"mode": mode}, request="pause_generation", timeout=timeout_s
+            ),
+            f"pause_generation({mode})",
+        )
+
+    def continue_generation(self, *, timeout_s: float = 300.0) -> None:
+        """``POST /continue_generation`` on every worker; requests held or cut short by the pause go on."""
+        try:
+            self._on_every_worker(
+                lambda s: self.fleet.request(
+                    "POST", s, "/continue_generation", {}, request="continue_generation", timeout=timeout_s
+                ),
+                "continue_generation",
+            )
+        finally:
+            self.fleet.pause.end()  # a failed worker is named by the error; the others do go on
 
     def flush_cache(self) -> None:
         """``POST /flush_cache`` on every server with the current weights (unreachable ones are cooled down)."""

@@ -40,6 +40,7 @@ from sapo_megatron.rollout.sglang.errors import (
     unavailable,
 )
 from sapo_megatron.rollout.sglang.memory import MemoryState
+from sapo_megatron.rollout.sglang.pausing import PauseState
 from sapo_megatron.rollout.sglang.topology import auth_headers
 from sapo_megatron.runtime.interrupts import wait_for
 
@@ -56,6 +57,8 @@ COUNTERS = (
     "rollout/samples",
     "rollout/generated_tokens",
     "rollout/stale_servers",
+    "rollout/partial_samples",  # continuations of samples a pause (abort mode) cut short
+    "rollout/partial_unsplit",  # samples that spanned an SGLang in_place / retract pause: no per-token versions
 )
 
 
@@ -95,6 +98,7 @@ class Fleet:
         self.router = Server(router_url.rstrip("/")) if router_url else None
         self.router_usable = self.router is not None
         self.weight_version = 0  # the version the current workers hold
+        self.pause = PauseState()  # set by ControlPlane.pause_generation / continue_generation
         self.timeout_s = timeout_s
         self.max_retries = max_retries
         self.backoff_s = backoff_s

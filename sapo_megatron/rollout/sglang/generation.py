@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from sapo_megatron.data.vision import collapse_image_pads
 from sapo_megatron.rollout.base import RolloutError, normalize_response_starts
+from sapo_megatron.rollout.partial import continuation_request, splice
 from sapo_megatron.rollout.protocol import (
     ParsedGeneration,
     generate_payload,
@@ -74,20 +75,53 @@ class GenerationClient:
     def _generate_one(
         self, req: GenerationRequest, index: int, rid_base: str, cancel: threading.Event
     ) -> Sample:
+        """One sample; when a pause in ``abort`` mode cuts it short, it is continued after
+        ``continue_generation`` with the new weights (:mod:`sapo_megatron.rollout.partial`), never restarted."""
+        sample, epoch, version = self._attempts(req, index, rid_base, cancel)
+        part = 0
+        while sample.finish_reason == "abort" and (
+            self.fleet.pause.paused or self.fleet.pause.epoch != epoch
+        ):
+            self.fleet.pause.wait_continued(cancel, self.fleet.timeout_s)
+            part += 1
+            self.fleet.count("rollout/partial_samples", 1)
+            continuation, epoch, next_version = self._attempts(
+                continuation_request(req, sample), 0, f"{rid_base}-p{part}", cancel, index=index
+            )
+            sample = splice(sample, continuation, partial_version=version, continuation_version=next_version)
+            version = next_version
+        self.fleet.count("rollout/samples", 1)
+        self.fleet.count("rollout/generated_tokens", len(sample.response_ids))
+        if sample.finish_reason == "abort":
+            self.fleet.count("rollout/aborted_samples", 1)
+        return sample
+
+    def _attempts(
+        self,
+        req: GenerationRequest,
+        seed_index: int,
+        rid_base: str,
+        cancel: threading.Event,
+        *,
+        index: int | None = None,
+    ) -> tuple[Sample, int, int]:
+        """The sample of ``req``, the client's pause epoch and weight version when it was sent."""
         prompt_ids, image_data = wire_prompt(req)
+        epoch, version = self.fleet.pause.epoch, self.fleet.weight_version
+        versions: list[list[int] | None] = [None]
 
         def attempt(server: Server, rid: str) -> ParsedGeneration:
             payload = generate_payload(
                 prompt_ids,
                 req.sampling,
                 rid=rid,
-                sample_index=index,
+                sample_index=seed_index,
                 return_routed_experts=req.return_routed_experts,
                 routed_experts_start=req.routed_experts_start,
                 image_data=image_data,
             )
             reply = self.fleet.request("POST", server, "/generate", payload, request=rid)
-            return parse_generate_reply(
+            parsed = parse_generate_reply(
                 reply,
                 prompt_ids=req.prompt_ids,
                 max_new_tokens=req.sampling.max_new_tokens,
@@ -100,24 +134,28 @@ class GenerationClient:
                 routed_experts_start=req.routed_experts_start,
                 images=len(image_data or ()),
             )
+            versions[0] = token_versions(reply, len(parsed.response_ids), version)
+            return parsed
 
-        parsed = self.fleet.with_failover(
-            rid_base, attempt, cancel, retry_if=lambda p: p.finish_reason == "abort"
-        )
-        self.fleet.count("rollout/samples", 1)
-        self.fleet.count("rollout/generated_tokens", len(parsed.response_ids))
-        if parsed.finish_reason == "abort":
-            self.fleet.count("rollout/aborted_samples", 1)
-        return Sample(
+        def retry(parsed: ParsedGeneration) -> bool:  # an abort not of this client's pause: try again
+            return parsed.finish_reason == "abort" and not self.fleet.pause.paused
+
+        parsed = self.fleet.with_failover(rid_base, attempt, cancel, retry_if=retry)
+        spanned = self.fleet.pause.epoch != epoch or self.fleet.pause.paused
+        if spanned and versions[0] is None and parsed.finish_reason != "abort":
+            self.fleet.count("rollout/partial_unsplit", 1)  # SGLang in_place / retract: no per-token versions
+        sample = Sample(
             group_id=req.group_id,
-            sample_index=index,
+            sample_index=seed_index if index is None else index,
             prompt_ids=list(req.prompt_ids),
             response_ids=parsed.response_ids,
             rollout_logp=parsed.logprobs,
             finish_reason=parsed.finish_reason,
             routed_experts=parsed.routed_experts,
             routed_experts_start=req.routed_experts_start,
+            token_versions=versions[0],
         )
+        return sample, epoch, version
 
     def score(
         self,
@@ -147,6 +185,21 @@ class GenerationClient:
 
         self.fleet.run_all([(run, (i,)) for i in range(len(token_ids_list))])
         return [r for r in results if r is not None]
+
+
+def token_versions(reply: dict, n_tokens: int, submitted: int) -> list[int] | None:
+    """Per-token versions of a reply that spans a weight update (the CPU server's
+    ``meta_info.output_token_weight_versions``, its update counts), numbered from ``submitted``, the fleet's version
+    when the request was sent; None when the reply has none or every token came from one version."""
+    server_versions = reply.get("meta_info", {}).get("output_token_weight_versions")
+    if (
+        not isinstance(server_versions, list)
+        or len(server_versions) != n_tokens
+        or len(set(server_versions)) < 2
+    ):
+        return None
+    first = server_versions[0]
+    return [submitted + int(v) - int(first) for v in server_versions]
 
 
 def wire_prompt(req: GenerationRequest) -> tuple[list[int], list[str] | None]:

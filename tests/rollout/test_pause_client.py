@@ -1,0 +1,121 @@
+"""SGLangClient.pause_generation / continue_generation over CPU servers: partial rollouts continued across a weight
+update with per-token versions, and one clear error (naming the server) when a server dies or a call times out."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from sapo_megatron.rollout.cpu.server import CPUServer
+from sapo_megatron.rollout.sglang.client import SGLangClient
+from sapo_megatron.rollout.sglang.errors import Unavailable
+from tests.rollout.conftest import NUM_LAYERS, TOP_K, engine_from, load
+from tests.rollout.test_pause import PROMPT, agreement, per_version_reference
+
+NEW = 40
+
+
+@pytest.fixture(scope="module")
+def refs(moe_dir, moe_dir_b):
+    return {0: load(moe_dir), 1: load(moe_dir_b)}
+
+
+def slow_server(model_dir, delay_s: float = 0.02) -> CPUServer:
+    engine = engine_from(model_dir)
+    engine.model.register_forward_pre_hook(lambda *_: time.sleep(delay_s))
+    return CPUServer(engine).start()
+
+
+def _request(n: int, routed: bool = True, new: int = NEW):
+    from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
+
+    sampling = SamplingParams(max_new_tokens=new, temperature=1.0, seed=11)
+    return GenerationRequest(
+        prompt_ids=PROMPT, n=n, sampling=sampling, return_routed_experts=routed, group_id=0
+    )
+
+
+@pytest.mark.parametrize("mode", ["abort", "retract"])
+def test_client_continues_samples_across_a_paused_weight_update(mode, moe_dir, moe_dir_b, refs):
+    servers = [slow_server(moe_dir), slow_server(moe_dir)]
+    client = SGLangClient([s.url for s in servers], num_layers=NUM_LAYERS, top_k=TOP_K, max_retries=0)
+    try:
+        out: dict = {}
+        worker = threading.Thread(target=lambda: out.update(groups=client.generate([_request(4)])))
+        worker.start()
+        time.sleep(0.4)
+        client.pause_generation(mode)
+        client.update_weights_from_disk(str(moe_dir_b))
+        client.continue_generation()
+        worker.join(timeout=120)
+        samples = out["groups"][0]
+        assert len(samples) == 4
+        for s in samples:
+            assert len(s.response_ids) == NEW and s.finish_reason == "length"
+            k = s.token_versions.count(0)
+            assert 0 < k < NEW and s.token_versions == [0] * k + [1] * (NEW - k)
+            want_logp, want_routes = per_version_reference(refs, s)
+            np.testing.assert_allclose(s.rollout_logp, want_logp, atol=1e-4)
+            assert agreement(s, want_routes) == 1.0
+        metrics = client.metrics()
+        assert metrics["rollout/partial_samples"] == (4 if mode == "abort" else 0)
+        assert metrics["rollout/aborted_samples"] == 0
+    finally:
+        client.close()
+        for s in servers:
+            s.stop()
+
+
+def test_a_server_that_dies_mid_pause_fails_continue_naming_it(moe_dir):
+    servers = [slow_server(moe_dir), slow_server(moe_dir)]
+    client = SGLangClient([s.url for s in servers], max_retries=0)
+    try:
+        client.pause_generation("retract", timeout_s=5)
+        servers[1].stop()
+        started = time.monotonic()
+        with pytest.raises(Unavailable) as err:
+            client.continue_generation(timeout_s=5)
+        assert time.monotonic() - started < 5
+        message = str(err.value)
+        assert "continue_generation" in message and servers[1].url in message and "\n" not in message
+        assert not client.fleet.pause.paused  # the live server did continue
+    finally:
+        client.close()
+        for s in servers:
+            s.stop()
+
+
+@pytest.mark.slow
+def test_a_pause_that_times_out_names_the_server(moe_dir):
+    server = slow_server(moe_dir, delay_s=3.0)  # one forward outlasts the pause timeout
+    client = SGLangClient([server.url], max_retries=0)
+    try:
+        worker = threading.Thread(target=lambda: _quiet(client.generate, [_request(1, routed=False, new=2)]))
+        worker.start()
+        time.sleep(0.5)
+        started = time.monotonic()
+        with pytest.raises(Unavailable) as err:
+            client.pause_generation("in_place", timeout_s=0.5)
+        assert time.monotonic() - started < 2.5
+        assert "pause_generation(in_place)" in str(err.value) and server.url in str(err.value)
+        client.continue_generation(timeout_s=10)
+    finally:
+        server.stop()
+        client.close()
+
+
+def _quiet(fn, *args):
+    try:
+        fn(*args)
+    except Exception:  # the server stops under it at the end of the test
+        pass
+
+
+def test_pause_refuses_an_unknown_mode_before_sending(moe_dir):
+    client = SGLangClient(["http://127.0.0.1:9"], max_retries=0)
+    with pytest.raises(ValueError, match="mode 'freeze' is not one of"):
+        client.pause_generation("freeze")
+    assert not client.fleet.pause.paused
