@@ -296,9 +296,10 @@ def test_weight_sync_payloads(fake):
         "/update_weights_from_disk",
     ]
     bodies = [b for p, b in fake.bodies if p not in ("/begin_weight_update", "/end_weight_update")]
-    assert bodies[0] == {"model_path": "/ckpt/step_3"}
+    assert bodies[0] == {"model_path": "/ckpt/step_3", "weight_version": "1"}  # the fleet's next version
     tensors = bodies[2]["serialized_named_tensors"]
     assert len(tensors) == 2 and bodies[2]["flush_cache"] is False  # flushed once, after the last bucket
+    assert bodies[2]["weight_version"] == "2"
     name, tensor = torch.load(io.BytesIO(base64.b64decode(tensors[0])))[0]
     assert name == "model.norm.weight" and torch.equal(tensor, torch.ones(4))
     assert bodies[4] == {
@@ -315,6 +316,7 @@ def test_weight_sync_payloads(fake):
         "shapes": [[2, 3]],
         "group_name": "weight_update_group",
         "flush_cache": False,
+        "weight_version": "3",  # the third update: SGLang labels each token's forward with it
     }
 
 

@@ -162,7 +162,11 @@ def _sample(reply: dict) -> Sample:
         rollout_logp=[lp for lp, _tok, _ in meta["output_token_logprobs"]],
         finish_reason=meta["finish_reason"]["type"],
         routed_experts=routed,
-        token_versions=meta["output_token_weight_versions"],
+        token_versions=[
+            int(span["version"])
+            for span in meta["weight_versions"]
+            for _ in range(span["start"], span["end"])
+        ],
     )
 
 
@@ -212,4 +216,4 @@ def test_server_pause_refuses_an_unknown_mode_and_requests_wait_while_paused(slo
     httpx.post(f"{url}/continue_generation", json={}, timeout=10)
     worker.join(timeout=30)
     assert len(out["reply"]["output_ids"]) == 3
-    assert out["reply"]["meta_info"]["output_token_weight_versions"] == [0, 0, 0]
+    assert out["reply"]["meta_info"]["weight_versions"] == [{"version": "0", "start": 0, "end": 3}]

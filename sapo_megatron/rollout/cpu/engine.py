@@ -243,7 +243,7 @@ class CPUEngine(RolloutEngine):
                         finish_reason=res.finish_reason,
                         routed_experts=res.routed_experts,
                         routed_experts_start=req.routed_experts_start,
-                        token_versions=res.token_versions,
+                        token_versions=res.token_versions if len(set(res.token_versions)) > 1 else None,
                     )
                 )
             samples.append(group)

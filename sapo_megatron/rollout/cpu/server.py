@@ -32,6 +32,14 @@ Endpoints (what each checks):
 - Weight sync (:mod:`.weights`): ``POST /update_weights_from_disk``, ``/update_weights_from_tensor``,
   ``/init_weights_update_group``, ``/update_weights_from_distributed``, ``/destroy_weights_update_group``,
   ``/begin_weight_update``, ``/end_weight_update`` (SGLang 0.5.23's weight-update sessions).
+- ``POST /pause_generation`` ``{"mode": "abort" | "retract" | "in_place"}`` (default abort) and
+  ``POST /continue_generation`` ``{"torch_empty_cache"}``, as SGLang 0.5.23 (:mod:`.pause` cites its source):
+  200 ``{"message": "Generation paused successfully.", "status": "ok"}`` once no forward runs; weights may be
+  updated while paused; new requests wait for the continue. ``abort`` finishes running and queued requests with
+  ``finish_reason {"type": "abort", ...}`` and the tokens made so far; ``in_place`` keeps running requests and
+  their cache; ``retract`` keeps their tokens and prefills them again with the weights of the continue. Replies
+  carry SGLang's ``meta_info.weight_versions``: the output tokens as spans ``{"version", "start", "end"}`` of the
+  weight version label (an update's ``weight_version``) whose forward made them.
 - Unknown paths: 404 ``{"detail": "Not Found"}``; a known path with another method: 405, as FastAPI answers.
 
 With ``api_key`` (``--api-key``) every path but ``/health*`` needs ``Authorization: Bearer <key>`` (401
@@ -317,8 +325,7 @@ class CPUServer:
             "completion_tokens": len(res.output_ids),
             "cached_tokens": 0,
             "weight_version": self.weights.weight_version,
-            # not in SGLang: the engine's weight version (update count) of the forward behind each output token
-            "output_token_weight_versions": res.token_versions,
+            "weight_versions": self._version_spans(res.token_versions),
         }
         if info["return_logprob"]:
             meta["output_token_logprobs"] = [
@@ -332,6 +339,18 @@ class CPUServer:
         if res.routed_experts is not None:
             meta["routed_experts"] = encode_routed_experts(res.routed_experts)
         return {"text": self._text(res.output_ids), "output_ids": res.output_ids, "meta_info": meta}
+
+    def _version_spans(self, versions: list[int]) -> list[dict[str, Any]]:
+        """SGLang 0.5.23's ``meta_info.weight_versions`` (``srt/utils/weight_versions.py``): the output tokens as
+        spans ``{"version", "start", "end"}`` of one weight version label each."""
+        spans: list[dict[str, Any]] = []
+        for t, version in enumerate(versions):
+            label = self.weights.label_of(version)
+            if spans and spans[-1]["version"] == label:
+                spans[-1]["end"] = t + 1
+            else:
+                spans.append({"version": label, "start": t, "end": t + 1})
+        return spans or [{"version": self.weights.weight_version, "start": 0, "end": 0}]
 
     def _with_input_ids(self, body: dict[str, Any]) -> dict[str, Any]:
         """A ``text`` request as ``input_ids``: encoded as SGLang's tokenizer manager does, with the tokenizer's

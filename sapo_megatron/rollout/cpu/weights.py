@@ -136,6 +136,7 @@ class WeightEndpoints:
             dirs = [Path(engine.model_path).parent] if engine.model_path else []
         self.allowed_weight_dirs = [Path(d).resolve() for d in dirs]
         self.version_label: str | None = None  # set by a request's weight_version, as SGLang does
+        self._labels: dict[int, str] = {}  # engine weight version -> the label an update set there
         self._groups: dict[str, _Group] = {}
         self._update_lock = threading.Lock()
         self.session_open = False  # a weight-update session (begin_weight_update .. end_weight_update)
@@ -144,6 +145,12 @@ class WeightEndpoints:
     @property
     def weight_version(self) -> str:
         return self.version_label if self.version_label is not None else str(self.engine.weight_version)
+
+    def label_of(self, engine_version: int) -> str:
+        """The ``weight_version`` the server reported while the engine held ``engine_version`` (a label persists
+        until another update sets one, as in SGLang)."""
+        set_at = [v for v in self._labels if v <= engine_version]
+        return self._labels[max(set_at)] if set_at else str(engine_version)
 
     def close(self) -> None:
         for name in list(self._groups):
@@ -429,6 +436,7 @@ class WeightEndpoints:
         if weight_version is None:
             return message
         self.version_label = weight_version
+        self._labels[self.engine.weight_version] = weight_version
         return f"{message} Weight version updated to {weight_version}."
 
 

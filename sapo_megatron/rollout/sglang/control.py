@@ -67,7 +67,11 @@ class ControlPlane:
                 f"update_weights_from_disk needs an absolute path the servers can read, got {path!r}"
             )
         self._update_each_worker(
-            lambda server: self._call(server, "/update_weights_from_disk", {"model_path": path}),
+            lambda server: self._call(
+                server,
+                "/update_weights_from_disk",
+                {"model_path": path, "weight_version": self._next_label()},
+            ),
             f"update_weights_from_disk({path})",
         )
         self.finish_weight_update(flush_cache=flush_cache)
@@ -98,6 +102,7 @@ class ControlPlane:
                 "serialized_named_tensors": [blob] * server.tp_size,
                 "load_format": load_format,
                 "flush_cache": False,
+                "weight_version": self._next_label(),
             }
             self._call(server, "/update_weights_from_tensor", payload)
 
@@ -164,6 +169,7 @@ class ControlPlane:
             "shapes": [list(s) for s in shapes],
             "group_name": group_name,
             "flush_cache": False,
+            "weight_version": self._next_label(),
         }
 
         def load(server: Server) -> None:
@@ -334,6 +340,12 @@ class ControlPlane:
         return {server.url: sums for server, sums in done}
 
     # ------------------------------------------------------------------ helpers
+    def _next_label(self) -> str:
+        """The ``weight_version`` label of the update in progress: the fleet's next version number. SGLang
+        (0.5.23) records the label of each token's forward and replies with them (``meta_info.weight_versions``),
+        which is how a request that spans an update gets per-token versions."""
+        return str(self.fleet.weight_version + 1)
+
     def _call(
         self, server: Server, path: str, payload: dict[str, Any], *, timeout: float | None = None
     ) -> dict[str, Any]:

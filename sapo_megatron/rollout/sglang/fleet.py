@@ -58,7 +58,7 @@ COUNTERS = (
     "rollout/generated_tokens",
     "rollout/stale_servers",
     "rollout/partial_samples",  # continuations of samples a pause (abort mode) cut short
-    "rollout/partial_unsplit",  # samples that spanned an SGLang in_place / retract pause: no per-token versions
+    "rollout/partial_unsplit",  # samples whose weight_versions labels are not this client's: no per-token versions
 )
 
 

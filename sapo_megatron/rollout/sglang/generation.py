@@ -109,6 +109,7 @@ class GenerationClient:
         prompt_ids, image_data = wire_prompt(req)
         epoch, version = self.fleet.pause.epoch, self.fleet.weight_version
         versions: list[list[int] | None] = [None]
+        spans = [0]
 
         def attempt(server: Server, rid: str) -> ParsedGeneration:
             payload = generate_payload(
@@ -134,16 +135,16 @@ class GenerationClient:
                 routed_experts_start=req.routed_experts_start,
                 images=len(image_data or ()),
             )
-            versions[0] = token_versions(reply, len(parsed.response_ids), version)
+            versions[0] = token_versions(reply, len(parsed.response_ids))
+            spans[0] = len(reply.get("meta_info", {}).get("weight_versions") or ())
             return parsed
 
         def retry(parsed: ParsedGeneration) -> bool:  # an abort not of this client's pause: try again
             return parsed.finish_reason == "abort" and not self.fleet.pause.paused
 
         parsed = self.fleet.with_failover(rid_base, attempt, cancel, retry_if=retry)
-        spanned = self.fleet.pause.epoch != epoch or self.fleet.pause.paused
-        if spanned and versions[0] is None and parsed.finish_reason != "abort":
-            self.fleet.count("rollout/partial_unsplit", 1)  # SGLang in_place / retract: no per-token versions
+        if spans[0] > 1 and versions[0] is None:
+            self.fleet.count("rollout/partial_unsplit", 1)  # spans of labels that are not this client's
         sample = Sample(
             group_id=req.group_id,
             sample_index=seed_index if index is None else index,
@@ -187,19 +188,21 @@ class GenerationClient:
         return [r for r in results if r is not None]
 
 
-def token_versions(reply: dict, n_tokens: int, submitted: int) -> list[int] | None:
-    """Per-token versions of a reply that spans a weight update (the CPU server's
-    ``meta_info.output_token_weight_versions``, its update counts), numbered from ``submitted``, the fleet's version
-    when the request was sent; None when the reply has none or every token came from one version."""
-    server_versions = reply.get("meta_info", {}).get("output_token_weight_versions")
-    if (
-        not isinstance(server_versions, list)
-        or len(server_versions) != n_tokens
-        or len(set(server_versions)) < 2
-    ):
+def token_versions(reply: dict, n_tokens: int) -> list[int] | None:
+    """Per-token versions of a reply that spans a weight update, from SGLang 0.5.23's ``meta_info.weight_versions``
+    (spans ``{"version", "start", "end"}`` of the label each update set: this client labels its updates with the
+    fleet's version number, SGLang's initial label is "default", i.e. version 0). None when every token came from
+    one version, or when the labels are not this client's numbers."""
+    spans = reply.get("meta_info", {}).get("weight_versions")
+    if not isinstance(spans, list) or len(spans) < 2:
         return None
-    first = server_versions[0]
-    return [submitted + int(v) - int(first) for v in server_versions]
+    versions: list[int] = []
+    for span in spans:
+        label = str(span.get("version"))
+        if not (label == "default" or label.isdigit()):
+            return None
+        versions += [0 if label == "default" else int(label)] * (int(span["end"]) - int(span["start"]))
+    return versions if len(versions) == n_tokens else None
 
 
 def wire_prompt(req: GenerationRequest) -> tuple[list[int], list[str] | None]:
