@@ -296,7 +296,8 @@ def test_weight_sync_payloads(fake):
         "/update_weights_from_disk",
     ]
     bodies = [b for p, b in fake.bodies if p not in ("/begin_weight_update", "/end_weight_update")]
-    assert bodies[0] == {"model_path": "/ckpt/step_3", "weight_version": "1"}  # the fleet's next version
+    # the fleet's next version; the flush comes after every worker's update (/flush_cache above)
+    assert bodies[0] == {"model_path": "/ckpt/step_3", "weight_version": "1", "flush_cache": False}
     tensors = bodies[2]["serialized_named_tensors"]
     assert len(tensors) == 2 and bodies[2]["flush_cache"] is False  # flushed once, after the last bucket
     assert bodies[2]["weight_version"] == "2"

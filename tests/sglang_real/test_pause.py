@@ -103,9 +103,11 @@ def test_pause_update_continue_per_version(mode, client, sglang_url, model_dir, 
         wait_tokens(out, 4)
         client.pause_generation(mode, timeout_s=60)
         seen_at_pause = out["chunks"][-1][1]
-        client.update_weights_from_disk(str(other_dir), flush_cache=mode != "in_place")
-        resumed_at = time.monotonic()
-        client.continue_generation(timeout_s=60)
+        try:
+            client.update_weights_from_disk(str(other_dir))  # no flush while requests are held in place
+        finally:
+            resumed_at = time.monotonic()
+            client.continue_generation(timeout_s=60)  # never leave the server paused (its watchdog ends it)
         worker.join(timeout=600)
     finally:
         restore_weights(sglang_url, model_dir)
@@ -169,8 +171,10 @@ def test_client_continues_aborted_samples_with_routes_per_version(
     try:
         time.sleep(3.0)
         client.pause_generation("abort", timeout_s=60)
-        client.update_weights_from_disk(str(other_dir))
-        client.continue_generation(timeout_s=60)
+        try:
+            client.update_weights_from_disk(str(other_dir))
+        finally:
+            client.continue_generation(timeout_s=60)
         worker.join(timeout=600)
     finally:
         restore_weights(sglang_url, model_dir)

@@ -70,7 +70,8 @@ class ControlPlane:
             lambda server: self._call(
                 server,
                 "/update_weights_from_disk",
-                {"model_path": path, "weight_version": self._next_label()},
+                # flushed by finish_weight_update (SGLang's own flush fails the update while requests are held)
+                {"model_path": path, "weight_version": self._next_label(), "flush_cache": False},
             ),
             f"update_weights_from_disk({path})",
         )
@@ -207,7 +208,9 @@ class ControlPlane:
             logger.warning("weight update: unreachable workers keep old weights and are left out: %s", stale)
         if bypass_router:
             logger.warning("the router would still send requests to them: generating on the workers directly")
-        if flush_cache:
+        if (
+            flush_cache and self.fleet.pause.mode != "in_place"
+        ):  # SGLang refuses it with requests held in place
             self.flush_cache()
 
     # ------------------------------------------------------------------ pause / continue (see pausing.py)
