@@ -49,6 +49,12 @@ class AlgorithmConfig(Section):
     loss: PolicyLossConfig = Field(default_factory=SapoLoss)
     correction: MismatchCorrectionConfig = Field(default_factory=NoCorrection)
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    proximal_logp: Literal["recompute", "loglinear"] = Field(
+        default="recompute",
+        description="the proximal policy of the decoupled objective (docs/async.md): recompute runs the "
+        "old-policy forward pass; loglinear skips it and interpolates between the engine's (behaviour) and the "
+        "current log-prob by each token's staleness s, alpha = s/(s+1) (AReaL's prox_logp_method: loglinear)",
+    )
     reward: str | RemoteRewardConfig | list[str | WeightedReward] = Field(
         default="numeric_match",
         description="a registered reward name, an import path 'file.py:fn' / 'pkg.mod:fn', {url: ...} for a "
