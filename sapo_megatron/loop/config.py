@@ -59,6 +59,18 @@ class TrainerConfig(Section):
         description="fully_async: a group past max_staleness is dropped, or trained with algorithm.correction "
         "(the decoupled objective's proximal / behaviour weight) – correct needs a correction",
     )
+    async_chunk_groups: int | None = Field(
+        default=None,
+        ge=1,
+        description="fully_async: prompt groups per generation call of the producer (null: prompts_per_step); "
+        "smaller chunks keep a weight update's wait for the chunk in flight short",
+    )
+    async_buffer_groups: int | None = Field(
+        default=None,
+        ge=1,
+        description="fully_async: finished groups the buffer holds at most (null: (max_staleness + 1) × "
+        "prompts_per_step); at least prompts_per_step",
+    )
     fully_async_deterministic: bool = Field(
         default=False,
         description="fully_async without a thread: generation happens at fixed points (before each step, up to "

@@ -2,8 +2,9 @@
 configured policy loss → weight sync → logging → checkpoint. Preceded by an optional supervised warm start and
 followed by an HF export and ``summary.json``.
 
-With ``trainer.async_rollout`` each step's rollouts are generated in the background during the step before
-(:mod:`sapo_megatron.loop.pipeline`). After every step of either phase, :func:`end_of_step` logs it,
+``trainer.rollout_mode`` decides where each step's rollouts come from: generated now (sync), in the background
+during the step before (one_step_off, :mod:`sapo_megatron.loop.pipeline`), or from a bounded buffer that a
+producer keeps filling, within ``trainer.max_staleness`` (fully_async, :mod:`sapo_megatron.loop.fully_async`). After every step of either phase, :func:`end_of_step` logs it,
 checkpoints when due, and stops the run cleanly (checkpoint first) when a signal asked for it.
 """
 
@@ -20,6 +21,7 @@ from sapo_megatron.errors import RunInterrupted
 from sapo_megatron.loop import passes
 from sapo_megatron.loop.checkpointing import LoopState
 from sapo_megatron.loop.evaluation import evaluate, summary_fields
+from sapo_megatron.loop.fully_async import FullyAsyncPipeline, open_rollouts
 from sapo_megatron.loop.learning_signal import NoSignalWatch, check_sft_targets
 from sapo_megatron.loop.passes import PassFactory, StepContext
 from sapo_megatron.loop.pipeline import RolloutPipeline
@@ -100,16 +102,19 @@ def _sft_micro_batches(session: Session, rows: list[PromptRow]) -> list[MicroBat
 def run_rl(session: Session, state: LoopState, prompts: PromptIterator) -> None:
     cfg = session.cfg
     correction = session.distill.correction(cfg.algorithm.correction)  # MOPD brings its own IS weight
-    hook = PolicyLossHook(cfg.algorithm.loss, correction, temperature=cfg.rollout.temperature)
+    hook = PolicyLossHook(
+        cfg.algorithm.loss,
+        correction,
+        temperature=cfg.rollout.temperature,
+        proximal_logp=cfg.algorithm.proximal_logp,  # loglinear: no old-policy pass (docs/async.md)
+    )
     reference = _reference_policy(session, state)
     session.tracker.start_phase("rl", cfg.trainer.steps, initial=state.step)
-    with RolloutPipeline(  # generates each batch now, or (trainer.async_rollout) during the previous step
+    with open_rollouts(  # trainer.rollout_mode: each batch now, one step ahead, or continuously (fully_async)
         session,
         prompts,
-        lambda step: _rollout(session, prompts, step),
+        lambda index, groups: _rollout(session, prompts, index, groups),
         start_step=state.step,
-        total_steps=cfg.trainer.steps,
-        overlap=cfg.trainer.async_rollout,
     ) as rollouts:
         # equal rewards in every group, step after step: say once why nothing is learnt
         no_signal = NoSignalWatch(cfg)
@@ -172,6 +177,7 @@ def _reference_policy(session: Session, state: LoopState) -> ReferenceModel | No
 
 
 STEP_PASSES: list[PassFactory] = [
+    passes.staleness,  # loop/versions.py: each token's versions behind the trainer (asynchronous rollouts)
     passes.old_policy,  # loop/old_policy.py: old_logp under the arm's routing (R2 records the routes to replay)
     passes.routing_agreement,  # loop/replay.py: the live routing against the engine's routes, image-token masks
     passes.reference,  # loop/reference.py: ref_logp of the frozen reference policy
@@ -184,7 +190,7 @@ STEP_PASSES: list[PassFactory] = [
 def rl_step(
     session: Session,
     hook: PolicyLossHook,
-    rollouts: RolloutPipeline,
+    rollouts: RolloutPipeline | FullyAsyncPipeline,
     step: int,
     reference: ReferenceModel | None,
 ) -> dict[str, float]:
@@ -221,7 +227,7 @@ def _train_updates(
     """The step's passes (``STEP_PASSES``: each adds its part to ``batch``), then the ``mini_batches`` policy
     updates."""
     routing = RoutingStep(session.engine, session.cfg)  # MoE routing: live, R2 or R3 replay, and its metrics
-    context = StepContext(session, routing, reference)
+    context = StepContext(session, routing, reference, version=step)
     for make_pass in STEP_PASSES:
         step_pass = make_pass(context)
         if step_pass is not None:
@@ -239,11 +245,12 @@ def _train_updates(
     metrics.update(routing.metrics(batch))
 
 
-def _rollout(session: Session, prompts: PromptIterator, step: int):
-    """Generate and score on the main rank: the training sequences, the rollout metrics (with the reward
-    function's error fraction, which stops the run past its budget) and where the prompt data now stands."""
+def _rollout(session: Session, prompts: PromptIterator, step: int, groups: int):
+    """Generate and score ``groups`` prompt groups on the main rank (``step``: the RL step, or the fully-async
+    chunk; it seeds the sampling): the training sequences, the rollout metrics (with the reward function's error
+    fraction, which stops the run past its budget) and where the prompt data now stands."""
     cfg = session.cfg
-    rows = next(prompts)
+    rows = next(prompts) if groups == prompts.batch_size else prompts.take(groups)
     settings = CollectSettings(
         n_samples=cfg.rollout.n_samples,
         sampling=_sampling(session, cfg.rollout.temperature),
@@ -302,6 +309,7 @@ def _train_sequences(batch: RolloutBatch, renderer: PromptRenderer | None) -> li
             float(batch.advantages[g, i]),
             s.rollout_logp,
             routed_experts=s.routed_experts,
+            versions=s.token_versions,  # None: the pipeline gives each token the version the sample started with
             sample_id=f"group {s.group_id} sample {s.sample_index}",
             response_mask=s.loss_mask,  # episodes: tool observations are not trained on
             images=images[g],

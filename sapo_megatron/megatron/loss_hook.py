@@ -40,6 +40,7 @@ from sapo_megatron.algo import (
     build_policy_loss,
     opd_k3,
 )
+from sapo_megatron.algo.decoupled import loglinear_proximal_logp
 from sapo_megatron.algo.losses import LOG_RATIO_CLAMP
 from sapo_megatron.algo.metric import MetricSet, Reduce
 from sapo_megatron.megatron.logprobs import (
@@ -66,7 +67,11 @@ class PolicyLossHook:
     Log-probs and entropy come from :func:`~.logprobs.vocab_parallel_logprobs` in fp32 whatever the model's
     precision, at ``temperature`` (the rollout's sampling temperature). ``loss`` is a built policy loss or a
     mapping such as ``{"name": "sapo", "tau_neg": 1.05}``; it owns the aggregation mode and the KL / entropy
-    coefficients. ``correction``: TIS / IcePop / none (needs ``rollout_logp`` in the batch unless none).
+    coefficients. ``correction``: TIS / IcePop / none (needs ``rollout_logp`` in the batch unless none): with the
+    old-policy log-probs as the proximal policy and the engine's as the behaviour policy, the loss is the
+    decoupled objective (:mod:`sapo_megatron.algo.decoupled`). ``proximal_logp="loglinear"``: no ``old_logp`` is
+    needed; the proximal log-probs are interpolated from ``rollout_logp``, the current log-probs and the batch's
+    ``staleness``.
 
     Metrics, as ``(weighted_sum, weight)``, each weighted as its :class:`~sapo_megatron.algo.metric.Reduce`
     (given where the loss makes it) says: means by their token, sequence or sign-of-advantage count, so the
@@ -92,7 +97,11 @@ class PolicyLossHook:
         log_entropy: bool = True,
         inplace_backward: bool = True,
         tp_group: GroupArg = MEGATRON_GROUP,
+        proximal_logp: str = "recompute",
     ) -> None:
+        if proximal_logp not in ("recompute", "loglinear"):
+            raise ValueError(f"proximal_logp must be recompute or loglinear, got {proximal_logp!r}")
+        self.proximal_logp = proximal_logp
         self.loss = build_policy_loss(loss)
         if correction is None:
             correction = NoCorrection()
@@ -129,7 +138,7 @@ class PolicyLossHook:
         mask_bt = view.get("loss_mask").bool()
         num_sequences, num_tokens = (_get(batch, key, device) for key in NORMALISER_KEYS)
         adv = view.get("advantages")
-        old_logp_bt = view.get("old_logp")
+        old_logp_bt = self._proximal(view, batch, logp_bt)
         loss, metrics = self.loss.compute(
             view(logp_bt),
             old_logp_bt,
@@ -149,6 +158,17 @@ class PolicyLossHook:
         self.ratios.append(_token_ratios(view(logp_bt), old_logp_bt, mask_bt))
         adv_bt = adv[:, None].expand(mask_bt.shape) if adv.dim() == 1 else adv
         return loss, _engine_metrics(metrics, _metric_weights(mask_bt, adv_bt, num_tokens))
+
+    def _proximal(self, view: _PerSequence, batch: MicroBatch, logp_bt: torch.Tensor) -> torch.Tensor:
+        """The proximal log-probs: the old-policy pass's, or (``loglinear``) interpolated between the engine's and
+        the current ones by each token's staleness (0 where the batch has none), detached."""
+        if self.proximal_logp == "recompute":
+            return view.get("old_logp")
+        behaviour = view.get("rollout_logp")
+        staleness = view.optional(batch.staleness)
+        return loglinear_proximal_logp(
+            behaviour, view(logp_bt), torch.zeros_like(behaviour) if staleness is None else staleness
+        )
 
     def take_ratios(self) -> list[torch.Tensor]:
         """The token ratios ``exp(logp − old_logp)`` (1-d, response tokens) of every call since the last take."""

@@ -150,6 +150,9 @@ class Sample:
     loss_mask: list[int] | None = None
     episode: EpisodeInfo | None = None
     routed_experts_start: int = 0  # routed_experts holds the rows from this position on (the request's)
+    token_versions: list[int] | None = (
+        None  # the policy version that sampled each response token (None: unknown)
+    )
 
     def __post_init__(self) -> None:
         where = f"Sample(group_id={self.group_id}, sample_index={self.sample_index})"
@@ -158,6 +161,11 @@ class Sample:
         if len(self.rollout_logp) != len(self.response_ids):
             raise ValueError(
                 f"{where}: {len(self.rollout_logp)} rollout_logp for {len(self.response_ids)} response tokens"
+            )
+        versions = self.token_versions
+        if versions is not None and len(versions) != len(self.response_ids):
+            raise ValueError(
+                f"{where}: {len(versions)} token_versions for {len(self.response_ids)} response tokens"
             )
         mask = self.loss_mask
         if mask is not None and (len(mask) != len(self.response_ids) or any(m not in (0, 1) for m in mask)):

@@ -1,0 +1,75 @@
+"""``trainer.rollout_mode: fully_async`` end to end (real ``sapo-megatron train`` processes on the embedded demo
+config, in-process CPU engine): the deterministic schedule's exact staleness, stale groups dropped or kept with
+the correction, the producer thread, and the loglinear proximal approximation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.rl.test_trainer import data_files, metrics, train, write_config  # noqa: F401 - the fixture
+
+FAST = {"sft.steps": 2, "trainer.export_hf": False, "trainer.mini_batches": 1, "eval.every": 0}
+
+
+def run(tmp_path: Path, data_files: dict[str, str], **overrides) -> list[dict]:  # noqa: F811
+    settings = {**FAST, "trainer.rollout_mode": "fully_async", **overrides}
+    config = write_config(tmp_path / "run.yaml", data_files, **settings)
+    train(config)
+    return metrics(tmp_path / "run", "rl")
+
+
+def column(rows: list[dict], key: str) -> list[float]:
+    return [row[key] for row in rows]
+
+
+def test_deterministic_schedule_is_max_staleness_behind(tmp_path, data_files):  # noqa: F811
+    rows = run(
+        tmp_path,
+        data_files,
+        **{"trainer.steps": 4, "trainer.prompts_per_step": 4, "trainer.max_staleness": 2},
+        **{"trainer.fully_async_deterministic": True},
+    )
+    # the buffer holds 3 steps of groups: step s trains the groups generated at version max(0, s - 2)
+    assert column(rows, "staleness/token_mean") == [0.0, 1.0, 2.0, 2.0]
+    assert column(rows, "staleness/sample_max") == [0.0, 1.0, 2.0, 2.0]
+    assert column(rows, "staleness/tokens_2") == [0.0, 0.0, 1.0, 1.0]
+    assert column(rows, "async/buffer_groups") == [
+        12.0,
+        12.0,
+        8.0,
+        4.0,
+    ]  # never more than the run still needs
+    assert column(rows, "async/stale_dropped_groups") == [0.0] * 4
+    assert all(row["async/buffer_fill"] <= 1.0 for row in rows)
+
+
+@pytest.mark.parametrize("policy", ["drop", "correct"])
+def test_stale_groups_are_dropped_or_trained_with_the_correction(tmp_path, data_files, policy):  # noqa: F811
+    rows = run(
+        tmp_path,
+        data_files,
+        **{"trainer.steps": 3, "trainer.prompts_per_step": 2, "trainer.max_staleness": 0},
+        **{"trainer.fully_async_deterministic": True, "trainer.async_buffer_groups": 4},
+        **{"trainer.stale_groups": policy, "algorithm.correction": {"name": "tis", "cap": 2.0}},
+    )
+    if policy == "drop":  # step 1 meets two groups of version 0 first: dropped, the next two are fresh
+        assert column(rows, "async/stale_dropped_groups") == [0.0, 2.0, 0.0]
+        assert column(rows, "async/stale_dropped_frac") == [0.0, 0.5, 0.0]
+        assert column(rows, "staleness/token_mean") == [0.0, 0.0, 0.0]
+        return
+    assert column(rows, "async/stale_kept_groups") == [0.0, 2.0, 2.0]
+    assert column(rows, "staleness/token_mean") == [0.0, 1.0, 1.0]
+    # the correction's input: the proximal policy (trainer, version s) against the behaviour policy (version s-1)
+    delta = column(rows, "mismatch/abs_delta_mean")
+    assert delta[1] > 10 * delta[0] and delta[2] > 10 * delta[0]
+    assert rows[1]["mismatch/is_weight_mean"] != pytest.approx(1.0, abs=1e-4)
+
+
+def test_producer_thread_trains_within_the_bound(tmp_path, data_files):  # noqa: F811
+    rows = run(tmp_path, data_files, **{"trainer.steps": 2, "trainer.prompts_per_step": 4})
+    assert len(rows) == 2
+    assert all(row["staleness/token_max"] <= 1.0 for row in rows)  # max_staleness 1 by default
+    assert rows[0]["staleness/token_max"] == 0.0
+    assert all(row["time/trainer_idle_s"] >= 0.0 and row["time/generation_idle_s"] >= 0.0 for row in rows)
