@@ -105,6 +105,12 @@ class RunConfig(Section):
                 f"GPUs; set rollout.colocation: none (servers on other GPUs) or trainer.rollout_mode: sync "
                 f"(rollout.colocation: {self.rollout.colocation.name} shares the trainer's devices)"
             )
+        buffer = trainer.async_buffer_groups
+        if mode == "fully_async" and buffer is not None and buffer < trainer.prompts_per_step:
+            raise ValueError(
+                f"trainer.async_buffer_groups={buffer} cannot hold one step's trainer.prompts_per_step="
+                f"{trainer.prompts_per_step} groups: raise it to at least {trainer.prompts_per_step} (or null)"
+            )
         if (
             mode == "fully_async"
             and trainer.stale_groups == "correct"

@@ -276,3 +276,40 @@ def test_distillation_kl_at_temperature_one_ratio_collection_and_the_unit_temper
     both = LogprobOutput(tp_group=None, temperature=0.7, with_unit_temperature=True)(logits, data)
     torch.testing.assert_close(both[0], logp_hot, atol=2e-5, rtol=0)
     torch.testing.assert_close(both[1], logp_t1, atol=2e-5, rtol=0)
+
+
+def test_loglinear_proximal_needs_no_old_policy_pass():
+    """``proximal_logp="loglinear"``: the hook interpolates the proximal log-probs from the engine's and the current
+    ones by each token's staleness – the same loss as the algo loss given that approximation as ``old_logp`` –
+    and reads no ``old_logp``; staleness 0 everywhere makes the proximal policy the behaviour policy."""
+    from sapo_megatron.algo.decoupled import loglinear_proximal_logp
+
+    logits, data = make_batch(seed=3)
+    mask = data["loss_mask"].bool()
+    staleness = torch.where(mask, torch.arange(12).remainder(3).float().expand(6, 12), 0.0)
+    data = {**data, "staleness": staleness}
+    del data["old_logp"]
+    loss_cfg = build_policy_loss({"name": "sapo"})
+    hook = PolicyLossHook(loss_cfg, {"name": "tis", "cap": 2.0}, tp_group=None, proximal_logp="loglinear")
+
+    leaf = logits.clone().requires_grad_()
+    logp, _ = naive_logp(leaf, data["labels"])
+    proximal = loglinear_proximal_logp(torch.nan_to_num(data["rollout_logp"]), logp, staleness)
+    ref_loss, _ = loss_cfg.compute(
+        logp,
+        proximal,
+        data["advantages"],
+        mask,
+        rollout_logp_bt=data["rollout_logp"],
+        correction=TIS(cap=2.0),
+    )
+    ref_loss.backward()
+    total, reduced, grad = run_hook(hook, logits, data, [2, 4])
+    assert total == pytest.approx(float(ref_loss), rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(grad, leaf.grad, atol=1e-7, rtol=1e-5)
+    assert reduced["mismatch/is_weight_mean"] != pytest.approx(1.0, abs=1e-3)  # stale tokens: π_prox ≠ π_b
+
+    _, on_policy, _ = run_hook(hook, logits, {**data, "staleness": torch.zeros(6, 12)}, [6])
+    assert on_policy["mismatch/is_weight_mean"] == pytest.approx(1.0, abs=1e-6)  # π_prox = π_b
+    with pytest.raises(ValueError, match="recompute or loglinear"):
+        PolicyLossHook(loss_cfg, proximal_logp="exact")
