@@ -1,0 +1,102 @@
+"""The fully-async pipeline without a trainer (loop/fully_async.py): the producer thread's errors reach the loop,
+engine-reported per-token versions are kept, groups beyond the bound are dropped, and the buffer never holds more
+than its capacity."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from sapo_megatron.loop.fully_async import AsyncSettings, FullyAsyncPipeline
+from sapo_megatron.model.batching import TrainSequence
+from sapo_megatron.rollout.base import RolloutError
+
+
+def session(pushes: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(
+        cfg=SimpleNamespace(rollout=SimpleNamespace(timeout_s=5.0)),
+        info=SimpleNamespace(is_main=True),
+        start=SimpleNamespace(resume=False, checkpoint=None),
+        checkpointer=None,
+        sync=SimpleNamespace(push=lambda module: pushes.append(1) or {}),
+    )
+
+
+def settings(**changes) -> AsyncSettings:
+    base = dict(
+        groups_per_step=2,
+        n_samples=1,
+        max_staleness=1,
+        stale_groups="drop",
+        chunk_groups=2,
+        capacity=4,
+        total_steps=5,
+        deterministic=False,
+    )
+    return AsyncSettings(**{**base, **changes})
+
+
+def test_an_error_in_the_producer_is_raised_in_the_loop():
+    def generate(index, groups):
+        if index == 2:
+            raise RolloutError("injected: the engine went away")
+        return [TrainSequence([1], [2, 3]) for _ in range(groups)], {}, {}
+
+    with FullyAsyncPipeline(session([]), None, generate, settings(), start_step=0) as pipeline:
+        pipeline.next_batch(0)
+        pipeline.push_weights(None)
+        with pytest.raises(RolloutError, match="injected"):  # chunks 0 and 1 trained, then chunk 2's error
+            for step in range(1, 5):
+                pipeline.next_batch(step)
+                pipeline.push_weights(None)
+
+
+def test_engine_versions_are_kept_and_the_bound_holds_with_a_fast_producer():
+    seen_capacity: list[float] = []
+
+    def generate(index, groups):
+        partial = TrainSequence([1], [2, 3, 4], versions=[0, 0, 1])  # paused across the first update
+        rest = [TrainSequence([1], [2, 3]) for _ in range(groups - 1)]
+        return ([partial] if index == 0 else [TrainSequence([1], [2, 3])]) + rest, {"reward/mean": 1.0}, {}
+
+    pushes: list[int] = []
+    pipeline = FullyAsyncPipeline(session(pushes), None, generate, settings(), start_step=0)
+    with pipeline:
+        staleness = []
+        for step in range(5):
+            sequences, metrics = pipeline.next_batch(step)
+            seen_capacity.append(metrics["async/buffer_groups"])
+            if step == 0:
+                assert sequences[0].versions == [0, 0, 1]  # the engine's versions, not overwritten
+            assert all(s.versions is not None and len(s.versions) == len(s.response_ids) for s in sequences)
+            staleness.append(metrics["staleness/token_max"])
+            time.sleep(0.02)  # the producer fills the buffer meanwhile
+            pipeline.push_weights(None)
+    assert len(pushes) == 5
+    assert max(staleness) <= 1.0
+    assert max(seen_capacity) <= 4
+    assert metrics["reward/mean"] == 1.0
+    assert not any(t.name == "rollout-producer" and t.is_alive() for t in threading.enumerate())
+
+
+def test_groups_past_the_bound_are_dropped():
+    def generate(index, groups):
+        return [TrainSequence([1], [2]) for _ in range(groups)], {}, {}
+
+    pipeline = FullyAsyncPipeline(
+        session([]),
+        None,
+        generate,
+        settings(max_staleness=0, deterministic=True, total_steps=3),
+        start_step=0,
+    )
+    with pipeline:
+        dropped = []
+        for step in range(3):
+            _, metrics = pipeline.next_batch(step)
+            dropped.append(metrics["async/stale_dropped_groups"])
+            pipeline.push_weights(None)
+    assert dropped == [0.0, 2.0, 0.0]  # the second step meets the first fill's leftovers at staleness 1
