@@ -18,7 +18,8 @@ every arm; a sleep leaves the CPU to the server, as a trainer on its own GPUs wo
 :class:`~sapo_megatron.loop.fully_async.FullyAsyncPipeline` with its producer thread and ``--chunk`` groups per
 generation call), so what is measured is the schedule of each mode against real generation. Printed per arm:
 samples/s over the steps (after the first), the trainer's idle share (time not in the simulated step / wall
-time), the mean token staleness, and the ratios to sync and to one_step_off.
+time), the share of wall time the server was generating for the arm, the mean token staleness, and the ratios to
+sync and to one_step_off; each the mean of ``--rounds`` runs, the arms' order reversed every other round.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def make_generate(client, draws: list[int], args):
     from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
 
     position = [0]
+    busy = [0.0]  # seconds inside the server's generate calls
 
     def generate(index: int, groups: int):
         take = draws[position[0] : position[0] + groups]
@@ -69,13 +71,16 @@ def make_generate(client, draws: list[int], args):
             )
             for i, length in enumerate(take)
         ]
+        began = time.perf_counter()
         samples = [s for group in client.generate(requests) for s in group]
+        busy[0] += time.perf_counter() - began
         sequences = [
             TrainSequence(s.prompt_ids, s.response_ids, 0.0, s.rollout_logp, versions=s.token_versions)
             for s in samples
         ]
         return sequences, {}, {}
 
+    generate.busy = busy  # type: ignore[attr-defined]
     return generate
 
 
@@ -114,12 +119,12 @@ def run_arm(name: str, client, draws: list[int], args) -> dict[str, float]:
             total_steps=args.steps,
             overlap=name == "one_step_off",
         )
-    busy = staleness_sum = 0.0
+    busy = staleness_sum = gen_at_start = 0.0
     samples = 0
     with pipeline:
         for step in range(args.steps):
             if step == 1:
-                start, busy = time.perf_counter(), 0.0
+                start, busy, gen_at_start = time.perf_counter(), 0.0, generate.busy[0]
             sequences, metrics = pipeline.next_batch(step)
             tokens = sum(len(s.response_ids) for s in sequences)
             began = time.perf_counter()
@@ -135,6 +140,7 @@ def run_arm(name: str, client, draws: list[int], args) -> dict[str, float]:
         "trainer_idle": 1.0 - busy / wall,
         "staleness": staleness_sum / (args.steps - 1),
         "wall_s": wall,
+        "generating": (generate.busy[0] - gen_at_start) / wall,
     }
 
 
@@ -157,6 +163,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=2, help="runs per arm, alternating the order")
     args = parser.parse_args()
 
     import torch
@@ -187,8 +194,12 @@ def main() -> None:
             with SGLangClient([server.url], timeout_s=600.0, max_retries=0) as client:
                 warm_up = SamplingParams(max_new_tokens=4)
                 client.generate([GenerationRequest(prompt_ids=[5, 6], n=1, group_id=0, sampling=warm_up)])
-                for name in arms:
-                    results[name] = run_arm(name, client, draws, args)
+                for round_ in range(args.rounds):  # forwards, then backwards: load drift reaches every arm
+                    for name in arms if round_ % 2 == 0 else arms[::-1]:
+                        result = run_arm(name, client, draws, args)
+                        for key, value in result.items():
+                            results.setdefault(name, {}).setdefault(key, 0.0)
+                            results[name][key] += value / args.rounds
         finally:
             server.stop(timeout_s=60)
     print(
@@ -199,13 +210,13 @@ def main() -> None:
         f"average {os.getloadavg()[0]:.1f}"
     )
     sync, off = results["sync"]["samples_per_s"], results["one_step_off"]["samples_per_s"]
-    print(
-        f"{'arm':14s} {'samples/s':>10s} {'trainer idle':>13s} {'staleness':>10s} {'vs sync':>8s} {'vs 1-off':>9s}"
-    )
-    for name, r in results.items():
+    header = f"{'arm':14s} {'samples/s':>10s} {'trainer idle':>13s} {'generating':>11s} {'staleness':>10s}"
+    print(f"{header} {'vs sync':>8s} {'vs 1-off':>9s}")
+    for name in arms:
+        r = results[name]
         print(
-            f"{name:14s} {r['samples_per_s']:10.2f} {r['trainer_idle']:13.1%} {r['staleness']:10.2f} "
-            f"{r['samples_per_s'] / sync:7.2f}x {r['samples_per_s'] / off:8.2f}x"
+            f"{name:14s} {r['samples_per_s']:10.2f} {r['trainer_idle']:13.1%} {r['generating']:11.1%} "
+            f"{r['staleness']:10.2f} {r['samples_per_s'] / sync:7.2f}x {r['samples_per_s'] / off:8.2f}x"
         )
 
 
