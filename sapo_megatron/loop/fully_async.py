@@ -110,6 +110,7 @@ class FullyAsyncPipeline:
         self._running = 0  # groups being generated
         self._trained_steps = start_step
         self._pause = False
+        self._push_pending = False
         self._stopping = False
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
@@ -130,12 +131,20 @@ class FullyAsyncPipeline:
     def push_weights(self, module: torch.nn.Module) -> dict[str, float]:
         """Every rank, after the step's updates: wait for the chunk in flight, push the weights, bump the version."""
         start = time.perf_counter()
-        with self._engine:
-            self._trainer_idle += time.perf_counter() - start
-            metrics = self.session.sync.push(module)
+        with self._cond:
+            self._push_pending = (
+                True  # the producer starts no chunk before this update: it would wait a chunk more
+            )
+        try:
+            with self._engine:
+                self._trainer_idle += time.perf_counter() - start
+                metrics = self.session.sync.push(module)
+                with self._cond:
+                    self.version += 1
+                    self._trained_steps += 1
+        finally:
             with self._cond:
-                self.version += 1
-                self._trained_steps += 1
+                self._push_pending = False
                 self._cond.notify_all()
         return metrics
 
@@ -194,7 +203,7 @@ class FullyAsyncPipeline:
         cfg = self.settings
         needed = (cfg.total_steps - self._trained_steps) * cfg.groups_per_step
         free = min(cfg.capacity, needed) - len(self._buffer) - self._running
-        return 0 if self._pause or self._stopping else free
+        return 0 if self._pause or self._stopping or self._push_pending else free
 
     def _fill(self) -> None:
         """Deterministic mode: chunks at the current version until the buffer is full."""
