@@ -10,7 +10,7 @@ import pytest
 
 from sapo_megatron.loop.fully_async import BUFFER_FILE
 from tests.rl.test_interrupt_resume import interrupted
-from tests.rl.test_trainer import data_files, metrics, train, write_config  # noqa: F401 - the fixture
+from tests.rl.test_trainer import data_files, metrics, run_cli, train, write_config  # noqa: F401 - the fixture
 
 FAST = {"sft.steps": 2, "trainer.export_hf": False, "trainer.mini_batches": 1, "eval.every": 0}
 
@@ -114,3 +114,24 @@ def test_sigint_then_resume_trains_the_saved_buffer_once(tmp_path, data_files): 
     resumed = compared(tmp_path / "resumed" / "run")
     assert [row["staleness/token_mean"] for row in resumed] == [0.0, 1.0, 2.0, 2.0]
     assert resumed == compared(tmp_path / "straight" / "run")
+
+
+def test_two_steps_on_the_embedded_demo(tmp_path):
+    """``sapo-megatron train`` without a config file (the embedded demo) and ``rollout_mode: fully_async``: the
+    producer thread keeps generating (the second chunk starts on version 0 while step 1 trains) into a buffer of
+    (max_staleness + 1) × prompts_per_step groups."""
+    run = tmp_path / "run"
+    overrides = {
+        "output_dir": run,
+        "trainer.rollout_mode": "fully_async",
+        "trainer.steps": 2,
+        "sft.steps": 0,
+        "trainer.export_hf": "false",
+    }
+    train_args = [arg for key, value in overrides.items() for arg in ("--set", f"{key}={value}")]
+    run_cli(["-m", "sapo_megatron.cli"], "train", *train_args)
+    rows = metrics(run, "rl")
+    assert [row["step"] for row in rows] == [1, 2]
+    assert column(rows, "staleness/token_max") == [0.0, 1.0]  # step 2 trains groups of version 0
+    for row in rows:  # the default capacity: (1 + 1) × 32 groups
+        assert row["async/buffer_groups"] <= 64 and row["async/buffer_fill"] == row["async/buffer_groups"] / 64
