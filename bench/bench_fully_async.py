@@ -120,7 +120,7 @@ def run_arm(name: str, client, draws: list[int], args) -> dict[str, float]:
             overlap=name == "one_step_off",
         )
     busy = staleness_sum = gen_at_start = 0.0
-    samples = 0
+    samples = trained_tokens = 0
     with pipeline:
         for step in range(args.steps):
             if step == 1:
@@ -133,6 +133,7 @@ def run_arm(name: str, client, draws: list[int], args) -> dict[str, float]:
             pipeline.push_weights(None)
             if step >= 1:
                 samples += len(sequences)
+                trained_tokens += tokens
                 staleness_sum += metrics.get("staleness/token_mean", 0.0)
     wall = time.perf_counter() - start
     return {
@@ -141,6 +142,7 @@ def run_arm(name: str, client, draws: list[int], args) -> dict[str, float]:
         "staleness": staleness_sum / (args.steps - 1),
         "wall_s": wall,
         "generating": (generate.busy[0] - gen_at_start) / wall,
+        "tokens": trained_tokens,
     }
 
 
@@ -210,12 +212,12 @@ def main() -> None:
         f"average {os.getloadavg()[0]:.1f}"
     )
     sync, off = results["sync"]["samples_per_s"], results["one_step_off"]["samples_per_s"]
-    header = f"{'arm':14s} {'samples/s':>10s} {'trainer idle':>13s} {'generating':>11s} {'staleness':>10s}"
+    header = f"{'arm':14s} {'tokens':>7s} {'samples/s':>10s} {'trainer idle':>13s} {'generating':>11s} {'staleness':>10s}"
     print(f"{header} {'vs sync':>8s} {'vs 1-off':>9s}")
     for name in arms:
         r = results[name]
         print(
-            f"{name:14s} {r['samples_per_s']:10.2f} {r['trainer_idle']:13.1%} {r['generating']:11.1%} "
+            f"{name:14s} {r['tokens']:7.0f} {r['samples_per_s']:10.2f} {r['trainer_idle']:13.1%} {r['generating']:11.1%} "
             f"{r['staleness']:10.2f} {r['samples_per_s'] / sync:7.2f}x {r['samples_per_s'] / off:8.2f}x"
         )
 

@@ -82,9 +82,14 @@ def test_engine_versions_are_kept_and_the_bound_holds_with_a_fast_producer():
     assert not any(t.name == "rollout-producer" and t.is_alive() for t in threading.enumerate())
 
 
-def test_groups_past_the_bound_are_dropped():
+def test_groups_past_the_bound_are_dropped_and_replaced():
+    """Under drop the producer starts no chunk the bound would drop, so only an engine's own versions can make a
+    group stale: chunk 1 comes back sampled at version 0 (a partial rollout continued), step 1 drops it and the
+    deterministic producer generates its replacement at once."""
+
     def generate(index, groups):
-        return [TrainSequence([1], [2]) for _ in range(groups)], {}, {}
+        versions = [0] if index == 1 else None
+        return [TrainSequence([1], [2], versions=versions) for _ in range(groups)], {}, {}
 
     pipeline = FullyAsyncPipeline(
         session([]),
@@ -94,9 +99,12 @@ def test_groups_past_the_bound_are_dropped():
         start_step=0,
     )
     with pipeline:
-        dropped = []
+        dropped, staleness = [], []
         for step in range(3):
             _, metrics = pipeline.next_batch(step)
             dropped.append(metrics["async/stale_dropped_groups"])
+            staleness.append(metrics["staleness/token_max"])
             pipeline.push_weights(None)
-    assert dropped == [0.0, 2.0, 0.0]  # the second step meets the first fill's leftovers at staleness 1
+    assert dropped == [0.0, 2.0, 0.0]
+    assert staleness == [0.0, 0.0, 0.0]
+    assert pipeline._next_chunk == 4  # chunks 0, 1 (dropped), 2 (its replacement), 3

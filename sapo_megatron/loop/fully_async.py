@@ -108,7 +108,7 @@ class FullyAsyncPipeline:
         self._engine = threading.Lock()  # held by a chunk's generation and by a weight update
         self._next_chunk = 0
         self._running = 0  # groups being generated
-        self._trained_steps = start_step
+        self._taken = start_step * settings.groups_per_step  # groups handed to the trainer
         self._pause = False
         self._push_pending = False
         self._stopping = False
@@ -141,7 +141,6 @@ class FullyAsyncPipeline:
                 metrics = self.session.sync.push(module)
                 with self._cond:
                     self.version += 1
-                    self._trained_steps += 1
         finally:
             with self._cond:
                 self._push_pending = False
@@ -165,8 +164,11 @@ class FullyAsyncPipeline:
             while len(taken) < cfg.groups_per_step:
                 while not self._buffer:
                     self._raise_error()
-                    if cfg.deterministic:
-                        raise RuntimeError("the deterministic producer left the buffer short")
+                    if cfg.deterministic:  # groups were dropped: generate their replacements now
+                        self._fill()
+                        if not self._buffer:
+                            raise RuntimeError("the deterministic producer has no room to refill the buffer")
+                        continue
                     self._cond.wait(timeout=1.0)
                 group = self._buffer.popleft()
                 if group.staleness(step) > cfg.max_staleness:
@@ -175,6 +177,7 @@ class FullyAsyncPipeline:
                         continue
                     kept_stale += 1
                 taken.append(group)
+                self._taken += 1
             self._cond.notify_all()
         self._trainer_idle += time.perf_counter() - start
         metrics = self._metrics(taken, step, fill=fill, dropped=dropped, kept_stale=kept_stale)
@@ -199,11 +202,18 @@ class FullyAsyncPipeline:
     # -- the producer (main rank) -----------------------------------------------------------------------
 
     def _room(self) -> int:
-        """Groups the producer may start now: the buffer's free space, and no more than the run still needs."""
+        """Groups the producer may start now: the buffer's free space, no more than the run still needs, and under
+        ``stale_groups: drop`` none that the bound would drop – a chunk started at version v is trained by step
+        v + max_staleness (AReaL's admission rule, counted in groups)."""
         cfg = self.settings
-        needed = (cfg.total_steps - self._trained_steps) * cfg.groups_per_step
-        free = min(cfg.capacity, needed) - len(self._buffer) - self._running
-        return 0 if self._pause or self._stopping or self._push_pending else free
+        if self._pause or self._stopping or self._push_pending:
+            return 0
+        ahead = len(self._buffer) + self._running
+        room = min(cfg.capacity - ahead, cfg.total_steps * cfg.groups_per_step - self._taken - ahead)
+        if cfg.stale_groups == "drop":
+            in_bound = (self.version + cfg.max_staleness + 1) * cfg.groups_per_step - self._taken - ahead
+            room = min(room, in_bound)
+        return room
 
     def _fill(self) -> None:
         """Deterministic mode: chunks at the current version until the buffer is full."""
