@@ -43,6 +43,7 @@ from sapo_megatron.errors import UserError
 from sapo_megatron.loop.pipeline import RolloutPipeline, _pack, _unpack, sequence_staleness, with_versions
 from sapo_megatron.loop.session import Session
 from sapo_megatron.model.batching import TrainSequence
+from sapo_megatron.runtime.interrupts import WaitInterrupted
 from sapo_megatron.runtime.ranks import on_main_rank
 
 logger = logging.getLogger(__name__)
@@ -138,7 +139,12 @@ class FullyAsyncPipeline:
         try:
             with self._engine:
                 self._trainer_idle += time.perf_counter() - start
-                metrics = self.session.sync.push(module)
+                try:
+                    metrics = self.session.sync.push(module)
+                except (
+                    WaitInterrupted
+                ):  # a signal during the sync: end_of_step checkpoints and stops (resume re-syncs)
+                    metrics = {"weight_sync/interrupted": 1.0}
                 with self._cond:
                     self.version += 1
         finally:
