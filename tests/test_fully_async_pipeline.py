@@ -108,3 +108,28 @@ def test_groups_past_the_bound_are_dropped_and_replaced():
     assert dropped == [0.0, 2.0, 0.0]
     assert staleness == [0.0, 0.0, 0.0]
     assert pipeline._next_chunk == 4  # chunks 0, 1 (dropped), 2 (its replacement), 3
+
+
+def test_a_push_is_deferred_while_a_chunk_is_in_flight_within_the_bound():
+    """max_staleness 3: a weight update that would wait for the chunk in flight is skipped while the engine is
+    fewer than 3 versions behind (the next update sends the newer weights); the last step's update always goes
+    through, and no token is trained more than 3 versions behind."""
+
+    def generate(index, groups):
+        time.sleep(0.05)  # generation is slower than this trainer, so a chunk is in flight at every update
+        return [TrainSequence([1], [2, 3]) for _ in range(groups)], {}, {}
+
+    pushes: list[int] = []
+    cfg = settings(max_staleness=3, capacity=8, total_steps=8)
+    with FullyAsyncPipeline(session(pushes), None, generate, cfg, start_step=0) as pipeline:
+        deferred, lag, staleness = [], [], []
+        for step in range(8):
+            _, metrics = pipeline.next_batch(step)
+            staleness.append(metrics["staleness/token_max"])
+            pushed = pipeline.push_weights(None)
+            deferred.append(pushed["weight_sync/deferred"])
+            lag.append(pushed["async/engine_lag"])
+    assert sum(deferred) >= 2 and len(pushes) == 8 - sum(deferred)
+    assert max(lag) <= 2.0  # at 3 versions behind the update waits
+    assert deferred[-1] == 0.0 and pipeline.version == pipeline.trainer_version == 8
+    assert max(staleness) <= 3.0

@@ -104,6 +104,7 @@ class FullyAsyncPipeline:
         self.session, self.prompts, self.settings = session, prompts, settings
         self._generate = generate
         self.version = start_step  # the engine holds the weights of start_step before the first step
+        self.trainer_version = start_step
         self._buffer: deque[Group] = deque()
         self._cond = threading.Condition()
         self._engine = threading.Lock()  # held by a chunk's generation and by a weight update
@@ -130,28 +131,53 @@ class FullyAsyncPipeline:
         return on_main_rank(self.session.info, lambda: self._take(step))
 
     def push_weights(self, module: torch.nn.Module) -> dict[str, float]:
-        """Every rank, after the step's updates: wait for the chunk in flight, push the weights, bump the version."""
+        """Every rank, after the step's updates: push the weights to the engine, or defer the push while a chunk is
+        in flight and the engine is fewer than ``max_staleness`` versions behind (the next step's push sends the
+        newer weights); otherwise wait for the chunk in flight."""
+        self.trainer_version += 1
+        may_defer = self.trainer_version - self.version < self.settings.max_staleness and not self._engine_needed()
         start = time.perf_counter()
-        with self._cond:
-            self._push_pending = (
-                True  # the producer starts no chunk before this update: it would wait a chunk more
-            )
+        locked = on_main_rank(self.session.info, lambda: self._lock_engine(wait=not may_defer))
+        if not locked:
+            return {
+                "weight_sync/deferred": 1.0,
+                "async/engine_lag": float(self.trainer_version - self.version),
+            }
         try:
-            with self._engine:
-                self._trainer_idle += time.perf_counter() - start
-                try:
-                    metrics = self.session.sync.push(module)
-                except (
-                    WaitInterrupted
-                ):  # a signal during the sync: end_of_step checkpoints and stops (resume re-syncs)
-                    metrics = {"weight_sync/interrupted": 1.0}
-                with self._cond:
-                    self.version += 1
+            self._trainer_idle += time.perf_counter() - start
+            try:
+                metrics = self.session.sync.push(module)
+            except (
+                WaitInterrupted
+            ):  # a signal during the sync: end_of_step checkpoints and stops (resume re-syncs)
+                metrics = {"weight_sync/interrupted": 1.0}
+            with self._cond:
+                self.version = self.trainer_version
         finally:
+            if self.session.info.is_main:
+                self._engine.release()
             with self._cond:
                 self._push_pending = False
                 self._cond.notify_all()
-        return metrics
+        return {**metrics, "weight_sync/deferred": 0.0, "async/engine_lag": 0.0}
+
+    def _engine_needed(self) -> bool:
+        """The engine must hold the trainer's weights after this step: the last one, or one evaluated after it."""
+        every = getattr(getattr(self.session.cfg, "eval", None), "every", 0)
+        step = self.trainer_version
+        return step >= self.settings.total_steps or (bool(every) and step % every == 0)
+
+    def _lock_engine(self, *, wait: bool) -> bool:
+        """Main rank: take the engine for a weight update (waiting for the chunk in flight when ``wait``); while
+        it waits, the producer starts no further chunk (the lock is not fair)."""
+        if self._engine.acquire(blocking=False):
+            return True
+        if not wait:
+            return False
+        with self._cond:
+            self._push_pending = True
+        self._engine.acquire()
+        return True
 
     # -- the trainer's side (main rank) -----------------------------------------------------------------
 
@@ -287,7 +313,7 @@ class FullyAsyncPipeline:
         with self._paused():
             state = {
                 "format": _FORMAT,
-                "version": self.version,
+                "version": self.trainer_version,
                 "next_chunk": self._next_chunk,
                 "prompt_state": self.prompts.state_dict(),
                 "groups": [
