@@ -1,8 +1,8 @@
 """Samples per second and the trainer's idle share under ``trainer.rollout_mode`` sync, one_step_off and fully_async
 (``max_staleness`` 1, 2, 4), each measured in the same run, with heavy-tailed response lengths.
 
-    python bench/bench_fully_async.py [--steps 12] [--prompts 8] [--median 6] [--sigma 1.264] [--cap 96]
-                                      [--train-tokens-per-s 150] [--chunk 2] [--hidden 128]
+    python bench/bench_fully_async.py [--steps 16] [--prompts 4] [--median 6] [--sigma 1.264] [--cap 96]
+                                      [--train-ratio 1.0 | --train-tokens-per-s T] [--chunk 4] [--rounds 2]
 
 Generation is real: the CPU rollout server (``sapo-megatron serve``, the stand-in for an SGLang worker, its own
 process, one torch thread) behind :class:`~sapo_megatron.rollout.sglang.client.SGLangClient`, a tiny random
@@ -12,8 +12,9 @@ the lengths are one fixed sequence, so every arm generates the same samples' len
 batches concurrent requests into one static batch, so a batch lasts as long as its longest sample – the tail a
 synchronous step waits for.
 
-The trainer is simulated: a step sleeps ``trained tokens / --train-tokens-per-s`` seconds (equal trained tokens in
-every arm; a sleep leaves the CPU to the server, as a trainer on its own GPUs would), and a weight update sleeps
+The trainer is simulated: a step sleeps ``trained tokens / --train-tokens-per-s`` seconds (by default calibrated so
+that training takes ``--train-ratio`` times as long as generating, where asynchrony matters most; equal trained
+tokens in every arm; a sleep leaves the CPU to the server, as a trainer on its own GPUs would), and a weight update sleeps
 ``--sync-s``. The arms run the project's own pipelines (:class:`~sapo_megatron.loop.pipeline.RolloutPipeline`,
 :class:`~sapo_megatron.loop.fully_async.FullyAsyncPipeline` with its producer thread and ``--chunk`` groups per
 generation call), so what is measured is the schedule of each mode against real generation. Printed per arm:
@@ -84,6 +85,14 @@ def make_generate(client, draws: list[int], args):
     return generate
 
 
+def calibrate(client, draws: list[int], args) -> float:
+    """Generated tokens per second of the first 3 steps' batches, one batch at a time (as sync generates)."""
+    generate = make_generate(client, draws, args)
+    began = time.perf_counter()
+    tokens = sum(len(s.response_ids) for index in range(3) for s in generate(index, args.prompts)[0])
+    return tokens / (time.perf_counter() - began)
+
+
 def run_arm(name: str, client, draws: list[int], args) -> dict[str, float]:
     from sapo_megatron.loop.fully_async import AsyncSettings, FullyAsyncPipeline
     from sapo_megatron.loop.pipeline import RolloutPipeline
@@ -150,18 +159,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--prompts", type=int, default=8, help="groups (one sample each) per step")
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--prompts", type=int, default=4, help="groups (one sample each) per step")
     parser.add_argument("--median", type=float, default=6.0, help="median response length (tokens)")
     parser.add_argument(
         "--sigma", type=float, default=1.264, help="lognormal sigma (1.264: 5%% >= 8x median)"
     )
     parser.add_argument("--cap", type=int, default=96, help="longest response (tokens)")
     parser.add_argument(
-        "--train-tokens-per-s", type=float, default=150.0, help="the simulated trainer's speed"
+        "--train-tokens-per-s",
+        type=float,
+        default=None,
+        help="the simulated trainer's speed (default: calibrated so that training a step takes --train-ratio times "
+        "as long as generating it, measured on the first 3 steps' samples before the arms run)",
     )
+    parser.add_argument("--train-ratio", type=float, default=1.0)
     parser.add_argument("--sync-s", type=float, default=0.05, help="the simulated weight update")
-    parser.add_argument("--chunk", type=int, default=2, help="fully_async: groups per generation call")
+    parser.add_argument("--chunk", type=int, default=4, help="fully_async: groups per generation call")
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
@@ -196,6 +210,8 @@ def main() -> None:
             with SGLangClient([server.url], timeout_s=600.0, max_retries=0) as client:
                 warm_up = SamplingParams(max_new_tokens=4)
                 client.generate([GenerationRequest(prompt_ids=[5, 6], n=1, group_id=0, sampling=warm_up)])
+                if args.train_tokens_per_s is None:
+                    args.train_tokens_per_s = calibrate(client, draws, args) / args.train_ratio
                 for round_ in range(args.rounds):  # forwards, then backwards: load drift reaches every arm
                     for name in arms if round_ % 2 == 0 else arms[::-1]:
                         result = run_arm(name, client, draws, args)
@@ -208,7 +224,7 @@ def main() -> None:
         f"tiny Qwen3-MoE (hidden {args.hidden}, {args.layers} layers) on the CPU server; {args.prompts} samples per "
         f"step, steps 2-{args.steps}; lengths lognormal median {args.median:g} sigma {args.sigma:g} cap {args.cap}: "
         f"median {ranked[len(ranked) // 2]}, max {ranked[-1]}, {tail:.1%} >= 8x median; simulated trainer "
-        f"{args.train_tokens_per_s:g} tokens/s, sync {args.sync_s:g} s; fully_async chunk {args.chunk}; load "
+        f"{args.train_tokens_per_s:.1f} tokens/s, sync {args.sync_s:g} s; fully_async chunk {args.chunk}; load "
         f"average {os.getloadavg()[0]:.1f}"
     )
     sync, off = results["sync"]["samples_per_s"], results["one_step_off"]["samples_per_s"]
