@@ -133,3 +133,24 @@ def test_a_push_is_deferred_while_a_chunk_is_in_flight_within_the_bound():
     assert max(lag) <= 2.0  # at 3 versions behind the update waits
     assert deferred[-1] == 0.0 and pipeline.version == pipeline.trainer_version == 8
     assert max(staleness) <= 3.0
+
+
+def test_compare_grids_over_max_staleness(tmp_path):
+    """``sapo-megatron compare --grid trainer.max_staleness=0,1,2,4`` with ``rollout_mode: fully_async``: one
+    validated arm config per bound."""
+    from sapo_megatron.compare import build_plan, parse_grid
+
+    plan = build_plan(
+        None,
+        {"trainer.rollout_mode": "fully_async", "trainer.prompts_per_step": 4, "rollout.n_samples": 4},
+        losses=["sapo"],
+        replays=["none"],
+        corrections=["none"],
+        seeds=1,
+        steps=3,
+        output_dir=tmp_path,
+        grid=parse_grid(["trainer.max_staleness=0,1,2,4"]),
+    )
+    assert [run.cfg.trainer.max_staleness for run in plan.arms] == [0, 1, 2, 4]
+    assert {run.cfg.trainer.rollout_mode for run in plan.arms} == {"fully_async"}
+    assert [run.name for run in plan.arms][-1] == "sapo-none-none-max_staleness4-s0"
