@@ -154,3 +154,52 @@ def test_compare_grids_over_max_staleness(tmp_path):
     assert [run.cfg.trainer.max_staleness for run in plan.arms] == [0, 1, 2, 4]
     assert {run.cfg.trainer.rollout_mode for run in plan.arms} == {"fully_async"}
     assert [run.name for run in plan.arms][-1] == "sapo-none-none-max_staleness4-s0"
+
+
+class Prompts:
+    """The prompt iterator's state, as the pipeline saves and restores it."""
+
+    def __init__(self) -> None:
+        self.state = {"position": 0}
+
+    def state_dict(self) -> dict:
+        return dict(self.state)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.state = dict(state)
+
+
+def test_a_checkpoint_of_the_threaded_buffer_waits_for_the_chunk_in_flight_and_restores_it(tmp_path):
+    """The payload is written with the producer paused between chunks: the saved prompt position, the next chunk's
+    index and the buffered groups agree (every chunk started is finished and buffered or trained), and a resumed
+    pipeline holds exactly those groups, with their versions."""
+    from sapo_megatron.loop.fully_async import BUFFER_FILE
+
+    prompts = Prompts()
+
+    def generate(index, groups):
+        time.sleep(0.05)
+        prompts.state = {"position": (index + 1) * groups}  # what drawing the chunk's prompts did
+        return [TrainSequence([1], [2, index]) for _ in range(groups)], {"reward/mean": float(index)}, {}
+
+    run = session([])
+    run.checkpointer = SimpleNamespace(attachments={})
+    cfg = settings(max_staleness=2, capacity=6, total_steps=6)
+    with FullyAsyncPipeline(run, prompts, generate, cfg, start_step=0) as pipeline:
+        for step in range(2):
+            pipeline.next_batch(step)
+            pipeline.push_weights(None)
+        payload = run.checkpointer.attachments[BUFFER_FILE]()  # while the producer generates
+    checkpoint = tmp_path / "step_000002"
+    checkpoint.mkdir()
+    (checkpoint / BUFFER_FILE).write_bytes(payload)
+    resumed = session([])
+    resumed.start = SimpleNamespace(resume=True, checkpoint=SimpleNamespace(path=str(checkpoint)))
+    restored_prompts = Prompts()
+    pipeline = FullyAsyncPipeline(resumed, restored_prompts, generate, cfg, start_step=2)
+    chunks = pipeline._next_chunk
+    assert restored_prompts.state == {"position": 2 * chunks}  # the prompts of exactly the finished chunks
+    buffered = [s.response_ids[1] for g in pipeline._buffer for s in g.sequences]
+    assert len(buffered) == 2 * chunks - 4  # chunks x 2 groups, 4 of them trained in steps 0 and 1
+    assert buffered == sorted(buffered) and (not buffered or buffered[-1] == chunks - 1)
+    assert all(s.versions is not None for g in pipeline._buffer for s in g.sequences)
