@@ -140,3 +140,16 @@ def test_two_steps_on_the_embedded_demo(tmp_path):
         assert (
             row["async/buffer_groups"] <= 64 and row["async/buffer_fill"] == row["async/buffer_groups"] / 64
         )
+
+
+def test_dynamic_sampling_and_over_sampling_apply_to_every_chunk(tmp_path, data_files):  # noqa: F811
+    rows = run(
+        tmp_path,
+        data_files,
+        **{"trainer.steps": 2, "trainer.prompts_per_step": 4, "trainer.fully_async_deterministic": True},
+        **{"algorithm.dynamic_sampling": True, "algorithm.over_sampling": 1.5},
+    )
+    # each chunk (4 groups) drew ceil(4 × 1.5) − 4 = 2 extra prompts in its first round, as a sync step would
+    assert column(rows, "rollout/over_sampled_prompts")[0] >= 2.0
+    assert all(row["rollout/rounds"] >= 1.0 for row in rows)
+    assert column(rows, "staleness/token_mean") == [0.0, 1.0]
