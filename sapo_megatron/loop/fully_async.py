@@ -135,7 +135,9 @@ class FullyAsyncPipeline:
         in flight and the engine is fewer than ``max_staleness`` versions behind (the next step's push sends the
         newer weights); otherwise wait for the chunk in flight."""
         self.trainer_version += 1
-        may_defer = self.trainer_version - self.version < self.settings.max_staleness and not self._engine_needed()
+        may_defer = (
+            self.trainer_version - self.version < self.settings.max_staleness and not self._engine_needed()
+        )
         start = time.perf_counter()
         locked = on_main_rank(self.session.info, lambda: self._lock_engine(wait=not may_defer))
         if not locked:
