@@ -3,7 +3,7 @@ accuracy after RL for ``--seeds`` seeds of each, on the setting of ``tests/rl/te
 additions trained and evaluated (greedy), a 50-step supervised warm start, ``--steps`` SAPO steps, lr 1e-4,
 temperature 0.7, the in-process fp32 CPU engine; each run a real ``sapo-megatron train`` process.
 
-    python bench/bench_fully_async_learning.py [--seeds 3] [--steps 20] [--staleness 2]
+    python bench/bench_fully_async_learning.py [--seeds 3] [--steps 20] [--staleness 2] [--tis-cap 2]
 
 Prints per seed the accuracy before RL (after the warm start, equal in both modes) and after, and the mean
 difference fully_async − sync (the issue's bar: within 0.03).
@@ -41,6 +41,8 @@ def run(root: Path, name: str, seed: int, args, **trainer) -> dict:
     cfg["sft"].update(steps=50, lr=1e-3)
     cfg["optimizer"]["lr"] = 1e-4
     cfg["rollout"]["temperature"] = 0.7
+    if args.tis_cap:
+        cfg["algorithm"]["correction"] = {"name": "tis", "cap": args.tis_cap}
     cfg["trainer"].update(steps=args.steps, prompts_per_step=16, mini_batches=2, export_hf=False, **trainer)
     (out / "run.yaml").write_text(yaml.safe_dump(cfg))
     proc = subprocess.run(
@@ -61,6 +63,9 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--staleness", type=int, default=2)
+    parser.add_argument(
+        "--tis-cap", type=float, default=None, help="algorithm.correction: tis with this cap (both)"
+    )
     args = parser.parse_args()
     diffs = []
     with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
