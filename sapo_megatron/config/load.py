@@ -115,7 +115,12 @@ def fill_auto_sizes(raw: dict[str, Any]) -> dict[str, Any]:
         sources += [(d.path, d.keys, d.size, d.max_new_tokens) for d in resolve_datasets(cfg)]
         mt = cfg.rollout.multi_turn
         measured = measured_context(
-            sources, tokenizer, digits=cfg.data.digits, seed=cfg.seed, tools=prompt_tool_schemas(mt)
+            sources,
+            tokenizer,
+            digits=cfg.data.digits,
+            seed=cfg.seed,
+            tools=prompt_tool_schemas(mt),
+            sft=cfg.sft.steps > 0,
         )
         episode = (
             mt.max_context_tokens if mt is not None and "max_context_tokens" in mt.model_fields_set else 0

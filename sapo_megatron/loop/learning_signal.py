@@ -14,6 +14,7 @@ import logging
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from sapo_megatron.data.conversation import first_turn_call, is_conversation
 from sapo_megatron.data.prompts import PromptRow
 from sapo_megatron.data.render import sft_target
 from sapo_megatron.rewards.types import RewardInput, RewardOutput
@@ -128,12 +129,34 @@ def dry_run_sft_check(cfg: Any, rows: Sequence[Any]) -> str:
     return f"warning: {warning}" if warning else "sft targets OK: they score under algorithm.reward"
 
 
+def dry_run_warm_start(cfg: Any, data: Any) -> list[str]:
+    """``train --dry-run``'s lines about the warm start: the targets under the reward, their lengths against the
+    model's context (one line refuses them, as train does before SFT), multi-turn: the first tool call against
+    ``rollout.max_new_tokens``."""
+    lines = [dry_run_sft_check(cfg, data.train_rows)]
+    if cfg.sft.steps > 0:
+        from sapo_megatron.rollout.episodes.warm_start import check_sft_lengths, sft_settings
+
+        lines.append(check_sft_lengths(data.renderer, data.train_rows, **sft_settings(cfg)))
+    if cfg.rollout.multi_turn is not None:
+        cut = check_first_tool_call(data.train_rows, data.tokenizer, cfg.rollout.max_new_tokens)
+        lines.append(
+            f"warning: {cut}"
+            if cut
+            else "tool calls OK: the SFT targets' first tool call fits max_new_tokens"
+        )
+    return lines
+
+
 def check_first_tool_call(rows: Sequence[Any], tokenizer: Any, max_new_tokens: int) -> str | None:
     """Multi-turn warm starts: the longest first turn of the first :data:`TARGETS_SCORED` SFT targets that call
     a tool (the target up to its first ``</tool_call>``), in tokens; a warning (also logged) when
     ``rollout.max_new_tokens`` would cut it, so every such turn would end truncated before the tool runs."""
     end = "</tool_call>"
-    targets = [sft_target(row) for row in rows[:TARGETS_SCORED]]
+    targets = [
+        first_turn_call(row.response) if is_conversation(row.response) else sft_target(row)
+        for row in rows[:TARGETS_SCORED]
+    ]
     firsts = [t[: t.index(end) + len(end)] for t in targets if "<tool_call>" in t and end in t]
     if not firsts:
         return None
