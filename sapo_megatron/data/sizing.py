@@ -6,7 +6,8 @@
 - ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id``: the tokenizer's (a tokenizer without a bos token, as
   Qwen's, leaves ``bos_token_id`` out);
 - ``max_position_embeddings``: the longest prompt of ``data.train`` and of the eval datasets, as the engine
-  receives it (with the tool schemas of multi-turn episodes) (``max_prompt_tokens`` where set), plus the longest
+  receives it (with the tool schemas of multi-turn episodes, and each image's tokens when ``data.tokenizer`` is a VL
+  tokenizer folder) (``max_prompt_tokens`` where set), plus the longest
   response (``rollout.max_new_tokens``, or an eval dataset's own), and with a warm start (``sft.steps`` > 0) at least
   the longest SFT sequence of ``data.train``, rounded up to a multiple of :data:`CONTEXT_MULTIPLE` (the embedded
   demo's 64 stays 64).
@@ -97,6 +98,7 @@ def measured_context(
     from sapo_megatron.data.render import PromptRenderer
     from sapo_megatron.data.synthetic import TASKS, make_mixed_rows
 
+    vision = _vision(tokenizer)  # a VL tokenizer folder: prompts are measured with their images' tokens
     needed = 0
     for position, (path, keys, size, new_tokens) in enumerate(sources):
         if keys.max_prompt_tokens is not None:  # longer prompts are the length policy's to filter or cut
@@ -111,12 +113,26 @@ def measured_context(
                 tasks, min(size or SYNTHETIC_ROWS, SYNTHETIC_ROWS), digits=digits, seed=seed
             )
         else:
+            policy = (
+                None
+                if vision is None
+                else keys.image_policy(vision.factor, vision.min_pixels, vision.max_pixels)
+            )
             try:
-                rows = read_dataset(path, keys).rows[:size]
+                rows = read_dataset(path, keys, policy).rows[:size]
             except DatasetError:
                 continue  # a missing or bad dataset is named by the input checks and the data load, in train.log
-        renderer = PromptRenderer(tokenizer, keys, tools=tools)
+        renderer = PromptRenderer(tokenizer, keys, vision, tools=tools)
         needed = max(needed, context_size(longest_prompt(rows, renderer), new_tokens))
         if sft and position == 0:
             needed = max(needed, context_size(longest_sft_sequence(rows[:SFT_ROWS], renderer), 0))
     return max(needed, CONTEXT_MULTIPLE)
+
+
+def _vision(tokenizer: Any) -> Any:
+    """The tokenizer folder's image tokens and processor (None: a text tokenizer, or no images to size)."""
+    from sapo_megatron.data.vision import load_image_processor, vision_spec
+
+    directory = getattr(tokenizer, "directory", None)
+    processor = None if directory is None else load_image_processor(directory)
+    return None if processor is None else vision_spec(tokenizer, processor, str(directory))
