@@ -17,6 +17,7 @@ from sapo_megatron.data.prompts import PromptIterator, PromptRow
 from sapo_megatron.data.render import PromptRenderer
 from sapo_megatron.distill.teachers import TeacherScoring
 from sapo_megatron.errors import RunInterrupted
+from sapo_megatron.eval.metrics import headline_name
 from sapo_megatron.loop import passes
 from sapo_megatron.loop.checkpointing import LoopState
 from sapo_megatron.loop.evaluation import evaluate, summary_fields
@@ -366,10 +367,18 @@ def _finish(session: Session, state: LoopState) -> dict[str, Any]:
         return summary
     write_json_atomic(session.run_dir / "summary.json", summary)
     session.tracker.message(
-        f"accuracy {_fmt(summary['accuracy_before'])} -> {_fmt(summary['accuracy_after'])} in {state.step} RL steps, "
+        f"{_headline_word(summary)} {_fmt(summary['accuracy_before'])} -> {_fmt(summary['accuracy_after'])} in "
+        f"{state.step} RL steps, "
         f"{summary['wall_seconds']:.0f} s; summary: {session.run_dir / 'summary.json'}"
     )
     return summary
+
+
+def _headline_word(summary: dict[str, Any]) -> str:
+    """``accuracy`` for a 0/1 reward, else ``eval_score`` (the first eval dataset's, as its eval.json says)."""
+    datasets = (summary.get("eval") or summary.get("eval_before") or {}).get("datasets") or {}
+    first: dict[str, Any] = next(iter(datasets.values()), {})
+    return headline_name(first) if first else "accuracy"
 
 
 def _fmt(accuracy: float | None) -> str:
