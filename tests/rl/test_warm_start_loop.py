@@ -16,9 +16,10 @@ from tests.rl.test_trainer import train
 
 
 def conversation(i: int) -> list[dict]:
-    call = {"name": "python", "arguments": {"code": f"print({i} + 30)"}}
+    # the tests' chat template renders no structured tool_calls: the call is written in its format
+    call = json.dumps({"name": "python", "arguments": {"code": f"print({i} + 30)"}})
     return [
-        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]},
+        {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
         {"role": "tool", "content": f"{i + 30}\n"},
         {"role": "assistant", "content": f"\\boxed{{{i + 30}}}"},
     ]

@@ -90,6 +90,14 @@ class ConversationTargets:
                 hint="drop the reasoning from the target, or turn thinking on (data.chat_template_kwargs)",
             )
         text = after[len(before) :]
+        missing = [name for name in _call_names(turn) if name not in text]
+        if missing:
+            raise DatasetError(
+                f"the chat template drops the tool_calls of assistant message {index} of the SFT target (it renders "
+                f"no {missing[0]!r}): SFT would teach a turn without its call",
+                hint="use a template that renders tool calls (data.tokenizer: qwen3), or write the call into the "
+                "message's content in the template's format (<tool_call>\n{...}\n</tool_call>)",
+            )
         cut = text.find(self.end_of_turn)
         if cut < 0:
             raise DatasetError(
@@ -98,6 +106,10 @@ class ConversationTargets:
                 hint="set rollout.multi_turn.end_of_turn to the token the template closes a turn with",
             )
         return self.hf(text[: cut + len(self.end_of_turn)], add_special_tokens=False)["input_ids"]
+
+
+def _call_names(turn: dict[str, Any]) -> list[str]:
+    return [call.get("function", call).get("name", "") for call in turn.get("tool_calls") or []]
 
 
 def sft_sequences(

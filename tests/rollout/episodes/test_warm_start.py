@@ -169,3 +169,23 @@ def test_sft_sequences_longer_than_the_model_context_are_refused_before_sft(tok)
         check_sft_lengths(plain, [short], context=4, **settings)
     assert "max_position_embeddings to at least 19" in str(refused.value.hint)
     assert sum(map(len, plain.sft_ids(short))) == 19
+
+
+def test_a_template_that_drops_tool_calls_is_refused_in_one_line():
+    """Found re-timing the tool user's path: the shipped ``chat`` template ignores ``tool_calls``, so a structured
+    call in a messages-form target became an empty trained turn without a word. Fails before this test."""
+    tok = load_tokenizer("chat")
+    renderer = PromptRenderer(tok, KEYS)
+    row = PromptRow(prompt="12+30?", ground_truth="42", response=[assistant("", [PY1]), assistant("42")])
+    with pytest.raises(DatasetError, match=r"drops the tool_calls of assistant message 0 .* no 'python'"):
+        ConversationTargets(renderer, None, {}).ids(row)
+    written = json.dumps(PY1)
+    as_text = [
+        assistant(f"<tool_call>\n{written}\n</tool_call>"),
+        {"role": "tool", "content": "42"},
+        assistant("42"),
+    ]
+    _, response, mask = ConversationTargets(renderer, None, {}).ids(
+        PromptRow(prompt="12+30?", ground_truth="42", response=as_text)
+    )
+    assert written in tok.hf.decode([t for t, m in zip(response, mask) if m])
