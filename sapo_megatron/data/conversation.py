@@ -50,6 +50,13 @@ def check_conversation(value: Any, where: str, key: str) -> Conversation:
         )
         if message["role"] == "assistant":
             _check_tool_calls(message.get("tool_calls"), name)
+    for index in range(1, len(messages)):
+        if messages[index]["role"] == messages[index - 1]["role"] == "assistant":
+            raise DatasetError(
+                f"{where}: field {key!r}: assistant message {index} follows an assistant message: an episode goes "
+                "on after a turn only with its tool results",
+                hint="put the tool messages of the turn before it between them, or merge the two turns",
+            )
     if messages[0]["role"] != "assistant" or messages[-1]["role"] != "assistant":
         raise DatasetError(
             f"{where}: field {key!r}: a messages-form target starts and ends with an assistant message (got "

@@ -24,6 +24,7 @@ policy writes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from sapo_megatron.data.conversation import Conversation, is_conversation
@@ -186,3 +187,19 @@ def sft_settings(cfg: Any) -> dict[str, Any]:
         "end_of_turn": mt.end_of_turn if mt is not None else None,
         "template_kwargs": cfg.data.chat_template_kwargs,
     }
+
+
+def first_turn_length(
+    renderer: PromptRenderer, *, context: int, end_of_turn: str | None, template_kwargs: dict[str, Any]
+) -> Callable[[PromptRow], int] | None:
+    """A messages-form row's first assistant turn in tokens as SFT trains it (None without a chat template)."""
+    del context  # the sft_settings key that lengths do not need
+    if renderer.hf is None:
+        return None
+    targets = ConversationTargets(renderer, end_of_turn, template_kwargs)
+
+    def length(row: PromptRow) -> int:
+        _, _, mask = targets.ids(row)
+        return mask.index(0) if 0 in mask else len(mask)
+
+    return length

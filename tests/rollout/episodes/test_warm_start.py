@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from sapo_megatron.data.conversation import first_turn_call
 from sapo_megatron.data.datasets import DatasetKeys, read_dataset
 from sapo_megatron.data.prompts import DatasetError, PromptRow
 from sapo_megatron.data.render import PromptRenderer, sft_target
@@ -127,6 +128,7 @@ def test_the_dataset_reads_a_messages_form_target_and_refuses_bad_ones(tmp_path)
         ([{"role": "user", "content": "x"}], "message 0 must be an object with role 'assistant' or 'tool'"),
         ([assistant("a"), {"role": "tool", "content": "b"}], "starts and ends with an assistant message"),
         ([{"role": "assistant", "content": 3}], "'content' must be a string"),
+        ([assistant("a"), assistant("b")], "assistant message 1 follows an assistant message"),
         ([], "empty list of messages"),
     ):
         path.write_text(json.dumps({"prompt": "12+30?", "ground_truth": "42", "response": bad}) + "\n")
@@ -137,7 +139,10 @@ def test_the_dataset_reads_a_messages_form_target_and_refuses_bad_ones(tmp_path)
 def test_the_first_tool_call_of_a_messages_form_target_is_measured(tok):
     """The dry run's tool-call check reads a messages-form target's first turn (its structured call, as the
     template writes it) and warns when ``rollout.max_new_tokens`` cuts it."""
-    row = PromptRow(prompt="12+30?", ground_truth="42", response=[assistant("", [PY1]), assistant("42")])
+    result = {"role": "tool", "content": "42"}
+    row = PromptRow(
+        prompt="12+30?", ground_truth="42", response=[assistant("", [PY1]), result, assistant("42")]
+    )
     warning = check_first_tool_call([row], tok, max_new_tokens=8)
     assert warning is not None and "max_new_tokens=8" in warning
     assert check_first_tool_call([row], tok, max_new_tokens=64) is None
@@ -176,7 +181,10 @@ def test_a_template_that_drops_tool_calls_is_refused_in_one_line():
     call in a messages-form target became an empty trained turn without a word. Fails before this test."""
     tok = load_tokenizer("chat")
     renderer = PromptRenderer(tok, KEYS)
-    row = PromptRow(prompt="12+30?", ground_truth="42", response=[assistant("", [PY1]), assistant("42")])
+    result = {"role": "tool", "content": "42"}
+    row = PromptRow(
+        prompt="12+30?", ground_truth="42", response=[assistant("", [PY1]), result, assistant("42")]
+    )
     with pytest.raises(DatasetError, match=r"drops the tool_calls of assistant message 0 .* no 'python'"):
         ConversationTargets(renderer, None, {}).ids(row)
     written = json.dumps(PY1)
@@ -189,3 +197,23 @@ def test_a_template_that_drops_tool_calls_is_refused_in_one_line():
         PromptRow(prompt="12+30?", ground_truth="42", response=as_text)
     )
     assert written in tok.hf.decode([t for t, m in zip(response, mask) if m])
+
+
+def test_the_dry_run_measures_a_messages_form_first_turn_as_sft_trains_it(tok):
+    """Qwen3 with thinking on: the first turn is the empty think block, the call and <|im_end|> – 4 + 1 tokens
+    more than the call alone, which the dry run measured before (a 30-token budget looked enough for a 31-token
+    turn). Fails before this test."""
+    from sapo_megatron.rollout.episodes.warm_start import first_turn_length
+
+    renderer = PromptRenderer(tok, KEYS, tools=[PYTHON_SCHEMA])
+    result = {"role": "tool", "content": "42"}
+    row = PromptRow(
+        prompt="12+30?", ground_truth="42", response=[assistant("", [PY1]), result, assistant("42")]
+    )
+    length = first_turn_length(renderer, context=0, end_of_turn="<|im_end|>", template_kwargs={})
+    assert length is not None
+    call_alone = len(tok.encode(first_turn_call(row.response).lstrip("\n")))  # type: ignore[arg-type]
+    turn = length(row)
+    assert turn == call_alone + 4 + 1  # <think> "\n\n" </think> "\n\n", then <|im_end|>
+    assert check_first_tool_call([row], tok, max_new_tokens=turn - 1) is None  # the call alone fits
+    assert "up to 31 tokens" in str(check_first_tool_call([row], tok, turn - 1, length)) and turn == 31
