@@ -88,7 +88,13 @@ def test_a_weighted_reward_list_reads_as_a_sum_in_messages():
     from sapo_megatron.algo.config import AlgorithmConfig, reward_label
 
     algo = AlgorithmConfig.model_validate(
-        {"reward": ["r.py:accuracy", {"reward": "r.py:fmt", "weight": 0.5}, {"reward": {"url": "http://h:1"}}]}
+        {
+            "reward": [
+                "r.py:accuracy",
+                {"reward": "r.py:fmt", "weight": 0.5},
+                {"reward": {"url": "http://h:1"}},
+            ]
+        }
     )
     assert reward_label(algo.reward) == "r.py:accuracy + 0.5 × r.py:fmt + http://h:1"
     assert reward_label("numeric_match") == "numeric_match"
