@@ -170,8 +170,8 @@ def check_sft_lengths(
             f"the SFT sequences run to {longest} tokens (data.train row {where}: prompt + target"
             f"{', tool results included' if targets is not None else ''}), over the model's context "
             f"max_position_embeddings={context}: the warm start would train past it",
-            hint=f"set model.hf_config max_position_embeddings to at least {longest} (auto measures the prompts and "
-            "rollout.max_new_tokens only), or shorten the targets",
+            hint=f"set model.hf_config max_position_embeddings to at least {longest} (or auto, which holds them "
+            "unless data.max_prompt_tokens is set), or shorten the targets",
         )
     return (
         f"sft lengths OK: the longest SFT sequence is {longest} tokens, within the model's context {context}"
