@@ -158,7 +158,7 @@ def check_first_tool_call(
     first_turn: Callable[[Any], int] | None = None,
 ) -> str | None:
     """Multi-turn warm starts: the longest first turn of the first :data:`TARGETS_SCORED` SFT targets that call
-    a tool (the target up to its first ``</tool_call>``), in tokens; a warning (also logged) when
+    a tool (the target up to its first ``</tool_call>``), in tokens; a warning (the dry run prints it) when
     ``rollout.max_new_tokens`` would cut it, so every such turn would end truncated before the tool runs.
     ``first_turn``: a messages-form row's first turn in tokens as SFT trains it (the template's think block and
     end of turn included); without it, the turn's call as Qwen's templates write it."""
@@ -182,7 +182,6 @@ def check_first_tool_call(
         f"the SFT targets' first turn takes up to {longest} tokens with its tool call, and rollout.max_new_tokens="
         f"{max_new_tokens} cuts every such turn before the tool runs: raise rollout.max_new_tokens (a turn's budget)"
     )
-    logger.warning(message)
     return message
 
 
