@@ -1,5 +1,5 @@
 """Where each RL step's batch comes from: generated now (synchronous, on-policy), or – with
-``trainer.async_rollout`` – generated in the background while the trainer trains on the previous batch
+``trainer.rollout_mode: one_step_off`` – generated in the background while the trainer trains on the previous batch
 (one step off-policy, the schedule of slime's ``train_async.py``, NeMo-RL's async GRPO with
 ``max_trajectory_age_steps: 1`` and AReaL with ``max_head_offpolicyness: 1``).
 
@@ -121,7 +121,7 @@ class RolloutPipeline:
     """The RL loop's source of batches; a context manager (leaving it waits briefly for a generation still in
     flight, so that the engine is not closed under it). Every rank makes one and calls it at the same points.
 
-    ``overlap`` (``trainer.async_rollout``): generate the next batch while the trainer trains. ``start_step``:
+    ``overlap`` (``trainer.rollout_mode: one_step_off``): generate the next batch while the trainer trains. ``start_step``:
     the first RL step of this process (a resumed run's checkpoint step); ``total_steps``: no generation starts
     for a step past the last. ``generate`` runs on the main rank only.
     """
