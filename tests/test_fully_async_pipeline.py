@@ -203,3 +203,23 @@ def test_a_checkpoint_of_the_threaded_buffer_waits_for_the_chunk_in_flight_and_r
     assert len(buffered) == 2 * chunks - 4  # chunks x 2 groups, 4 of them trained in steps 0 and 1
     assert buffered == sorted(buffered) and (not buffered or buffered[-1] == chunks - 1)
     assert all(s.versions is not None for g in pipeline._buffer for s in g.sequences)
+
+
+def test_a_checkpoint_after_a_failed_chunk_does_not_wait_for_it():
+    from sapo_megatron.loop.fully_async import BUFFER_FILE
+
+    def generate(index, groups):
+        if index == 1:
+            raise RolloutError("injected")
+        return [TrainSequence([1], [2]) for _ in range(groups)], {}, {}
+
+    run = session([])
+    run.checkpointer = SimpleNamespace(attachments={})
+    cfg = settings(capacity=2, total_steps=3, deterministic=True)
+    with FullyAsyncPipeline(run, Prompts(), generate, cfg, start_step=0) as pipeline:
+        pipeline.next_batch(0)
+        pipeline.push_weights(None)
+        with pytest.raises(RolloutError, match="injected"):
+            pipeline.next_batch(1)
+        assert pipeline._running == 0
+        assert run.checkpointer.attachments[BUFFER_FILE]()  # written at once, nothing in flight

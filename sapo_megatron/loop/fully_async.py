@@ -276,17 +276,21 @@ class FullyAsyncPipeline:
             index, self._next_chunk = self._next_chunk, self._next_chunk + 1
             self._running += groups
         waited = time.perf_counter()
-        with self._engine:  # a weight update waits for this chunk; this chunk waits for an update in progress
-            self._gen_idle += time.perf_counter() - waited
-            version = self.version
-            sequences, metrics, _ = self._generate(index, groups)
-        sequences = with_versions(sequences, version)
-        n = self.settings.n_samples
-        with self._cond:
-            self._running -= groups
-            for g in range(len(sequences) // n):
-                self._buffer.append(Group(sequences[g * n : (g + 1) * n], version, metrics))
-            self._cond.notify_all()
+        finished: list[Group] = []
+        try:
+            with (
+                self._engine
+            ):  # a weight update waits for this chunk; this chunk waits for an update in progress
+                self._gen_idle += time.perf_counter() - waited
+                version = self.version
+                sequences, metrics, _ = self._generate(index, groups)
+            sequences, n = with_versions(sequences, version), self.settings.n_samples
+            finished = [Group(sequences[g : g + n], version, metrics) for g in range(0, len(sequences), n)]
+        finally:  # a failed chunk is no longer in flight either: a checkpoint must not wait for it
+            with self._cond:
+                self._running -= groups
+                self._buffer.extend(finished)
+                self._cond.notify_all()
 
     def _raise_error(self) -> None:
         if self._error is not None:
