@@ -431,7 +431,6 @@ def refusals(payload: dict[str, Any]) -> dict[str, Any]:
         ("moe_router_fusion", True),
         ("virtual_pipeline_model_parallel_size", 2),
         ("mtp_num_layers", 1),
-        ("context_parallel_size", 2),
     ):
         config = copy.copy(engine.config)
         setattr(config, field, value)

@@ -161,6 +161,7 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [n for n in LAYOUTS if n != "single"])
 def test_logits_equal_cp1(runs, layout):
     want = runs("single")[0]["logits"]
@@ -171,6 +172,7 @@ def test_logits_equal_cp1(runs, layout):
         assert float((logits - want).abs().max()) <= LOGITS_ATOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("run", ["padded", "packed"])
 @pytest.mark.parametrize("layout", [n for n in LAYOUTS if n != "single"])
 def test_rl_step_equals_cp1(runs, layout, run):
@@ -202,6 +204,7 @@ def _assert_same_update(want: dict, got: dict, name: str, *, experts: bool | Non
     assert worst <= RTOL * scale, f"{name}: gradients differ by {worst:.3g} (largest {scale:.3g})"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["cp2", "cp2-ep2"])
 def test_rope_uses_global_positions(runs, layout):
     """The first attention's queries after RoPE, gathered back per sequence, are the single process's: each CP
@@ -212,6 +215,7 @@ def test_rope_uses_global_positions(runs, layout):
             assert _max_diff(single, rank[run]["queries"]) <= LOGP_ATOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [n for n in LAYOUTS if n != "single"])
 def test_routes_and_r3_under_cp(runs, layout):
     """Live routes recorded in the old-log-prob pass give the single process's agreement with the engine's routes

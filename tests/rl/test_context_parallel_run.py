@@ -53,4 +53,4 @@ def test_cp2_run_repeats_the_cp1_metrics(runs, phase):
                 continue
             assert b[key] == pytest.approx(value, rel=RTOL, abs=1e-9), key
             compared += 1
-    assert compared >= 10
+    assert compared >= (20 if phase == "rl" else 3)
