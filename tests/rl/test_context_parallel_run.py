@@ -1,6 +1,7 @@
 """A 2-step ``sapo-megatron train`` of the embedded demo (shrunk as tests/rl/test_trainer.py shrinks it) at
 ``parallel.cp: 2`` on two ranks repeats the one-process run's metrics: every number of every SFT and RL row of
-``metrics.jsonl`` within 1e-5 relative (timings aside), so the rollouts, rewards, advantages, old-policy
+``metrics.jsonl`` within 1e-5 relative (timings aside; the trainer-vs-engine ``mismatch/*`` differences, rounding
+noise of ~1e-7 at either cp size, within 1e-6 absolute), so the rollouts, rewards, advantages, old-policy
 log-probs, losses, gradient norms and entropies of both steps are the cp 1 run's."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import pytest
 from tests.rl.test_trainer import data_files, metrics, train, write_config  # noqa: F401 (fixture)
 
 RTOL = 1e-5
+NOISE_ATOL = 1e-6
 TIMING = ("time", "seconds", "_s", "per_s", "throughput", "elapsed", "wall")
 SHORT = {"trainer.steps": 2, "sft.steps": 3}
 
@@ -43,7 +45,7 @@ def test_cp2_run_repeats_the_cp1_metrics(runs, phase):
     assert len(want) == len(got) >= 1
     if phase == "rl":
         assert len(got) == 2
-    compared = 0
+    compared, wrong = 0, []
     for row_want, row_got in zip(want, got):
         a, b = _numbers(row_want), _numbers(row_got)
         assert set(a) == set(b)
@@ -51,6 +53,10 @@ def test_cp2_run_repeats_the_cp1_metrics(runs, phase):
             if math.isnan(value):
                 assert math.isnan(b[key]), key
                 continue
-            assert b[key] == pytest.approx(value, rel=RTOL, abs=1e-9), key
+            # the trainer's log-probs against the engine's: a difference of equal numbers (~1e-7 at cp 1 too)
+            tolerance = {"abs": NOISE_ATOL} if key.startswith("mismatch/") else {"rel": RTOL, "abs": 1e-9}
+            if b[key] != pytest.approx(value, **tolerance):
+                wrong.append(f"{key}: {b[key]!r} vs {value!r}")
             compared += 1
+    assert not wrong, wrong
     assert compared >= (20 if phase == "rl" else 3)
