@@ -56,11 +56,6 @@ def _layout_problems(cfg: RunConfig, world_size: int) -> list[str]:
             f"{par.ep}×{par.etp}; experts cannot be laid out"
         )
     problems += _batch_problems(cfg, world_size)
-    if par.cp > 1 and cfg.model.arch.is_vl:
-        problems.append(
-            "parallel.cp > 1 (context parallelism) is not supported for vision-language models yet; "
-            "set parallel.cp: 1 and use parallel.tp / parallel.pp for long sequences"
-        )
     if par.sequence_parallel and par.tp == 1:
         problems.append("parallel.sequence_parallel needs parallel.tp > 1; set it to false or raise tp")
     return problems

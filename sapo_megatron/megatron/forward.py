@@ -32,7 +32,7 @@ def forward_logits(
     def forward_step(data_iterator: Iterator[torch.Tensor], chunk: torch.nn.Module):
         ids = next(data_iterator)
         if shards is not None:
-            with model_inputs(chunk, {"input_ids": ids}) as inputs:
+            with model_inputs(chunk, {"input_ids": ids, **vision}) as inputs:
                 return chunk(**inputs), loss_func
         positions = torch.arange(seq, device=ids.device).expand_as(ids)
         images = {k: v.to(ids.device) for k, v in vision.items()}

@@ -248,7 +248,7 @@ def build_model_chunk(
     if arch.is_vl:
         from sapo_megatron.megatron.vl_model import VLGPTModel, check_vl_layout
 
-        check_vl_layout(arch, pp=opts.parallel.pp, cp=opts.parallel.cp, recompute=opts.model.recompute)
+        check_vl_layout(arch, pp=opts.parallel.pp, recompute=opts.model.recompute)
         return VLGPTModel(
             arch=arch, freeze_vision=opts.model.freeze_vision, layout_only=layout_only, **common
         )

@@ -108,11 +108,7 @@ def model_inputs(model: torch.nn.Module, batch: MicroBatch) -> Iterator[dict[str
             yield inputs
         return
     input_ids = batch["input_ids"]
-    vision = {k: batch[k].to(input_ids.device) for k in VISION_INPUTS if k in batch}
-    if IMAGE_MASK in batch:  # image pads outside the prompts' images (sampled by the policy) are text
-        vision[IMAGE_MASK] = batch[IMAGE_MASK].to(input_ids.device).bool()
-    elif _is_vl(model) and "pixel_values" not in batch:  # no images here: every image pad is text
-        vision[IMAGE_MASK] = torch.zeros_like(input_ids, dtype=torch.bool)
+    vision = _vision_inputs(model, batch)
     if not is_packed(batch):
         position_ids = batch.get(POSITION_IDS)
         if position_ids is None:
@@ -159,11 +155,22 @@ def context_parallel_inputs(
       :class:`~.context_parallel.ContextParallelAttention`, and a RoPE hook that takes the rotary table at the
       tokens' own positions (Megatron's CP slicing of the table assumes one padded row).
     """
-    if _is_vl(model):
-        raise NotImplementedError(
-            "context parallelism for vision-language models is not supported yet; set parallel.cp: 1"
-        )
     input_ids = batch["input_ids"]
+    local_attention = uses_local_attention(model)
+    if _is_vl(model):  # the model slices its MRoPE positions and image rows itself (VLGPTModel's cp_local)
+        if is_packed(batch) and not local_attention:
+            raise NotImplementedError(
+                "packed micro-batches of a vision-language model need Megatron's local attention (block mask); "
+                "THD RoPE cannot carry MRoPE positions: set parallel.max_tokens_per_micro_batch: null"
+            )
+        yield {
+            "input_ids": input_ids,
+            "position_ids": batch.get(POSITION_IDS),
+            "attention_mask": causal_mask(batch, shards) if local_attention else None,
+            "cp_local": shards.local.to(input_ids.device),
+            **_vision_inputs(model, batch),
+        }
+        return
     position_ids = batch.get(POSITION_IDS)
     if position_ids is None:
         position_ids = torch.arange(input_ids.shape[1]).expand_as(input_ids)
@@ -171,7 +178,7 @@ def context_parallel_inputs(
         "input_ids": shard_tokens(input_ids, shards),
         "position_ids": shard_tokens(position_ids.to(input_ids.device), shards),
     }
-    if not uses_local_attention(model):
+    if not local_attention:
         if is_packed(batch):
             local["packed_seq_params"] = thd_params(position_ids, input_ids.device)
         yield {**local, "attention_mask": None}
@@ -198,6 +205,16 @@ def rope_at_global_positions(position_ids: torch.Tensor):
 
 VISION_INPUTS = ("pixel_values", "image_grid_thw")
 """Micro-batch keys a vision-language model takes as they are (the images of the micro-batch's rows)."""
+
+
+def _vision_inputs(model: torch.nn.Module, batch: MicroBatch) -> dict[str, torch.Tensor]:
+    device = batch["input_ids"].device
+    vision = {k: batch[k].to(device) for k in VISION_INPUTS if k in batch}
+    if IMAGE_MASK in batch:  # image pads outside the prompts' images (sampled by the policy) are text
+        vision[IMAGE_MASK] = batch[IMAGE_MASK].to(device).bool()
+    elif _is_vl(model) and "pixel_values" not in batch:  # no images here: every image pad is text
+        vision[IMAGE_MASK] = torch.zeros_like(batch["input_ids"], dtype=torch.bool)
+    return vision
 
 
 def _is_vl(model: torch.nn.Module) -> bool:
