@@ -13,7 +13,8 @@ chunks (:func:`shard_tokens`); the loss hooks compute log-probs and entropy on t
 sequence-level ratios (GSPO, SAPO's sequence variant) and every aggregation mode see whole sequences. The
 gather's backward hands each rank the gradient of its own tokens only: every CP rank computes the same loss, and
 each back-propagates through its own logits; Megatron's DDP then sums the gradients over data × context parallel
-ranks (``intra_dp_cp_group``, scaled by ``1 / (dp·cp)``: the train step multiplies the loss by ``dp·cp``).
+ranks (``intra_dp_cp_group``, scaled by ``1 / (dp·cp)``), and Megatron's schedule multiplies a 2-tuple loss by
+``cp``: the two cancel (megatron-core 0.16.1 ``schedules.forward_step_calc_loss``).
 """
 
 from __future__ import annotations
