@@ -14,7 +14,10 @@ Micro-batch keys the hook reads (all ``[b, s]`` unless noted, aligned with ``lab
 
 With the global normalisers each micro-batch returns its exact share of the full-batch loss, so the step does
 not depend on the micro-batch split or the data/pipeline layout (tests/loss prove it). A sequence must stay
-within one micro-batch, and context parallelism (which splits sequences) is refused.
+within one micro-batch. Context parallelism (``parallel.cp > 1``): the logits hold this CP rank's chunks of each
+sequence; log-probs and entropy are computed on them and gathered back into whole sequences on every CP rank
+(:func:`~sapo_megatron.megatron.context_parallel.gather_tokens`, whose backward keeps this rank's tokens), so
+every aggregation mode, sequence-level ratio and metric below sees whole sequences.
 
 Packed micro-batches (one row ``[1, T]`` holding several sequences, ``segment_ids``; :mod:`sapo_megatron.model.packing`):
 log-probs and entropy are computed on the packed logits, then every per-token tensor (any key shaped like
@@ -43,6 +46,7 @@ from sapo_megatron.algo import (
 from sapo_megatron.algo.decoupled import loglinear_proximal_logp
 from sapo_megatron.algo.losses import LOG_RATIO_CLAMP
 from sapo_megatron.algo.metric import MetricSet, Reduce
+from sapo_megatron.megatron.context_parallel import batch_shards, gather_tokens, shard_tokens
 from sapo_megatron.megatron.logprobs import (
     DEFAULT_CHUNK_TOKENS,
     MEGATRON_GROUP,
@@ -115,23 +119,27 @@ class PolicyLossHook:
         self.ratios: list[torch.Tensor] = []  # per call, for the step's ratio quantiles (take_ratios)
 
     def __call__(self, logits: torch.Tensor, batch: MicroBatch) -> tuple[torch.Tensor, Metrics]:
-        _refuse_context_parallel()
         batch = MicroBatch.of(batch)  # tensors by name (a test's, a script's) read the same way
         device = logits.device
         labels = _get(batch, "labels", device)
+        shards = batch_shards(batch)  # CP: the logits hold this rank's chunks of each sequence
+        local_labels = shard_tokens(labels, shards)
         # Teachers score at temperature 1: the student's KL to them is taken there too (before the in-place
         # backward may reuse the logits' storage).
         distilling = batch.teacher_logp is not None
-        logp_t1_bt = self._unit_temperature_logp(logits, labels) if distilling else None
+        logp_t1_bt = self._unit_temperature_logp(logits, local_labels) if distilling else None
+        logp_t1_bt = None if logp_t1_bt is None else gather_tokens(logp_t1_bt, shards)
         logp_bt, entropy_bt = vocab_parallel_logprobs(
             logits,
-            labels,
+            local_labels,
             tp_group=self.tp_group,
             temperature=self.temperature,
             with_entropy=self.with_entropy,
             chunk_tokens=self.chunk_tokens,
             inplace_backward=self.inplace_backward and logits.is_contiguous(),
         )
+        logp_bt = gather_tokens(logp_bt, shards)
+        entropy_bt = None if entropy_bt is None else gather_tokens(entropy_bt, shards)
         if entropy_bt is not None and self.loss.entropy_coef == 0:
             entropy_bt = entropy_bt.detach()  # logged only: backward then skips the entropy term
         view = _PerSequence(batch, labels.shape, device)  # packed rows → one row per sequence; else as is
@@ -218,8 +226,8 @@ class LogprobOutput:
         self.tp_group = tp_group
 
     def __call__(self, logits: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
-        _refuse_context_parallel()
-        labels = _get(batch, "labels", logits.device)
+        shards = batch_shards(batch)  # CP: the logits hold this rank's chunks; the result is whole sequences
+        labels = shard_tokens(_get(batch, "labels", logits.device), shards)
         logp_bt, entropy_bt = vocab_parallel_logprobs(
             logits.detach(),
             labels,
@@ -228,10 +236,13 @@ class LogprobOutput:
             with_entropy=self.with_entropy,
             chunk_tokens=self.chunk_tokens,
         )
+        logp_bt = gather_tokens(logp_bt, shards)
         if self.with_unit_temperature:  # the same forward's logits at temperature 1 (what teachers score at)
             unit_bt = unit_temperature_logprobs(logits, labels, self.tp_group, self.chunk_tokens)
-            return torch.stack((logp_bt, unit_bt))
-        return torch.stack((logp_bt, entropy_bt)) if entropy_bt is not None else logp_bt  # with_entropy
+            return torch.stack((logp_bt, gather_tokens(unit_bt, shards)))
+        if entropy_bt is not None:  # with_entropy
+            return torch.stack((logp_bt, gather_tokens(entropy_bt, shards)))
+        return logp_bt
 
 
 def global_normalisers(
@@ -338,16 +349,3 @@ def _resolve_dp_group(dp_group: GroupArg) -> dist.ProcessGroup | None:
     if not parallel_state.model_parallel_is_initialized():
         return None
     return parallel_state.get_data_parallel_group()
-
-
-def _refuse_context_parallel() -> None:
-    from megatron.core import parallel_state
-
-    if (
-        parallel_state.model_parallel_is_initialized()
-        and parallel_state.get_context_parallel_world_size() > 1
-    ):
-        raise NotImplementedError(
-            "the policy loss hook needs whole sequences per rank; context parallelism (parallel.cp > 1) "
-            "splits them – set parallel.cp: 1"
-        )
