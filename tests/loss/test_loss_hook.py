@@ -11,11 +11,14 @@ import torch
 
 from sapo_megatron.algo import TIS, build_policy_loss
 from sapo_megatron.megatron.loss_hook import (
+    IS_WEIGHT_MEAN_KEY,
     LogprobOutput,
     PolicyLossHook,
     add_global_normalisers,
+    global_is_weight_mean,
     global_normalisers,
 )
+from sapo_megatron.model.step_batch import MicroBatch
 
 VOCAB = 50
 LOSSES = {
@@ -276,3 +279,49 @@ def test_distillation_kl_at_temperature_one_ratio_collection_and_the_unit_temper
     both = LogprobOutput(tp_group=None, temperature=0.7, with_unit_temperature=True)(logits, data)
     torch.testing.assert_close(both[0], logp_hot, atol=2e-5, rtol=0)
     torch.testing.assert_close(both[1], logp_t1, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_batch_normalised_rollout_corr_uses_the_whole_batch_mean(level, layout):
+    """``is_batch_normalize``: the step's mean (global_is_weight_mean over every micro-batch, padded or packed)
+    makes the micro-batches' summed loss and gradient those of the whole batch; each micro-batch normalising over
+    itself would not."""
+    logits, data = make_batch(spans=True)
+    data["rollout_logp"] = data["old_logp"] + 6.0 * (
+        data["rollout_logp"] - data["old_logp"]
+    )  # wider mismatch
+    correction = {"name": "rollout_corr", "is_level": level, "is_threshold": 1.2, "is_batch_normalize": True}
+    loss_cfg = build_policy_loss({"name": "grpo"})
+    hook = PolicyLossHook(loss_cfg, correction, tp_group=None, chunk_tokens=7)
+    leaf = logits.clone().requires_grad_()
+    logp, _ = naive_logp(leaf, data["labels"])
+    want, want_metrics = loss_cfg.compute(
+        logp,
+        data["old_logp"],
+        data["advantages"],
+        data["loss_mask"],
+        rollout_logp_bt=data["rollout_logp"],
+        correction=hook.correction,
+    )
+    want.backward()
+    factor = float(want_metrics["rollout_corr/batch_norm_factor"])
+    assert factor != pytest.approx(1.0, abs=1e-2)
+    pieces = (
+        split(data, logits, [1, 2, 3])
+        if layout == "padded"
+        else pack_rows(logits, data, [[0, 1], [2, 3, 4, 5]])
+    )
+    batches = [MicroBatch.of(b) for b in add_global_normalisers([b for _, b in pieces], dp_group=None)]
+    mean = global_is_weight_mean(hook.correction, batches, dp_group=None)
+    assert float(mean) == pytest.approx(factor, rel=1e-6)
+    for normalised in (True, False):
+        total = 0.0
+        for (lg, _), batch in zip(pieces, batches):
+            batch = batch.copy(**({IS_WEIGHT_MEAN_KEY: mean} if normalised else {}))
+            loss, _ = hook(lg.clone().contiguous(), batch)
+            total += float(loss)
+        if normalised:
+            assert total == pytest.approx(want.item(), rel=1e-5, abs=1e-7)
+        else:  # each micro-batch's own mean: another loss
+            assert total != pytest.approx(want.item(), rel=1e-4)
