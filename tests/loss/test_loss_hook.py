@@ -325,3 +325,49 @@ def test_batch_normalised_rollout_corr_uses_the_whole_batch_mean(level, layout):
             assert total == pytest.approx(want.item(), rel=1e-5, abs=1e-7)
         else:  # each micro-batch's own mean: another loss
             assert total != pytest.approx(want.item(), rel=1e-4)
+
+
+def _dp_is_weight_mean(payload):
+    """One data-parallel rank of the two: its part of the batch's rows; the mean over both ranks per correction."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rows = slice(0, 2) if dist.get_rank() == 0 else slice(2, 6)
+    mine = [MicroBatch.of({k: v[rows] for k, v in _wide_mismatch_batch().items()})]
+    return [
+        float(global_is_weight_mean(_correction(correction), mine, dp_group=dist.group.WORLD))
+        for correction in payload
+    ]
+
+
+def _wide_mismatch_batch():
+    _, data = make_batch(spans=True)
+    data["rollout_logp"] = data["old_logp"] + 6.0 * (data["rollout_logp"] - data["old_logp"])
+    return data
+
+
+def _correction(settings):
+    return PolicyLossHook(build_policy_loss({"name": "grpo"}), settings, tp_group=None).correction
+
+
+@pytest.mark.slow
+def test_batch_mean_is_over_every_data_parallel_rank():
+    """Two gloo ranks holding different rows (2 and 4): both get the whole batch's mean, not their own, at the
+    token and the sequence level."""
+    from tests.distributed import run_distributed
+
+    levels = [
+        {"name": "rollout_corr", "is_level": level, "is_threshold": 1.2, "is_batch_normalize": True}
+        for level in ("token", "sequence")
+    ]
+    data = _wide_mismatch_batch()
+    whole = [
+        float(global_is_weight_mean(_correction(c), [MicroBatch.of(data)], dp_group=None)) for c in levels
+    ]
+    head = [MicroBatch.of({k: v[:2] for k, v in data.items()})]
+    for correction, mean in zip(levels, whole):
+        assert float(global_is_weight_mean(_correction(correction), head, dp_group=None)) != pytest.approx(
+            mean, rel=1e-3
+        )  # a rank's own mean differs
+    got = run_distributed("tests.loss.test_loss_hook:_dp_is_weight_mean", 2, levels)
+    assert got == [pytest.approx(whole, rel=1e-9)] * 2
