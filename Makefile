@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-vl test test-fast lint bench install clean distill-evidence vl-evidence qwen3-tokenizer loss-evidence
+.PHONY: demo demo-vl test test-fast lint bench install clean distill-evidence vl-evidence qwen3-tokenizer loss-evidence loss-evidence-edge
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -94,6 +94,18 @@ loss-evidence: $(STAMP)
 	    $(LOSS_EVIDENCE_STRESS) --set trainer.mini_batches=1 --set sft.steps=0 --set model.init=hf \
 	    --set model.init_path=$(CURDIR)/runs/loss_evidence/warm_start/hf
 	$(BIN)/python tools/drift_summary.py runs/loss_evidence
+
+# the same at the edge, lr 6e-5 (where probe 5 saw SAPO and CISPO collapse), six configurations from the warm start
+# above (about 8 min)
+LOSS_EVIDENCE_EDGE := sapo-none-none sapo-r3-none gspo-none-none grpo-none-none dppo_tv-none-none dppo_kl-none-none
+loss-evidence-edge: $(STAMP)
+	$(BIN)/sapo-megatron compare --configurations $(subst $(space),$(comma),$(strip $(LOSS_EVIDENCE_EDGE))) \
+	    --seeds 3 --steps 30 --output-dir runs/loss_evidence_edge --set model.hf_config.num_experts=16 \
+	    --set model.hf_config.num_experts_per_tok=1 --set model.hf_config.norm_topk_prob=false \
+	    --set trainer.prompts_per_step=16 --set optimizer.lr=6e-5 --set eval.every=0 \
+	    --set trainer.mini_batches=8 --set sft.steps=0 --set model.init=hf \
+	    --set model.init_path=$(CURDIR)/runs/loss_evidence/warm_start/hf
+	$(BIN)/python tools/drift_summary.py runs/loss_evidence_edge
 
 # docs/gpu.md: the wheels tools/gpu_check.py needs beyond what the offline GPU machine has, into .gpu_kit (git-ignored,
 # about 5 MiB; carried to that machine, where `OUT=dir bash tools/gpu_kit/run.sh` installs it and runs the check)
