@@ -95,9 +95,10 @@ loss-evidence: $(STAMP)
 	    --set model.init_path=$(CURDIR)/runs/loss_evidence/warm_start/hf
 	$(BIN)/python tools/drift_summary.py runs/loss_evidence
 
-# the same at the edge, lr 6e-5 (where probe 5 saw SAPO and CISPO collapse), six configurations from the warm start
-# above (about 8 min)
-LOSS_EVIDENCE_EDGE := sapo-none-none sapo-r3-none gspo-none-none grpo-none-none dppo_tv-none-none dppo_kl-none-none
+# the same at the edge, lr 6e-5 (where probe 5 saw SAPO and CISPO collapse), nine configurations from the warm start
+# above (about 12 min)
+LOSS_EVIDENCE_EDGE := sapo-none-none sapo-r3-none gspo-none-none grpo-none-none dppo_tv-none-none dppo_kl-none-none \
+    cispo-none-none gmpo-none-none m2po-none-none
 loss-evidence-edge: $(STAMP)
 	$(BIN)/sapo-megatron compare --configurations $(subst $(space),$(comma),$(strip $(LOSS_EVIDENCE_EDGE))) \
 	    --seeds 3 --steps 30 --output-dir runs/loss_evidence_edge --set model.hf_config.num_experts=16 \
