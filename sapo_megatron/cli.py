@@ -553,18 +553,9 @@ def _dry_run(cfg: RunConfig, args: argparse.Namespace) -> int:
     print("inputs OK: every input file exists, the reward and the trackers load")
     # every row's schema, the prompt lengths (with the tools the prompts show); prints counts and times
     data = check_run_data(cfg, verbose=True)
-    from sapo_megatron.loop.learning_signal import dry_run_sft_check
+    from sapo_megatron.loop.learning_signal import dry_run_warm_start
 
-    print(dry_run_sft_check(cfg, data.train_rows))  # the train's check of the warm start's targets
-    if cfg.rollout.multi_turn is not None:
-        from sapo_megatron.loop.learning_signal import check_first_tool_call
-
-        cut = check_first_tool_call(data.train_rows, data.tokenizer, cfg.rollout.max_new_tokens)
-        print(
-            f"warning: {cut}"
-            if cut
-            else "tool calls OK: the SFT targets' first tool call fits max_new_tokens"
-        )
+    print("\n".join(dry_run_warm_start(cfg, data)))  # train's checks of the warm start's targets
 
     print("\n".join(describe_training_suite(cfg, data.tokenizer)))  # the eval datasets, read and checked
     print("data OK: every row of the prompt data is usable")

@@ -247,3 +247,17 @@ def test_time_shared_colocation_fits_where_the_fixed_split_does_not(capsys):
     main(["plan", str(QWEN30B), *overrides, "--set", "rollout.colocation=time_shared", "--suggest", "3"])
     out = capsys.readouterr().out
     assert "layouts that fit on 16 GPUs" in out and "time-shared (rollout.colocation): peak = max(" in out
+
+
+def test_the_plan_pads_to_no_longer_prompt_than_the_model_context_leaves(capsys):
+    """Found re-timing the newcomers' paths: the dry run of the embedded default (context 64) said "32 sequences
+    x 520 tokens (prompt 512 + rollout.max_new_tokens 8)". The planned prompt is now capped at the context minus
+    max_new_tokens. Fails before this test."""
+    from sapo_megatron.plan.activations import planned_prompt_tokens
+
+    cfg = load_config(None)
+    assert cfg.model.arch.max_position_embeddings == 64 and cfg.rollout.max_new_tokens == 6
+    assert planned_prompt_tokens(cfg, 512) == 58 and planned_prompt_tokens(cfg, 20) == 20
+    assert micro_batch_shape(cfg, 1, 512).seq_len == 64
+    assert main(["plan"]) == 0
+    assert "x 64 tokens (prompt 58 + rollout.max_new_tokens 6" in capsys.readouterr().out

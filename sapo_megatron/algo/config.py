@@ -122,3 +122,17 @@ class AlgorithmConfig(Section):
                 "[{reward: ..., weight: ..., kwargs: {...}}]"
             )
         return self
+
+
+def reward_label(spec: str | RemoteRewardConfig | list[str | WeightedReward]) -> str:
+    """``algorithm.reward`` as one readable phrase for messages: ``acc.py:fn + 0.5 × fmt.py:fn``, a URL."""
+    if isinstance(spec, list):
+        return " + ".join(reward_label_part(part) for part in spec)
+    return spec.url if isinstance(spec, RemoteRewardConfig) else spec
+
+
+def reward_label_part(part: str | WeightedReward) -> str:
+    if isinstance(part, str):
+        return part
+    inner = reward_label(part.reward)
+    return inner if part.weight == 1.0 else f"{part.weight:g} × {inner}"

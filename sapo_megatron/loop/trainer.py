@@ -17,6 +17,7 @@ from sapo_megatron.data.prompts import PromptIterator, PromptRow
 from sapo_megatron.data.render import PromptRenderer
 from sapo_megatron.distill.teachers import TeacherScoring
 from sapo_megatron.errors import RunInterrupted
+from sapo_megatron.eval.metrics import headline_name
 from sapo_megatron.loop import passes
 from sapo_megatron.loop.checkpointing import LoopState
 from sapo_megatron.loop.evaluation import evaluate, summary_fields
@@ -33,6 +34,7 @@ from sapo_megatron.model.batching import RouteLayout, TrainSequence, build_micro
 from sapo_megatron.model.step_batch import MicroBatch, StepBatch
 from sapo_megatron.rewards.samples import score_sample_groups
 from sapo_megatron.rollout.collect import CollectSettings, RolloutBatch, collect
+from sapo_megatron.rollout.episodes.warm_start import check_sft_lengths, sft_sequences, sft_settings
 from sapo_megatron.rollout.types import SamplingParams
 from sapo_megatron.runtime.tracking import write_json_atomic
 from sapo_megatron.weight_sync import export_hf
@@ -51,8 +53,10 @@ def run(cfg: Any, *, mode: str = "new") -> dict[str, Any]:
         prompts = PromptIterator(session.train_rows, batch_size=cfg.trainer.prompts_per_step, seed=cfg.seed)
         if state.prompts:
             prompts.load_state_dict(state.prompts)
-        if session.info.is_main and state.sft_step < cfg.sft.steps:  # before the warm start teaches it
-            check_sft_targets(session.reward, session.train_rows, response_key=cfg.data.response_key)
+        if state.sft_step < cfg.sft.steps:  # before the warm start teaches it (every rank: the same verdict)
+            check_sft_lengths(session.renderer, session.train_rows, **sft_settings(cfg))
+            if session.info.is_main:
+                check_sft_targets(session.reward, session.train_rows, response_key=cfg.data.response_key)
         run_sft(session, state)
         session.sync.push(session.engine.module)
         evaluate(session, state, "before")  # the eval section's datasets (a resumed run keeps its value)
@@ -90,10 +94,10 @@ def run_sft(session: Session, state: LoopState) -> None:
 
 
 def _sft_micro_batches(session: Session, rows: list[PromptRow]) -> list[MicroBatch]:
-    renderer = session.renderer
-    sequences = [  # loss on the target only; the prompt's images as the RL path passes them
-        TrainSequence(*renderer.sft_ids(row), images=renderer.image_inputs(row)) for row in rows
-    ]
+    settings = sft_settings(session.cfg)
+    del settings["context"]
+    # loss on the target (a conversation's assistant turns) only, images as in RL
+    sequences = sft_sequences(session.renderer, rows, **settings)
     return add_global_normalisers(_micro_batches(session, sequences))
 
 
@@ -364,10 +368,18 @@ def _finish(session: Session, state: LoopState) -> dict[str, Any]:
         return summary
     write_json_atomic(session.run_dir / "summary.json", summary)
     session.tracker.message(
-        f"accuracy {_fmt(summary['accuracy_before'])} -> {_fmt(summary['accuracy_after'])} in {state.step} RL steps, "
+        f"{_headline_word(summary)} {_fmt(summary['accuracy_before'])} -> {_fmt(summary['accuracy_after'])} in "
+        f"{state.step} RL steps, "
         f"{summary['wall_seconds']:.0f} s; summary: {session.run_dir / 'summary.json'}"
     )
     return summary
+
+
+def _headline_word(summary: dict[str, Any]) -> str:
+    """``accuracy`` for a 0/1 reward, else ``eval_score`` (the first eval dataset's, as its eval.json says)."""
+    datasets = (summary.get("eval") or summary.get("eval_before") or {}).get("datasets") or {}
+    first: dict[str, Any] = next(iter(datasets.values()), {})
+    return headline_name(first) if first else "accuracy"
 
 
 def _fmt(accuracy: float | None) -> str:
