@@ -152,7 +152,7 @@ def test_unknown_or_missing_variant_name_lists_the_variants():
     message = error_of(raw(algorithm={"correction": {"cap": 3}}))
     assert message.splitlines()[1] == (
         "  - algorithm.correction: no 'name' given; choose one of: none (no settings); tis (cap); icepop (low, high); "
-        "rollout_corr (is_level, is_threshold, reject). Example: --set 'algorithm.correction={name: none}'"
+        "rollout_corr (is_level, is_threshold, is_batch_normalize, reject). Example: --set 'algorithm.correction={name: none}'"
     )
     assert "algorithm.loss: expected a mapping with a 'name', got 'grpo'" in error_of(
         raw(algorithm={"loss": "grpo"})

@@ -116,6 +116,18 @@ def test_fully_async_settings_are_checked_with_their_fix():
                 "algorithm": {"proximal_logp": "loglinear", "routing_replay": "r2"},
             }
         )
+    with pytest.raises(ConfigError, match="set is_batch_normalize: false"):
+        config_from_dict(
+            {
+                "model": tiny,
+                "rollout": remote,
+                "trainer": base,
+                "algorithm": {
+                    "proximal_logp": "loglinear",
+                    "correction": {"name": "rollout_corr", "is_level": "token", "is_batch_normalize": True},
+                },
+            }
+        )
 
 
 def test_time_sharing_needs_an_engine_it_can_release_and_names_the_fix():

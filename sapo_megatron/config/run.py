@@ -126,6 +126,14 @@ class RunConfig(Section):
                 "algorithm.proximal_logp: loglinear skips the old-policy pass, which R2 needs to record the routes "
                 "it replays: use algorithm.proximal_logp: recompute or algorithm.routing_replay: r3 / none"
             )
+        if self.algorithm.proximal_logp == "loglinear" and getattr(
+            self.algorithm.correction, "is_batch_normalize", False
+        ):
+            raise ValueError(
+                "algorithm.proximal_logp: loglinear skips the old-policy pass, whose log-probs the batch mean of "
+                "algorithm.correction.is_batch_normalize reads: set is_batch_normalize: false or "
+                "algorithm.proximal_logp: recompute"
+            )
         if (
             self.algorithm.proximal_logp == "loglinear"
             and self.teachers

@@ -186,6 +186,7 @@ STEP_PASSES: list[PassFactory] = [
     passes.routing_agreement,  # loop/replay.py: the live routing against the engine's routes, image-token masks
     passes.reference,  # loop/reference.py: ref_logp of the frozen reference policy
     passes.teacher_fusion,  # distill/step.py: teacher advantages fused into the RL advantages (OPD, SAF, MOPD)
+    passes.rollout_corr_norm,  # loop/passes.py: the batch mean of rollout_corr's IS weights (is_batch_normalize)
 ]
 """The passes of an RL step, in order, between building its batch and the policy updates (see
 :mod:`sapo_megatron.loop.passes`; docs/architecture.md, "Life of a step")."""

@@ -41,6 +41,7 @@ from sapo_megatron.algo import (
     NoCorrection,
     PolicyLoss,
     build_policy_loss,
+    correction_batch_sums,
     opd_k3,
 )
 from sapo_megatron.algo.decoupled import loglinear_proximal_logp
@@ -59,6 +60,8 @@ from sapo_megatron.model.packing import SequenceView, sequences_with_tokens
 from sapo_megatron.model.step_batch import MicroBatch
 
 NORMALISER_KEYS = ("num_sequences_global", "num_tokens_global")
+IS_WEIGHT_MEAN_KEY = "is_weight_mean_global"
+"""0-d batch mean of a batch-normalised ``rollout_corr`` correction's IS weights (:func:`global_is_weight_mean`)."""
 
 # Extrema cannot be combined from (weighted_sum, weight) pairs; the engine reports means and sums only.
 _EXTREMA = (Reduce.MIN, Reduce.MAX)
@@ -158,6 +161,7 @@ class PolicyLossHook:
             correction=self.correction,
             num_sequences=num_sequences,
             num_tokens=num_tokens,
+            is_weight_mean=batch.extra.get(IS_WEIGHT_MEAN_KEY),
         )
         if distilling:
             student_bt = view(logp_bt if logp_t1_bt is None else logp_t1_bt).detach()
@@ -274,6 +278,36 @@ def add_global_normalisers(
         MicroBatch.of(batch).copy(num_sequences_global=num_sequences, num_tokens_global=num_tokens)
         for batch in micro_batches
     ]
+
+
+def global_is_weight_mean(
+    correction: MismatchCorrection,
+    micro_batches: Sequence[MicroBatch],
+    *,
+    dp_group: GroupArg = MEGATRON_GROUP,
+) -> torch.Tensor | None:
+    """0-d fp64 mean of a batch-normalised ``rollout_corr`` correction's truncated IS weights over these
+    micro-batches (``old_logp``, ``rollout_logp``, ``loss_mask``; packed ones per sequence) and the data-parallel
+    group: verl's ``rollout_is_batch_normalize`` over the step's whole batch. None when the correction does not
+    normalise or a micro-batch has no ``old_logp`` (not the last pipeline stage). Every rank of the group that
+    has them must call it."""
+    sums = None
+    for batch in micro_batches:
+        if batch.old_logp is None or batch.rollout_logp is None:
+            return None
+        view = SequenceView(batch)
+        part = correction_batch_sums(
+            correction, view(batch.old_logp), view(batch.rollout_logp), view(batch["loss_mask"])
+        )
+        if part is None:
+            return None
+        sums = part if sums is None else sums + part.to(sums.device)
+    if sums is None:
+        return None
+    group = _resolve_dp_group(dp_group)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(sums, group=group)
+    return sums[0] / sums[1].clamp(min=1)
 
 
 class _PerSequence:
