@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-vl test test-fast lint bench install clean distill-evidence vl-evidence qwen3-tokenizer loss-evidence
+.PHONY: demo demo-vl test test-fast lint bench install clean distill-evidence vl-evidence qwen3-tokenizer loss-evidence loss-evidence-edge
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -76,14 +76,37 @@ vl-evidence: $(STAMP)
 	$(BIN)/sapo-megatron compare --arms $(VL_EVIDENCE)/sapo.yaml,$(VL_EVIDENCE)/gspo.yaml,$(VL_EVIDENCE)/grpo_r2.yaml \
 	    --seeds 3 --steps 40 --output-dir runs/vl_evidence
 
-# docs/losses/evidence.md: SAPO against the baselines where drift is real (fp8 rollout, 16 experts top-1, 4
-# updates per rollout batch, RL lr 1e-4), 3 seeds, without and with R3 (about 17 min on 2 shared cores)
+# docs/losses/evidence.md: SAPO against every baseline where drift is real (fp8 rollout, 16 experts top-1, 8
+# updates per rollout batch, RL lr 3e-5, an 800-step SFT warm start), 17 configurations x 3 seeds x 30 steps, then
+# the on-policy SAPO check from the same warm start (about 35 min on 2 shared cores); tools/drift_summary.py reads
+# the drift
 LOSS_EVIDENCE_STRESS := --set model.hf_config.num_experts=16 --set model.hf_config.num_experts_per_tok=1 \
-    --set model.hf_config.norm_topk_prob=false --set trainer.mini_batches=4 --set trainer.prompts_per_step=16 \
-    --set optimizer.lr=1e-4 --set eval.every=0
+    --set model.hf_config.norm_topk_prob=false --set trainer.prompts_per_step=16 --set optimizer.lr=3e-5 \
+    --set eval.every=0
+LOSS_EVIDENCE_ARMS := sapo-none-none gspo-none-none grpo-none-none cispo-none-none gmpo-none-none dppo_tv-none-none \
+    dppo_kl-none-none m2po-none-none sapo-r2-none sapo-r3-none grpo-r2-none grpo-r3-none dppo_tv-r2-none \
+    dppo_tv-r3-none grpo-none-token_is grpo-none-seq_is grpo-none-geo_rs
 loss-evidence: $(STAMP)
-	$(BIN)/sapo-megatron compare --losses sapo,grpo,cispo,gmpo,dppo_tv,m2po --replay none,r3 --seeds 3 --steps 8 \
-	    --output-dir runs/loss_evidence $(LOSS_EVIDENCE_STRESS)
+	$(BIN)/sapo-megatron compare --configurations $(subst $(space),$(comma),$(strip $(LOSS_EVIDENCE_ARMS))) \
+	    --seeds 3 --steps 30 --output-dir runs/loss_evidence $(LOSS_EVIDENCE_STRESS) --set sft.steps=800 \
+	    --set trainer.mini_batches=8
+	$(BIN)/sapo-megatron compare --losses sapo --replay none --seeds 3 --steps 30 --output-dir runs/loss_evidence_on_policy \
+	    $(LOSS_EVIDENCE_STRESS) --set trainer.mini_batches=1 --set sft.steps=0 --set model.init=hf \
+	    --set model.init_path=$(CURDIR)/runs/loss_evidence/warm_start/hf
+	$(BIN)/python tools/drift_summary.py runs/loss_evidence
+
+# the same at the edge, lr 6e-5 (where probe 5 saw SAPO and CISPO collapse), nine configurations from the warm start
+# above (about 12 min)
+LOSS_EVIDENCE_EDGE := sapo-none-none sapo-r3-none gspo-none-none grpo-none-none dppo_tv-none-none dppo_kl-none-none \
+    cispo-none-none gmpo-none-none m2po-none-none
+loss-evidence-edge: $(STAMP)
+	$(BIN)/sapo-megatron compare --configurations $(subst $(space),$(comma),$(strip $(LOSS_EVIDENCE_EDGE))) \
+	    --seeds 3 --steps 30 --output-dir runs/loss_evidence_edge --set model.hf_config.num_experts=16 \
+	    --set model.hf_config.num_experts_per_tok=1 --set model.hf_config.norm_topk_prob=false \
+	    --set trainer.prompts_per_step=16 --set optimizer.lr=6e-5 --set eval.every=0 \
+	    --set trainer.mini_batches=8 --set sft.steps=0 --set model.init=hf \
+	    --set model.init_path=$(CURDIR)/runs/loss_evidence/warm_start/hf
+	$(BIN)/python tools/drift_summary.py runs/loss_evidence_edge
 
 # docs/gpu.md: the wheels tools/gpu_check.py needs beyond what the offline GPU machine has, into .gpu_kit (git-ignored,
 # about 5 MiB; carried to that machine, where `OUT=dir bash tools/gpu_kit/run.sh` installs it and runs the check)

@@ -1,4 +1,4 @@
-"""RL step time with ``trainer.async_rollout`` against synchronous rollouts, measured in the same run: a Megatron
+"""RL step time with ``trainer.rollout_mode: one_step_off`` against synchronous rollouts, measured in the same run: a Megatron
 trainer process against the CPU rollout server in another process (``sapo-megatron serve``, the stand-in for an
 SGLang worker), one torch thread each (``launch.cpu_threads``, ``--threads``) so that generation and training can
 overlap on two cores.
@@ -81,7 +81,7 @@ def write_config(path: Path, *, model_dir: Path, url: str, overlap: bool, args) 
         "mini_batches": args.mini_batches,
         "save_every": 0,
         "export_hf": False,
-        "async_rollout": overlap,
+        "rollout_mode": "one_step_off" if overlap else "sync",
     }
     path.write_text(yaml.safe_dump(cfg))
     return path

@@ -327,6 +327,11 @@ def _add_compare_parser(commands) -> None:
         "token_is / seq_is / geo_rs: verl's rollout-correction presets, docs/losses.md)",
     )
     compare.add_argument(
+        "--configurations",
+        help="comma-separated LOSS-REPLAY-CORRECTION arms (e.g. sapo-none-none,grpo-r2-tis) instead of the "
+        "product of --losses, --replay and --corrections",
+    )
+    compare.add_argument(
         "--grid",
         action="append",
         default=[],
@@ -548,18 +553,9 @@ def _dry_run(cfg: RunConfig, args: argparse.Namespace) -> int:
     print("inputs OK: every input file exists, the reward and the trackers load")
     # every row's schema, the prompt lengths (with the tools the prompts show); prints counts and times
     data = check_run_data(cfg, verbose=True)
-    from sapo_megatron.loop.learning_signal import dry_run_sft_check
+    from sapo_megatron.loop.learning_signal import dry_run_warm_start
 
-    print(dry_run_sft_check(cfg, data.train_rows))  # the train's check of the warm start's targets
-    if cfg.rollout.multi_turn is not None:
-        from sapo_megatron.loop.learning_signal import check_first_tool_call
-
-        cut = check_first_tool_call(data.train_rows, data.tokenizer, cfg.rollout.max_new_tokens)
-        print(
-            f"warning: {cut}"
-            if cut
-            else "tool calls OK: the SFT targets' first tool call fits max_new_tokens"
-        )
+    print("\n".join(dry_run_warm_start(cfg, data)))  # train's checks of the warm start's targets
 
     print("\n".join(describe_training_suite(cfg, data.tokenizer)))  # the eval datasets, read and checked
     print("data OK: every row of the prompt data is usable")
@@ -605,6 +601,7 @@ def _compare(args: argparse.Namespace) -> int:
         CompareError,
         build_config_plan,
         build_plan,
+        parse_configurations,
         parse_grid,
         parse_names,
         run_compare,
@@ -616,10 +613,9 @@ def _compare(args: argparse.Namespace) -> int:
     if args.steps is None:
         raise CompareError("--steps is required (RL steps of every arm), unless --runs reports finished runs")
     grid = parse_grid(args.grid)
-
+    changed = [f"--{k}" for k, v in COMPARE_DEFAULTS.items() if getattr(args, k) != v]
     if args.arms:
-        given = ["CONFIG"] if args.config else []
-        given += [f"--{k}" for k, v in COMPARE_DEFAULTS.items() if getattr(args, k) != v]
+        given = ["CONFIG"] * bool(args.config) + changed + ["--configurations"] * bool(args.configurations)
         if given:
             raise CompareError(f"--arms names every arm's whole config; drop {', '.join(given)}")
         plan = build_config_plan(
@@ -644,6 +640,9 @@ def _compare(args: argparse.Namespace) -> int:
             steps=args.steps,
             output_dir=args.output_dir,
             grid=grid,
+            configurations=parse_configurations(args.configurations, changed)
+            if args.configurations
+            else None,
         )
     if args.slurm:
         from sapo_megatron.compare.slurm import run_compare_slurm, sbatch_options

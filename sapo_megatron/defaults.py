@@ -76,6 +76,46 @@ def tiny_model() -> dict[str, Any]:
     return {**DEMO_MODEL, **dict.fromkeys(AUTO_SIZED, "auto")}
 
 
+DEMO_VL_MODEL: dict[str, Any] = {
+    "model_type": "qwen3_vl_moe",
+    "tie_word_embeddings": False,
+    "text_config": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rms_norm_eps": 1e-6,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 64,
+        "norm_topk_prob": True,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [4, 2, 2],
+            "mrope_interleaved": True,
+        },
+    },
+    "vision_config": {
+        "depth": 3,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 4,
+        "patch_size": 8,
+        "temporal_patch_size": 2,
+        "spatial_merge_size": 2,
+        "out_hidden_size": 64,
+        "num_position_embeddings": 64,
+        "deepstack_visual_indexes": [0, 1, 2],
+    },
+}
+"""The CPU VL demo's tiny Qwen3-VL-MoE (``configs/demo_tiny_vl_moe_cpu.yaml``) without the sizes that follow the
+data: ``model.hf_config: tiny_vl`` takes the image token ids, the vocabulary and the end-of-text id from the
+tokenizer and the context from the prompts (:func:`sapo_megatron.config.load.fill_auto_sizes`)."""
+
+
 def embedded_default_dict() -> dict[str, Any]:
     """A fresh copy of the embedded default run config."""
     return copy.deepcopy(DEMO_RUN)

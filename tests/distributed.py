@@ -14,9 +14,8 @@ import traceback
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
-
-from sapo_megatron.cli import free_port
 
 
 def _worker(rank: int, world: int, port: int, target: str, payload: Any, results) -> None:
@@ -27,6 +26,7 @@ def _worker(rank: int, world: int, port: int, target: str, payload: Any, results
         WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank),
         OMP_NUM_THREADS="1",
+        TORCHELASTIC_USE_AGENT_STORE="True",  # the parent hosts the store (see run_distributed)
     )
     try:
         module, name = target.split(":")
@@ -46,7 +46,10 @@ def run_distributed(target: str, world_size: int, payload: Any = None, timeout: 
     """Run ``target(payload)`` on ``world_size`` processes; return the results ordered by rank."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    # The parent hosts the ranks' store on a port the kernel picks, held until they are done (as torchrun's agent
+    # and sapo_megatron.runtime.local_launch do): no other process can take the port before the ranks join.
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    port = store.port
     procs = [
         ctx.Process(target=_worker, args=(rank, world_size, port, target, payload, results), daemon=True)
         for rank in range(world_size)
@@ -70,4 +73,5 @@ def run_distributed(target: str, world_size: int, payload: Any = None, timeout: 
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.kill()
+        del store
     return [collected[r] for r in range(world_size)]

@@ -17,9 +17,9 @@ import numpy as np
 import torch
 import transformers
 
-from sapo_megatron.cli import free_port
 from sapo_megatron.data.tokenizer import CharTokenizer
 from sapo_megatron.defaults import DEMO_MODEL
+from tests.ports import free_port
 from tests.rollout.server_process import ServerProcess
 
 

@@ -54,6 +54,23 @@ def test_an_episode_gets_a_loss_mask_with_a_span_per_turn_in_both_layouts():
         to_tensors([replace(seq, response_mask=[1, 0], sample_id="group 0 sample 1")], length=8, pad_id=0)
 
 
+def test_policy_versions_ride_on_the_response_tokens_in_both_layouts():
+    """A partial rollout's tokens carry the versions that sampled them: int64 where the token is the label, -1 on
+    prompts, padding and the other layout's gaps; a count that does not match is named."""
+    seq = TrainSequence(
+        [1, 5], [7, 8, 9], rollout_logp=[-0.1, -0.2, -0.3], versions=[3, 3, 4], sample_id="g1 s0"
+    )
+    padded = to_tensors([seq, TrainSequence([1], [2], versions=[4])], length=5, pad_id=0)
+    assert padded["versions"].dtype == torch.long
+    assert padded["versions"].tolist() == [[-1, 3, 3, 4, -1], [4, -1, -1, -1, -1]]
+    packed = to_packed_tensors([TrainSequence([1], [2], versions=[4]), seq], length=7, pad_id=0)
+    assert packed["versions"].tolist() == [[4, -1, 3, 3, 4, -1, -1]]
+    micro = build_micro_batches([seq], dp_rank=0, dp_size=1, micro_batches=1, pad_id=0)
+    assert micro[0].versions is not None and micro[0].versions.tolist() == [[-1, 3, 3, 4]]
+    with pytest.raises(ValueError, match="g1 s0: 2 policy versions for 3 response tokens"):
+        to_tensors([replace(seq, versions=[3, 3])], length=5, pad_id=0)
+
+
 def test_padded_length_rounds_up_for_sequence_parallel():
     seqs = [TrainSequence([1, 2], [3]), TrainSequence([1, 2, 3, 4], [5, 6])]
     assert padded_length(seqs) == 5

@@ -8,7 +8,13 @@ import pytest
 import yaml
 
 from sapo_megatron.cli import main
-from sapo_megatron.config import ConfigError, config_from_dict, load_config, validate_layout
+from sapo_megatron.config import (
+    ConfigError,
+    config_from_dict,
+    load_config,
+    sequence_length_multiple,
+    validate_layout,
+)
 from sapo_megatron.model.tiny import tiny_hf_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -146,7 +152,7 @@ def test_unknown_or_missing_variant_name_lists_the_variants():
     message = error_of(raw(algorithm={"correction": {"cap": 3}}))
     assert message.splitlines()[1] == (
         "  - algorithm.correction: no 'name' given; choose one of: none (no settings); tis (cap); icepop (low, high); "
-        "rollout_corr (is_level, is_threshold, reject). Example: --set 'algorithm.correction={name: none}'"
+        "rollout_corr (is_level, is_threshold, is_batch_normalize, reject). Example: --set 'algorithm.correction={name: none}'"
     )
     assert "algorithm.loss: expected a mapping with a 'name', got 'grpo'" in error_of(
         raw(algorithm={"loss": "grpo"})
@@ -179,9 +185,15 @@ def test_cli_switches_the_loss_of_the_demo(capsys):
     assert "layout OK" in capsys.readouterr().out
 
 
-def test_context_parallel_is_refused_up_front():
-    message = error_of(raw(parallel={"cp": 2}, launch={"procs_per_node": 2}))
-    assert "parallel.cp > 1 (context parallelism) is not supported yet" in message
+def test_context_parallel_pads_to_its_chunks():
+    cfg = config_from_dict(raw(parallel={"cp": 2}, launch={"procs_per_node": 2}))
+    assert cfg.parallel.model_parallel_size == 2 and sequence_length_multiple(cfg) == 4
+    tp_sp = config_from_dict(
+        raw(parallel={"cp": 2, "tp": 2, "sequence_parallel": True}, launch={"procs_per_node": 4})
+    )
+    assert sequence_length_multiple(tp_sp) == 8  # 2·cp chunks, each CP rank's split over the TP ranks
+    vl = config_from_dict(raw("vl_moe", parallel={"cp": 2}, launch={"procs_per_node": 2}))
+    assert sequence_length_multiple(vl) == 4
 
 
 def test_distributed_optimizer_needs_adam():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sapo_megatron.config import ConfigError, apply_overrides, config_from_dict
+from sapo_megatron.config.deprecated import DeprecatedConfigKey
 from sapo_megatron.model.tiny import tiny_hf_config
 
 
@@ -60,24 +61,73 @@ def test_endpoints_file_excludes_explicit_urls():
     assert "already names the router and the workers" in message
 
 
-def test_async_rollouts_need_servers_on_their_own_gpus():
+@pytest.mark.parametrize("mode", ["one_step_off", "fully_async"])
+def test_async_rollouts_need_servers_on_their_own_gpus(mode):
     sglang = {"engine": "sglang", "urls": ["http://w:30000"], "weight_sync": "tensor", "colocation": "split"}
     with pytest.raises(ConfigError) as info:
         config_from_dict(
             {
                 "model": {"hf_config": tiny_hf_config("moe")},
                 "rollout": sglang,
-                "trainer": {"async_rollout": True},
+                "trainer": {"rollout_mode": mode},
             }
         )
     message = str(info.value)
-    assert "trainer.async_rollout" in message and "rollout.colocation: none" in message
-    assert not cfg(**sglang).trainer.async_rollout  # off by default
+    assert f"trainer.rollout_mode: {mode}" in message and "rollout.colocation: none" in message
+    assert message.count("\n") == 1  # one line under the header
+    assert cfg(**sglang).trainer.rollout_mode == "sync"  # off by default
     remote = {**sglang, "colocation": "none", "weight_sync": "distributed"}
     tiny = {"hf_config": tiny_hf_config("moe")}
-    assert config_from_dict(
-        {"model": tiny, "rollout": remote, "trainer": {"async_rollout": True}}
-    ).trainer.async_rollout
+    assert (
+        config_from_dict(
+            {"model": tiny, "rollout": remote, "trainer": {"rollout_mode": mode}}
+        ).trainer.rollout_mode
+        == mode
+    )
+
+
+def test_async_rollout_is_read_as_rollout_mode_with_one_warning():
+    tiny = {"hf_config": tiny_hf_config("moe")}
+    remote = {"engine": "sglang", "urls": ["http://w:30000"], "weight_sync": "distributed"}
+    with pytest.warns(DeprecatedConfigKey, match="use trainer.rollout_mode: one_step_off") as caught:
+        old = config_from_dict({"model": tiny, "rollout": remote, "trainer": {"async_rollout": True}})
+    assert len(caught) == 1
+    assert old.trainer.rollout_mode == "one_step_off" and old.trainer.async_rollout
+    with pytest.raises(ConfigError, match=r"keep trainer\.rollout_mode only"):
+        config_from_dict(
+            {"model": tiny, "rollout": remote, "trainer": {"async_rollout": True, "rollout_mode": "sync"}}
+        )
+
+
+def test_fully_async_settings_are_checked_with_their_fix():
+    tiny = {"hf_config": tiny_hf_config("moe")}
+    remote = {"engine": "sglang", "urls": ["http://w:30000"], "weight_sync": "distributed"}
+    base = {"rollout_mode": "fully_async", "prompts_per_step": 8}
+    with pytest.raises(ConfigError, match=r"set algorithm.correction \(tis or icepop\)"):
+        config_from_dict({"model": tiny, "rollout": remote, "trainer": {**base, "stale_groups": "correct"}})
+    with pytest.raises(ConfigError, match="raise it to at least 8"):
+        config_from_dict({"model": tiny, "rollout": remote, "trainer": {**base, "async_buffer_groups": 4}})
+    with pytest.raises(ConfigError, match="R2 needs"):
+        config_from_dict(
+            {
+                "model": tiny,
+                "rollout": remote,
+                "trainer": base,
+                "algorithm": {"proximal_logp": "loglinear", "routing_replay": "r2"},
+            }
+        )
+    with pytest.raises(ConfigError, match="set is_batch_normalize: false"):
+        config_from_dict(
+            {
+                "model": tiny,
+                "rollout": remote,
+                "trainer": base,
+                "algorithm": {
+                    "proximal_logp": "loglinear",
+                    "correction": {"name": "rollout_corr", "is_level": "token", "is_batch_normalize": True},
+                },
+            }
+        )
 
 
 def test_time_sharing_needs_an_engine_it_can_release_and_names_the_fix():
@@ -109,12 +159,12 @@ def test_colocation_is_one_choice_that_names_its_variants():
 
 
 def test_time_sharing_refuses_async_rollout():
-    with pytest.raises(ConfigError, match=r"trainer\.async_rollout"):
+    with pytest.raises(ConfigError, match=r"trainer\.rollout_mode: one_step_off"):
         config_from_dict(
             {
                 "model": {"hf_config": tiny_hf_config("moe")},
                 "rollout": {"engine": "cpu_http", "colocation": "time_shared"},
-                "trainer": {"async_rollout": True},
+                "trainer": {"rollout_mode": "one_step_off"},
             }
         )
 

@@ -17,8 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from sapo_megatron.cli import free_port
 from sapo_megatron.runtime.interrupts import InterruptGuard
+from tests.ports import free_port
 
 LOOP = Path(__file__).with_name("signal_loop.py")
 REPO = Path(__file__).resolve().parents[1]

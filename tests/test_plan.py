@@ -247,3 +247,45 @@ def test_time_shared_colocation_fits_where_the_fixed_split_does_not(capsys):
     main(["plan", str(QWEN30B), *overrides, "--set", "rollout.colocation=time_shared", "--suggest", "3"])
     out = capsys.readouterr().out
     assert "layouts that fit on 16 GPUs" in out and "time-shared (rollout.colocation): peak = max(" in out
+
+
+def test_the_plan_pads_to_no_longer_prompt_than_the_model_context_leaves(capsys):
+    """Found re-timing the newcomers' paths: the dry run of the embedded default (context 64) said "32 sequences
+    x 520 tokens (prompt 512 + rollout.max_new_tokens 8)". The planned prompt is now capped at the context minus
+    max_new_tokens. Fails before this test."""
+    from sapo_megatron.plan.activations import planned_prompt_tokens
+
+    cfg = load_config(None)
+    assert cfg.model.arch.max_position_embeddings == 64 and cfg.rollout.max_new_tokens == 6
+    assert planned_prompt_tokens(cfg, 512) == 58 and planned_prompt_tokens(cfg, 20) == 20
+    assert micro_batch_shape(cfg, 1, 512).seq_len == 64
+    assert main(["plan"]) == 0
+    assert "x 64 tokens (prompt 58 + rollout.max_new_tokens 6" in capsys.readouterr().out
+
+
+CP32K = Path(__file__).resolve().parents[1] / "configs" / "recipes" / "sapo_qwen3_30b_a3b_32k_cp2.yaml"
+
+
+def test_suggest_proposes_context_parallelism_for_long_responses():
+    """32K-token responses on 16 GPUs: the best layout splits each sequence over 2 CP ranks (it fits without
+    recomputation, where every cp 1 layout needs it); 8K-token responses keep cp 1 (no CP candidates)."""
+    cfg = load_config(CP32K, check_layout=False)
+    settings = PlanSettings(world_size=16, gpu_memory_gib=80)
+    every = suggest_layouts(cfg, settings, top=1000)
+    assert every[0].plan.cfg.parallel.cp == 2 and every[0].plan.cfg.model.recompute == "none"
+    cp1 = [s for s in every if s.plan.cfg.parallel.cp == 1]
+    assert cp1 and all(s.plan.cfg.model.recompute != "none" for s in cp1)
+    short = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"max_new_tokens": 8192})})
+    assert {s.plan.cfg.parallel.cp for s in suggest_layouts(short, settings, top=10)} == {1}
+
+
+def test_the_32k_cp2_recipe_fits_32_h100s_as_its_comments_say():
+    cfg = load_config(CP32K)
+    assert (cfg.parallel.cp, cfg.rollout.max_new_tokens) == (2, 32768)
+    plan = build_plan(cfg, PlanSettings(world_size=32))
+    assert plan.fits
+    assert min(s.headroom for s in plan.stages) / GIB == pytest.approx(15.33, abs=0.01)
+    without_cp = cfg.model_copy(
+        update={"parallel": cfg.parallel.model_copy(update={"cp": 1, "micro_batches": 64})}
+    )
+    assert not build_plan(without_cp, PlanSettings(world_size=32)).fits

@@ -84,3 +84,16 @@ def test_the_baseline_recipes_are_the_sapo_run_with_their_authors_loss():
         assert algorithm["routing_replay"] == "none", arm  # the claims are made without routing replay
         assert algorithm["advantage"]["name"] == ("drgrpo" if arm.startswith("dppo") else "grpo"), arm
         assert cfg["trainer"] == sapo["trainer"] and cfg["rollout"] == sapo["rollout"]
+
+
+def test_the_fully_async_recipe_is_the_sapo_recipe_run_asynchronously():
+    sapo = load_config(RECIPES / "sapo_qwen3_30b_a3b.yaml").model_dump(mode="json")
+    cfg = load_config(RECIPES / "sapo_qwen3_30b_a3b_fully_async.yaml")
+    dumped = cfg.model_dump(mode="json")
+    assert {key for key in sapo if sapo[key] != dumped[key]} == {"name", "output_dir", "algorithm", "trainer"}
+    trainer = cfg.trainer
+    assert (trainer.rollout_mode, trainer.max_staleness, trainer.stale_groups) == ("fully_async", 2, "drop")
+    assert (cfg.algorithm.correction.name, cfg.algorithm.proximal_logp) == ("tis", "recompute")
+    assert dumped["algorithm"]["loss"] == sapo["algorithm"]["loss"]
+    asynchronous = {"rollout_mode", "max_staleness", "async_chunk_groups"}  # stale_groups: drop, the default
+    assert {k for k in sapo["trainer"] if sapo["trainer"][k] != dumped["trainer"][k]} == asynchronous

@@ -130,7 +130,8 @@ def to_hub_layout(directory: str | Path) -> Path:
     fused experts ``gate_up_proj [E, H, 2I]`` / ``down_proj [E, I, H]`` (transformers 5 writes its in-memory
     ``[E, 2I, H]`` / ``[E, H, I]``, which SGLang's ``qwen3_vl_moe.load_weights`` transposes into the wrong shape),
     and the processor files of :func:`with_qwen3_vl_processor`. transformers reads the result back to the same
-    weights (tested). ``megatron-to-hf`` writes the hub layout itself (the real-SGLang tier serves its export)."""
+    weights when the expert sizes tell the layouts apart (H != I, H != 2I; else the CPU engine's loader transposes
+    what transformers left: tests/checkpoint/test_square_fused_experts.py). ``megatron-to-hf`` writes the hub layout itself (the real-SGLang tier serves its export)."""
     from safetensors.torch import load_file, save_file
 
     directory = Path(directory)

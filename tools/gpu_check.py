@@ -176,6 +176,12 @@ def build_rows(checks) -> list[Row]:
         )
     return [
         *rows,
+        Row(
+            "context parallel: chunks = TE's THD partition",
+            checks.cp_partition,
+            te("the THD partition is Transformer Engine's, which is not installed"),
+        ),
+        Row("context parallel: THD RoPE = RoPE at global positions", checks.cp_rope),
         Row("fused paths active", checks.fused_paths),
         Row("planner: activations vs measured", checks.planner_activations),
         Row("chunked log-probs: memory and values vs naive", checks.logprob_memory),

@@ -20,6 +20,19 @@ def have(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+class _CpGroup:
+    """What Megatron's THD RoPE reads of a context-parallel group: its size and this rank (one GPU has no CP)."""
+
+    def __init__(self, size: int, rank: int) -> None:
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
 class Checks:
     """The checks, sharing one parallel state and one tiny checkpoint per model kind."""
 
@@ -248,6 +261,60 @@ class Checks:
             f"{moved / 2**20:.1f} MiB moved to {where} CPU memory in {seconds * 1e3:.1f} ms, "
             f"{freed / 2**20:.1f} MiB freed; state bitwise equal after onload"
         )
+
+    def cp_partition(self) -> str:
+        """Context parallelism's chunks (sapo_megatron/megatron/context_parallel.py) against Transformer Engine's
+        own THD partition (``thd_get_partitioned_indices``, what Megatron uses for THD + CP): cp 2 and 4, packed
+        slots of several lengths. CP itself needs >= 2 GPUs (docs/context_parallel.md)."""
+        if not have("transformer_engine"):
+            raise SkipCheck("the THD partition is Transformer Engine's, which is not installed")
+        import transformer_engine_torch as tex
+
+        from sapo_megatron.megatron.context_parallel import segment_chunk_indices
+
+        checked = 0
+        for cp in (2, 4):
+            bounds = [0, *torch.tensor([4, 2, 6, 2]).mul(cp).cumsum(0).tolist()]
+            cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device=self.device)
+            for rank in range(cp):
+                theirs = tex.thd_get_partitioned_indices(cu_seqlens, bounds[-1], cp, rank).cpu().long()
+                ours = segment_chunk_indices(bounds, cp, rank)
+                if not torch.equal(theirs, ours):
+                    raise AssertionError(f"cp {cp} rank {rank}: TE {theirs.tolist()} vs ours {ours.tolist()}")
+                checked += 1
+        return f"{checked} (cp, rank) partitions equal TE's thd_get_partitioned_indices"
+
+    def cp_rope(self) -> str:
+        """Megatron's THD RoPE under CP (the TE path: chunks r and 2·cp−1−r of each slot) equals RoPE at each
+        token's own position (the CPU stand-in's), on this device, cp 2 and 4."""
+        from megatron.core.models.common.embeddings.rope_utils import (
+            _apply_rotary_pos_emb_bshd,
+            _apply_rotary_pos_emb_thd,
+        )
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+        from sapo_megatron.megatron.context_parallel import token_shards
+
+        worst = 0.0
+        for cp in (2, 4):
+            lengths = [4 * cp, 2 * cp, 6 * cp]
+            positions = torch.cat([torch.arange(n) for n in lengths])[None]
+            batch = {"input_ids": positions, "segment_ids": positions, "position_ids": positions}
+            cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+            rope = RotaryEmbedding(kv_channels=64, rotary_percent=1.0, use_cpu_initialization=True)
+            freqs = rope.get_emb(max(lengths)).to(self.device)
+            for rank in range(cp):
+                local = token_shards(batch, cp, rank).local
+                t = torch.randn(len(local), 4, 64, device=self.device)
+                group = _CpGroup(cp, rank)
+                theirs = _apply_rotary_pos_emb_thd(t, cu.to(self.device), freqs, cp_group=group)
+                ours = _apply_rotary_pos_emb_bshd(t[:, None], freqs[positions[0, local].to(self.device)])[
+                    :, 0
+                ]
+                worst = max(worst, float((theirs - ours).abs().max()))
+        if worst > 1e-6:
+            raise AssertionError(f"THD RoPE under CP differs from RoPE at global positions by {worst:.3g}")
+        return f"max |Δ| {worst:.2e} over cp 2 and 4, every rank"
 
     def packing_thd(self, kind: str) -> str:
         """The packed row through TE's THD attention (the engine takes TE whenever it imports)."""

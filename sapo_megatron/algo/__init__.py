@@ -28,6 +28,7 @@ from sapo_megatron.algo.mismatch import (
     NoCorrection,
     RejectRule,
     RolloutCorrection,
+    correction_batch_sums,
     mismatch_metrics,
 )
 from sapo_megatron.algo.opd import (
@@ -90,6 +91,7 @@ __all__ = [
     "aggregate",
     "build_policy_loss",
     "check_fusion_loss",
+    "correction_batch_sums",
     "fuse_advantages",
     "grpo_advantages",
     "m2po_keep_mask",

@@ -49,6 +49,12 @@ class AlgorithmConfig(Section):
     loss: PolicyLossConfig = Field(default_factory=SapoLoss)
     correction: MismatchCorrectionConfig = Field(default_factory=NoCorrection)
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    proximal_logp: Literal["recompute", "loglinear"] = Field(
+        default="recompute",
+        description="the proximal policy of the decoupled objective (docs/async.md): recompute runs the "
+        "old-policy forward pass; loglinear skips it and interpolates between the engine's (behaviour) and the "
+        "current log-prob by each token's staleness s, alpha = s/(s+1) (AReaL's prox_logp_method: loglinear)",
+    )
     reward: str | RemoteRewardConfig | list[str | WeightedReward] = Field(
         default="numeric_match",
         description="a registered reward name, an import path 'file.py:fn' / 'pkg.mod:fn', {url: ...} for a "
@@ -122,3 +128,17 @@ class AlgorithmConfig(Section):
                 "[{reward: ..., weight: ..., kwargs: {...}}]"
             )
         return self
+
+
+def reward_label(spec: str | RemoteRewardConfig | list[str | WeightedReward]) -> str:
+    """``algorithm.reward`` as one readable phrase for messages: ``acc.py:fn + 0.5 × fmt.py:fn``, a URL."""
+    if isinstance(spec, list):
+        return " + ".join(reward_label_part(part) for part in spec)
+    return spec.url if isinstance(spec, RemoteRewardConfig) else spec
+
+
+def reward_label_part(part: str | WeightedReward) -> str:
+    if isinstance(part, str):
+        return part
+    inner = reward_label(part.reward)
+    return inner if part.weight == 1.0 else f"{part.weight:g} × {inner}"

@@ -30,7 +30,15 @@ POLICY_LOSSES: dict[str, type[_PolicyLossBase]] = {
     "dppo_kl": DppoLoss,
     "m2po": M2poLoss,
 }
-COMPUTE_KWARGS = ("rollout_logp_bt", "ref_logp_bt", "entropy_bt", "correction", "num_sequences", "num_tokens")
+COMPUTE_KWARGS = (
+    "rollout_logp_bt",
+    "ref_logp_bt",
+    "entropy_bt",
+    "correction",
+    "num_sequences",
+    "num_tokens",
+    "is_weight_mean",
+)
 
 
 def build_policy_loss(config: PolicyLoss | Mapping[str, Any]) -> PolicyLoss:

@@ -69,13 +69,16 @@ class _PolicyLossBase(BaseModel):
         correction: MismatchCorrection | None = None,
         num_sequences: Normaliser | None = None,
         num_tokens: Normaliser | None = None,
+        is_weight_mean: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, Metrics]:
         """Scalar loss to minimise, and metrics.
 
         ``logp_bt``/``old_logp_bt``/``mask_bt``: ``[batch, seq]``; ``adv``: ``[batch]`` (one per sequence) or
         ``[batch, seq]``; optional ``rollout_logp_bt`` (engine log-probs, for ``correction`` and mismatch
         metrics), ``ref_logp_bt`` (for ``kl_coef``), ``entropy_bt`` (for ``entropy_coef``), all ``[batch, seq]``.
-        ``num_sequences``/``num_tokens``: global normalisers, see ``aggregation.token_weights``.
+        ``num_sequences``/``num_tokens``: global normalisers, see ``aggregation.token_weights``;
+        ``is_weight_mean``: the batch mean of a ``rollout_corr`` correction's truncated IS weights, which its
+        ``is_batch_normalize`` divides by (None: the mean over these tensors; ``mismatch.correction_batch_sums``).
         """
         mask = mask_bt.bool()
         _check_shape("logp_bt", logp_bt, mask)
@@ -89,11 +92,11 @@ class _PolicyLossBase(BaseModel):
         metrics.update(_ratio_stats("ratio/", _token_ratio(logp, old), mask, Reduce.TOKEN_MEAN))
         kl_old = masked_mean(k3(old, logp.detach()), mask)
         metrics.add("policy/kl_old", kl_old, Reduce.TOKEN_MEAN, per_update=True)
-        is_weight_bt = correction_weights(correction, old, rollout, mask)  # detached inside
+        is_weight_bt = correction_weights(correction, old, rollout, mask, is_weight_mean)  # detached inside
         if is_weight_bt is not None:
             pg_bt = pg_bt * is_weight_bt
             metrics.add("mismatch/is_weight_mean", masked_mean(is_weight_bt, mask), Reduce.TOKEN_MEAN)
-            metrics.update(correction_metrics(correction, old, rollout, mask))
+            metrics.update(correction_metrics(correction, old, rollout, mask, is_weight_mean))
         if rollout is not None:
             metrics.update(mismatch_metrics(old, rollout, mask))
 

@@ -130,18 +130,62 @@ class RolloutCorrection(BaseModel):
       sequence (log-sum clamped to ±20 as verl); ``geometric``: ``min(e^{mean_t δ_t}, C)``; ``null``: weight 1
       (rejection only).
     - Rejected tokens get weight 0; the normalisers still count them (verl drops them from the response mask).
+    - ``is_batch_normalize`` (verl's ``rollout_is_batch_normalize``): the truncated weights divided by their
+      mean over the whole batch (token level: over every valid token; sequence / geometric level: over the
+      sequences with a valid token, one weight each), after truncation and before the rejection masks, so the
+      batch's mean weight is 1. The batch is the RL step's rollout batch on every data-parallel rank (the loop
+      passes its mean, :meth:`batch_sums`); a direct call normalises over the tensors it is given.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     name: Literal["rollout_corr"] = "rollout_corr"
     is_level: Literal["token", "sequence", "geometric"] | None = "token"
     is_threshold: float = Field(2.0, gt=0, description="truncation cap C of the IS weight (verl's default 2)")
+    is_batch_normalize: bool = Field(
+        False,
+        description="divide the truncated IS weights by their batch mean (verl rollout_is_batch_normalize)",
+    )
     reject: list[RejectRule] = Field(default_factory=list)
 
-    def weight_masked(self, delta_bt: torch.Tensor, mask_bt: torch.Tensor) -> torch.Tensor:
-        """``[batch, seq]``: truncated IS weight times the rejection masks (0 off ``mask_bt``)."""
+    @model_validator(mode="after")
+    def _check_normalize(self) -> RolloutCorrection:
+        if self.is_batch_normalize and self.is_level is None:
+            raise ValueError(
+                "rollout_corr is_batch_normalize needs an IS weight to normalise: set is_level (token, sequence "
+                "or geometric) or is_batch_normalize: false"
+            )
+        return self
+
+    def weight_masked(
+        self, delta_bt: torch.Tensor, mask_bt: torch.Tensor, batch_mean: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``[batch, seq]``: truncated IS weight (divided by ``batch_mean`` under ``is_batch_normalize``; None:
+        the mean over these tensors) times the rejection masks (0 off ``mask_bt``)."""
         weight_bt = self.raw_is_weight(delta_bt, mask_bt).clamp(max=self.is_threshold)
+        if self.is_batch_normalize:
+            weight_bt = weight_bt / self.norm_factor(delta_bt, mask_bt, batch_mean)
         return torch.where(mask_bt & self.keep(delta_bt, mask_bt), weight_bt, 0.0)
+
+    def batch_sums(self, delta_bt: torch.Tensor, mask_bt: torch.Tensor) -> torch.Tensor:
+        """fp64 ``[2]``: the sum of the truncated IS weights and their count – over valid tokens (token level)
+        or over sequences with a valid token, one weight each (sequence / geometric level) – to be summed over
+        a batch's micro-batches and ranks; their ratio is the batch mean ``is_batch_normalize`` divides by."""
+        weight_bt = self.raw_is_weight(delta_bt, mask_bt).clamp(max=self.is_threshold).double()
+        if self.is_level == "token":
+            return torch.stack((weight_bt[mask_bt].sum(), mask_bt.sum().double()))
+        has_tokens = mask_bt.any(-1)
+        return torch.stack((weight_bt[:, 0][has_tokens].sum(), has_tokens.sum().double()))
+
+    def norm_factor(
+        self, delta_bt: torch.Tensor, mask_bt: torch.Tensor, batch_mean: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The divisor of ``is_batch_normalize``: ``batch_mean`` (or these tensors' mean), 1 when it is not
+        above 1e-8 (as verl)."""
+        if batch_mean is None:
+            total, count = self.batch_sums(delta_bt, mask_bt)
+            batch_mean = total / count.clamp(min=1)
+        batch_mean = batch_mean.to(device=delta_bt.device, dtype=torch.float32)
+        return torch.where(batch_mean > 1e-8, batch_mean, torch.ones_like(batch_mean))
 
     def raw_is_weight(self, delta_bt: torch.Tensor, mask_bt: torch.Tensor) -> torch.Tensor:
         """The IS weight before truncation, broadcast to ``[batch, seq]`` (ones for ``is_level: null``)."""
@@ -160,12 +204,17 @@ class RolloutCorrection(BaseModel):
             keep = keep & rule.keep(delta_bt, mask_bt)
         return keep
 
-    def metrics(self, delta_bt: torch.Tensor, mask_bt: torch.Tensor) -> MetricSet:
-        """Token means: the weight after truncation and rejection, the share truncated, the share rejected in all
-        and per rule."""
+    def metrics(
+        self, delta_bt: torch.Tensor, mask_bt: torch.Tensor, batch_mean: torch.Tensor | None = None
+    ) -> MetricSet:
+        """Token means: the weight after truncation, normalisation and rejection, the share truncated, the share
+        rejected in all and per rule; under ``is_batch_normalize`` the divisor (verl's
+        ``rollout_is_batch_norm_factor``)."""
         raw_bt = self.raw_is_weight(delta_bt, mask_bt)
         out = {
-            "rollout_corr/weight_mean": masked_mean(self.weight_masked(delta_bt, mask_bt), mask_bt),
+            "rollout_corr/weight_mean": masked_mean(
+                self.weight_masked(delta_bt, mask_bt, batch_mean), mask_bt
+            ),
             "rollout_corr/truncated_frac": masked_mean((raw_bt > self.is_threshold).float(), mask_bt),
             "rollout_corr/rejected_frac": masked_mean((~self.keep(delta_bt, mask_bt)).float(), mask_bt),
         }
@@ -173,6 +222,9 @@ class RolloutCorrection(BaseModel):
             out[f"rollout_corr/rejected_frac_{rule.stat}"] = masked_mean(
                 (~rule.keep(delta_bt, mask_bt)).float(), mask_bt
             )
+        if self.is_batch_normalize:
+            factor = self.norm_factor(delta_bt, mask_bt, batch_mean)
+            out["rollout_corr/batch_norm_factor"] = factor
         return metric_set(out, Reduce.TOKEN_MEAN)
 
 
@@ -185,9 +237,11 @@ def correction_weights(
     old_logp_bt: torch.Tensor,
     rollout_logp_bt: torch.Tensor | None,
     mask_bt: torch.Tensor | None = None,
+    is_weight_mean: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """Detached fp32 per-token weights ``[batch, seq]`` that multiply the token loss; None for no correction.
-    ``mask_bt`` (the valid tokens) is needed by :class:`RolloutCorrection`'s sequence-level weights and rules."""
+    ``mask_bt`` (the valid tokens) is needed by :class:`RolloutCorrection`'s sequence-level weights and rules;
+    ``is_weight_mean`` is the batch mean its ``is_batch_normalize`` divides by (None: over these tensors)."""
     if correction is None or correction.name == "none":
         return None
     if rollout_logp_bt is None:
@@ -200,7 +254,7 @@ def correction_weights(
     if isinstance(correction, RolloutCorrection):
         if mask_bt is None:
             raise ValueError("rollout_corr needs mask_bt (its sequence-level weights sum over valid tokens)")
-        return correction.weight_masked(delta_bt, mask_bt.bool()).detach()
+        return correction.weight_masked(delta_bt, mask_bt.bool(), is_weight_mean).detach()
     return correction.weight(delta_bt).detach()
 
 
@@ -209,11 +263,27 @@ def correction_metrics(
     old_logp_bt: torch.Tensor,
     rollout_logp_bt: torch.Tensor | None,
     mask_bt: torch.Tensor,
+    is_weight_mean: torch.Tensor | None = None,
 ) -> MetricSet:
     """The correction's own diagnostics (``rollout_corr/*``, token means); empty for none / TIS / IcePop."""
     if not isinstance(correction, RolloutCorrection) or rollout_logp_bt is None:
         return MetricSet()
-    return correction.metrics(_delta(old_logp_bt, rollout_logp_bt).detach(), mask_bt.bool())
+    delta_bt = _delta(old_logp_bt, rollout_logp_bt).detach()
+    return correction.metrics(delta_bt, mask_bt.bool(), is_weight_mean)
+
+
+def correction_batch_sums(
+    correction: MismatchCorrection | None,
+    old_logp_bt: torch.Tensor,
+    rollout_logp_bt: torch.Tensor,
+    mask_bt: torch.Tensor,
+) -> torch.Tensor | None:
+    """fp64 ``[2]`` (sum, count) of a batch-normalised :class:`RolloutCorrection`'s truncated IS weights on
+    these tensors, to be summed over the batch (:meth:`RolloutCorrection.batch_sums`); None when the
+    correction does not normalise over the batch."""
+    if not isinstance(correction, RolloutCorrection) or not correction.is_batch_normalize:
+        return None
+    return correction.batch_sums(_delta(old_logp_bt, rollout_logp_bt).detach(), mask_bt.bool())
 
 
 def mismatch_metrics(

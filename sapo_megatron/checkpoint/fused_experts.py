@@ -24,7 +24,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from pathlib import Path
+from typing import Literal, TypeVar
 
 import torch
 
@@ -222,3 +223,47 @@ def fuse_stream(
         buffer[name] = tensor
         if len(buffer) == len(group.members):
             yield from group.fuse(pending.pop(group.prefix))
+
+
+# --------------------------------------------------------------------------------------------------------
+# Load: what transformers leaves untransposed
+# --------------------------------------------------------------------------------------------------------
+
+
+ModelT = TypeVar("ModelT", bound=torch.nn.Module)
+
+
+def transpose_square_hub_experts(model: ModelT, directory: str | Path) -> ModelT:
+    """Put right the fused expert tensors transformers loaded from a hub-layout checkpoint without transposing.
+
+    transformers 5 reads ``qwen3_vl_moe`` fused experts with ``Transpose(1, 2, check_dims=True)``: it transposes a
+    tensor only when the file's shape differs from the parameter's. With ``H = I`` (``down_proj``: ``[E, I, H]``
+    in the file, ``[E, H, I]`` in memory) or ``H = 2I`` (``gate_up_proj``) both shapes are equal, so the tensor is
+    kept as the file holds it – transposed wrong, with no warning (the CPU VL demo's ``H = I = 64`` evaluated a
+    different model than it trained). The file's layout is told from the pair of shapes (unambiguous, see above);
+    each hub-layout tensor whose shape equals its parameter's is transposed here. Returns ``model``."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in sorted(Path(directory).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            names = [n for n in f.keys() if FUSED_NAME.match(n)]  # noqa: SIM118 (safe_open is not iterable)
+            shapes.update({n: tuple(f.get_slice(n).get_shape()) for n in names})
+    pairs: dict[str, dict[str, tuple[int, ...]]] = {}
+    for name, shape in shapes.items():
+        match = FUSED_NAME.match(name)
+        assert match is not None
+        pairs.setdefault(match["prefix"], {})[match["kind"]] = shape
+    params = dict(model.named_parameters())
+    for prefix, pair in sorted(pairs.items()):
+        if (
+            set(pair) != {"gate_up_proj", "down_proj"}
+            or _layout(pair["gate_up_proj"], pair["down_proj"]) != "hub"
+        ):
+            continue
+        for kind, shape in pair.items():
+            param = params.get(f"{prefix}.{kind}")
+            if param is not None and tuple(param.shape) == shape:
+                with torch.no_grad():
+                    param.data = param.data.transpose(1, 2).contiguous()
+    return model

@@ -75,12 +75,26 @@ CORRECTIONS: dict[str, dict[str, Any]] = {
     "icepop": {"name": "icepop", "low": 0.5, "high": 2.0},
     # verl's rollout-correction presets (docs/algo/rollout_corr.md): decoupled_token_is, decoupled_seq_is
     # (threshold 2.0) and decoupled_geo_rs (geometric rejection, seq_mean_k1 within 0.999_1.001).
-    "token_is": {"name": "rollout_corr", "is_level": "token", "is_threshold": 2.0, "reject": []},
-    "seq_is": {"name": "rollout_corr", "is_level": "sequence", "is_threshold": 2.0, "reject": []},
+    # verl's presets leave rollout_is_batch_normalize at its default, false.
+    "token_is": {
+        "name": "rollout_corr",
+        "is_level": "token",
+        "is_threshold": 2.0,
+        "is_batch_normalize": False,
+        "reject": [],
+    },
+    "seq_is": {
+        "name": "rollout_corr",
+        "is_level": "sequence",
+        "is_threshold": 2.0,
+        "is_batch_normalize": False,
+        "reject": [],
+    },
     "geo_rs": {
         "name": "rollout_corr",
         "is_level": None,
         "is_threshold": 2.0,  # unused without an IS weight; spelled out so that the arm's config reads whole
+        "is_batch_normalize": False,
         "reject": [{"stat": "seq_mean_k1", "lower": 0.999, "upper": 1.001}],
     },
 }
@@ -277,23 +291,54 @@ def parse_names(text: str, known: Sequence[str], option: str) -> list[str]:
     return names
 
 
+Configuration = tuple[str, str, str]
+"""(loss, replay, correction) of a set of arms, e.g. ``("sapo", "r2", "none")``."""
+
+
+def parse_configurations(text: str, also_given: Sequence[str] = ()) -> list[Configuration]:
+    """``"sapo-none-none,grpo-r3-token_is"`` → ``[("sapo", "none", "none"), ("grpo", "r3", "token_is")]``
+    (``compare --configurations``: chosen arms instead of the whole product); raises :class:`CompareError` on a
+    malformed entry, an unknown name (with the closest one), a repeated configuration, or ``also_given`` options
+    (``--losses`` / ``--replay`` / ``--corrections``, which it replaces)."""
+    if also_given:
+        raise CompareError(
+            f"--configurations names every arm's loss, replay and correction; drop {', '.join(also_given)}"
+        )
+    out: list[Configuration] = []
+    for entry in [part.strip() for part in text.split(",")]:
+        parts = entry.split("-")
+        if len(parts) != 3:
+            raise CompareError(
+                f"--configurations {entry!r}: expected LOSS-REPLAY-CORRECTION, e.g. sapo-r2-none or grpo-none-tis"
+            )
+        known = (list(LOSSES), list(REPLAYS), list(CORRECTIONS))
+        for name, names, option in zip(parts, known, ("loss", "replay", "correction")):
+            parse_names(name, names, f"--configurations {entry!r}: {option}")
+        if tuple(parts) in out:
+            raise CompareError(f"--configurations: {entry} given more than once")
+        out.append((parts[0], parts[1], parts[2]))
+    return out
+
+
 def plan_arms(
     losses: Sequence[str],
     replays: Sequence[str],
     corrections: Sequence[str],
     seeds: int,
     grid: Sequence[GridPoint] = ((),),
+    configurations: Sequence[Configuration] | None = None,
 ) -> list[Arm]:
-    """Every combination, seed-major (all configurations of seed 0 first, so an early stop leaves whole seeds),
-    then in the order given on the command line, the grid points last."""
+    """Every combination (or only ``configurations``, in their order), seed-major (all configurations of seed 0
+    first, so an early stop leaves whole seeds), then in the order given on the command line, the grid points
+    last."""
     if seeds < 1:
         raise CompareError(f"--seeds {seeds}: need at least one seed")
+    if configurations is None:
+        configurations = list(itertools.product(losses, replays, corrections))
     return [
         Arm(loss, replay, correction, seed, grid=point)
         for seed in range(seeds)
-        for loss in losses
-        for replay in replays
-        for correction in corrections
+        for loss, replay, correction in configurations
         for point in grid
     ]
 
@@ -309,15 +354,19 @@ def build_plan(
     steps: int,
     output_dir: str | Path,
     grid: Sequence[GridAxis] = (),
+    configurations: Sequence[Configuration] | None = None,
 ) -> ComparePlan:
     """Validate the request and every arm's config; raises :class:`CompareError` (or ``ConfigError``) on bad
     input. ``config`` None: the embedded demo with :data:`DEMO_MISMATCH`. ``overrides``: the ``--set`` pairs;
-    ``grid``: the ``--grid`` axes (:func:`parse_grid`), crossed with the losses, replays and corrections."""
+    ``grid``: the ``--grid`` axes (:func:`parse_grid`), crossed with the losses, replays and corrections (or
+    with ``configurations``, :func:`parse_configurations`, which then replace their product)."""
     if steps < 1:
         raise CompareError(f"--steps {steps}: each arm needs at least one RL step")
     check_overrides(overrides)
     _check_grid_against_set(grid, overrides)
-    arms = plan_arms(losses, replays, corrections, seeds, grid_points(grid))
+    arms = plan_arms(losses, replays, corrections, seeds, grid_points(grid), configurations)
+    if configurations is not None:
+        replays = sorted({replay for _, replay, _ in configurations})
     root = Path(output_dir).resolve()
     shared = {**(DEMO_MISMATCH if config is None else {}), **overrides, "trainer.steps": steps}
     base = load_config(config, shared)

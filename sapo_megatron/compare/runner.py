@@ -413,6 +413,11 @@ def describe(plan: ComparePlan, *, markdown: bool = False) -> list[str]:
             f"losses {listed(a.loss for a in arms)} × replay {listed(a.replay for a in arms)} × "
             f"corrections {listed(a.correction for a in arms)}"
         )
+        configurations = dict.fromkeys((a.loss, a.replay, a.correction) for a in arms)
+        if len(configurations) < len({a.loss for a in arms}) * len({a.replay for a in arms}) * len(
+            {a.correction for a in arms}
+        ):  # --configurations: a chosen part of the product
+            what = f"configurations {listed(code('-'.join(c)) for c in configurations)}"
     what += "".join(
         f" × {code('+'.join(keys))} {', '.join(':'.join(map(str, value)) for value in values)}"
         for keys, values in plan.grid

@@ -6,9 +6,10 @@
 | ``rollout.colocated: true`` | ``rollout.colocation: split`` |
 | ``rollout.colocate: {...}`` (with or without ``colocated``) | ``rollout.colocation: {name: time_shared, ...}`` |
 | ``teachers[].cpu_http: true`` | ``teachers[].engine: cpu_http`` |
+| ``trainer.async_rollout: true`` / ``false`` | ``trainer.rollout_mode: one_step_off`` / ``sync`` |
 
-``cpu_http: false`` and ``colocated: false`` were the defaults: they are dropped, with the same warning. An old key
-next to its new form (``colocate`` and ``colocation``), or ``cpu_http: true`` with ``engine: sglang``, is refused:
+``cpu_http: false``, ``colocated: false`` and ``async_rollout: false`` were the defaults: they are dropped, with the same warning. An old key
+next to its new form (``colocate`` and ``colocation``, ``async_rollout`` and ``rollout_mode``), or ``cpu_http: true`` with ``engine: sglang``, is refused:
 the two would disagree.
 """
 
@@ -31,6 +32,8 @@ def migrate_old_keys(raw: dict[str, Any], source: str) -> dict[str, Any]:
     if isinstance(raw.get("rollout"), dict):
         rollout = _migrate_engine(raw["rollout"], "rollout", source)
         out["rollout"] = _migrate_colocation(rollout, source)
+    if isinstance(raw.get("trainer"), dict):
+        out["trainer"] = _migrate_rollout_mode(raw["trainer"], source)
     if isinstance(raw.get("teachers"), list):
         out["teachers"] = [
             _migrate_engine(entry, f"teachers[{entry.get('name', i)}]", source)
@@ -101,4 +104,24 @@ def _migrate_colocation(section: dict[str, Any], source: str) -> dict[str, Any]:
         raise ConfigError(
             f"rollout.colocated={colocated!r}: it is now rollout.colocation (none, split or time_shared)"
         )
+    return section
+
+
+def _migrate_rollout_mode(section: dict[str, Any], source: str) -> dict[str, Any]:
+    if "async_rollout" not in section:
+        return section
+    if "rollout_mode" in section:
+        raise ConfigError(
+            "trainer.async_rollout and trainer.rollout_mode are the old and the new form of one setting: keep "
+            "trainer.rollout_mode only (sync, one_step_off or fully_async)"
+        )
+    section = dict(section)
+    old = section.pop("async_rollout")
+    if old not in (True, False, None):
+        raise ConfigError(
+            f"trainer.async_rollout={old!r}: it is now trainer.rollout_mode (sync, one_step_off or fully_async)"
+        )
+    mode = "one_step_off" if old else "sync"
+    section["rollout_mode"] = mode
+    deprecated(source, f"trainer.async_rollout: {str(bool(old)).lower()}", f"trainer.rollout_mode: {mode}")
     return section

@@ -23,11 +23,13 @@ def data_parallel_size(cfg: RunConfig, world_size: int) -> int:
 
 
 def sequence_length_multiple(cfg: RunConfig) -> int:
-    """What every micro-batch's padded sequence length must be a multiple of: the tensor-parallel size under
-    sequence parallelism (the sequence is split over TP ranks), times the FP8 recipe's token multiple (16, or 32
+    """What every micro-batch's padded sequence length (and every packed slot) must be a multiple of: the
+    tensor-parallel size under sequence parallelism (the sequence is split over TP ranks), times ``2·cp`` under
+    context parallelism (each sequence is cut into 2·cp chunks, each CP rank's two then split over TP), times the FP8 recipe's token multiple (16, or 32
     for MXFP8) under FP8, since each TP rank's shard of the tokens enters FP8 GEMMs on its own."""
     par = cfg.parallel
     multiple = par.tp if par.sequence_parallel else 1
+    multiple *= 2 * par.cp if par.cp > 1 else 1  # context parallelism: 2·cp chunks per sequence (or slot)
     if cfg.precision.dtype == "fp8":
         multiple *= FP8_RECIPES[cfg.precision.fp8_recipe].token_multiple
     return multiple
@@ -54,9 +56,6 @@ def _layout_problems(cfg: RunConfig, world_size: int) -> list[str]:
             f"{par.ep}×{par.etp}; experts cannot be laid out"
         )
     problems += _batch_problems(cfg, world_size)
-    if par.cp > 1:
-        # The policy-loss hook needs each sequence whole on one rank (sequence-level ratios and normalisers).
-        problems.append("parallel.cp > 1 (context parallelism) is not supported yet; set parallel.cp: 1")
     if par.sequence_parallel and par.tp == 1:
         problems.append("parallel.sequence_parallel needs parallel.tp > 1; set it to false or raise tp")
     return problems

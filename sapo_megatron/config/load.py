@@ -77,21 +77,15 @@ def config_from_dict(
 
 TINY = "tiny"
 """``model.hf_config: tiny``: the embedded demo's architecture with its sizes following the data."""
+TINY_VL = "tiny_vl"
+"""``model.hf_config: tiny_vl``: the CPU VL demo's architecture with its ids and sizes following the data."""
 
 
 def fill_auto_sizes(raw: dict[str, Any]) -> dict[str, Any]:
-    """``raw`` with ``model.hf_config: tiny`` expanded and the ``"auto"`` sizes of an inline ``model.hf_config``
+    """``raw`` with ``model.hf_config: tiny`` (``tiny_vl``) expanded and the ``"auto"`` sizes of an inline ``model.hf_config``
     taken from the tokenizer and the prompts (:mod:`sapo_megatron.data.sizing`); unchanged without any."""
-    from sapo_megatron.data.sizing import (
-        CONTEXT_FIELD,
-        auto_fields,
-        context_size,
-        measured_context,
-        token_sizes,
-    )
+    from sapo_megatron.data.sizing import CONTEXT_FIELD, auto_fields, token_sizes
     from sapo_megatron.data.tokenizer import load_tokenizer
-    from sapo_megatron.data.tool_schemas import prompt_tool_schemas
-    from sapo_megatron.eval.config import resolve_datasets
 
     model: dict[str, Any] = raw["model"] if isinstance(raw.get("model"), dict) else {}
     if model.get("hf_config") == TINY:
@@ -99,29 +93,72 @@ def fill_auto_sizes(raw: dict[str, Any]) -> dict[str, Any]:
 
         model = {**model, "hf_config": tiny_model()}
         raw = {**raw, "model": model}
+    data: dict[str, Any] = raw["data"] if isinstance(raw.get("data"), dict) else {}
+    if model.get("hf_config") == TINY_VL:
+        return _fill_tiny_vl(raw, model, str(data.get("tokenizer", "char")))
     fields = auto_fields(model.get("hf_config"))
     if not fields:
         return raw
-    data: dict[str, Any] = raw["data"] if isinstance(raw.get("data"), dict) else {}
     tokenizer = load_tokenizer(str(data.get("tokenizer", "char")))
     hf = {**model["hf_config"], **token_sizes(tokenizer, fields)}
     hf = {key: value for key, value in hf.items() if value is not None}
     if CONTEXT_FIELD in fields:
         hf[CONTEXT_FIELD] = 1 << 20  # provisional: the prompts are measured with the validated settings
-        cfg = RunConfig.model_validate({**raw, "model": {**model, "hf_config": hf}})
-        sources: list[tuple[str, DatasetKeys, int | None, int]] = [
-            (cfg.data.train, cfg.data, cfg.data.train_size, cfg.rollout.max_new_tokens)
-        ]
-        sources += [(d.path, d.keys, d.size, d.max_new_tokens) for d in resolve_datasets(cfg)]
-        mt = cfg.rollout.multi_turn
-        measured = measured_context(
-            sources, tokenizer, digits=cfg.data.digits, seed=cfg.seed, tools=prompt_tool_schemas(mt)
-        )
-        episode = (
-            mt.max_context_tokens if mt is not None and "max_context_tokens" in mt.model_fields_set else 0
-        )
-        hf[CONTEXT_FIELD] = max(measured, context_size(episode, 0))  # an episode set to grow longer fits
+        hf[CONTEXT_FIELD] = _measured_context({**raw, "model": {**model, "hf_config": hf}}, tokenizer)
     return {**raw, "model": {**model, "hf_config": hf}}
+
+
+def _fill_tiny_vl(raw: dict[str, Any], model: dict[str, Any], tokenizer_spec: str) -> dict[str, Any]:
+    """``model.hf_config: tiny_vl``: :data:`~sapo_megatron.defaults.DEMO_VL_MODEL` with the image token ids and
+    vocabulary of ``data.tokenizer`` (a VL tokenizer folder) and the context the prompts (images expanded) need."""
+    from sapo_megatron.data.sizing import CONTEXT_FIELD
+    from sapo_megatron.data.tokenizer import load_tokenizer
+    from sapo_megatron.data.vision import PROCESSOR_FILE
+    from sapo_megatron.data.vl_demo import vl_model_ids
+    from sapo_megatron.defaults import DEMO_VL_MODEL
+
+    if not (Path(tokenizer_spec) / PROCESSOR_FILE).is_file():
+        raise ConfigError(
+            f"model.hf_config: tiny_vl needs data.tokenizer to be a VL tokenizer folder (the image tokens and "
+            f"{PROCESSOR_FILE}); {tokenizer_spec!r} is not one",
+            hint="write one with `python -m sapo_megatron.data.vl_demo OUT --tokenizer-only [--base qwen3]` and "
+            "set data.tokenizer: OUT/tokenizer",
+        )
+    tokenizer = load_tokenizer(tokenizer_spec)
+    ids = vl_model_ids(tokenizer_spec)
+    text = {
+        **DEMO_VL_MODEL["text_config"],
+        "vocab_size": ids.pop("vocab_size"),
+        "eos_token_id": tokenizer.eos_id,
+    }
+    text[CONTEXT_FIELD] = 1 << 20  # provisional: the prompts are measured with the validated settings
+    hf = {**DEMO_VL_MODEL, **ids, "text_config": text}
+    text[CONTEXT_FIELD] = _measured_context({**raw, "model": {**model, "hf_config": hf}}, tokenizer)
+    return {**raw, "model": {**model, "hf_config": hf}}
+
+
+def _measured_context(raw: dict[str, Any], tokenizer: Any) -> int:
+    """The context ``raw``'s prompts (with tools and images), responses and SFT sequences need."""
+    from sapo_megatron.data.sizing import context_size, measured_context
+    from sapo_megatron.data.tool_schemas import prompt_tool_schemas
+    from sapo_megatron.eval.config import resolve_datasets
+
+    cfg = RunConfig.model_validate(raw)
+    sources: list[tuple[str, DatasetKeys, int | None, int]] = [
+        (cfg.data.train, cfg.data, cfg.data.train_size, cfg.rollout.max_new_tokens)
+    ]
+    sources += [(d.path, d.keys, d.size, d.max_new_tokens) for d in resolve_datasets(cfg)]
+    mt = cfg.rollout.multi_turn
+    measured = measured_context(
+        sources,
+        tokenizer,
+        digits=cfg.data.digits,
+        seed=cfg.seed,
+        tools=prompt_tool_schemas(mt),
+        sft=cfg.sft.steps > 0,
+    )
+    episode = mt.max_context_tokens if mt is not None and "max_context_tokens" in mt.model_fields_set else 0
+    return max(measured, context_size(episode, 0))  # an episode set to grow longer fits
 
 
 def resolve_relative_paths(raw: dict[str, Any], base_dir: Path) -> None:
@@ -134,6 +171,6 @@ def resolve_relative_paths(raw: dict[str, Any], base_dir: Path) -> None:
         if (
             isinstance(value, str)
             and not Path(value).is_absolute()
-            and not (key == "hf_config" and value == TINY)
+            and not (key == "hf_config" and value in (TINY, TINY_VL))
         ):
             model[key] = str((base_dir / value).resolve())

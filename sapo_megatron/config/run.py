@@ -70,11 +70,7 @@ class RunConfig(Section):
             student_logp=self.algorithm.opd_student_logp,
             temperature=self.rollout.temperature,
         )
-        if self.trainer.async_rollout and self.rollout.shares_devices:
-            raise ValueError(
-                "trainer.async_rollout overlaps generation with training, which needs servers on their own "
-                "GPUs; set rollout.colocation: none (servers on other GPUs) or trainer.async_rollout: false"
-            )
+        self._check_rollout_mode()
         if self.rollout.multi_turn is not None and not self.data.apply_chat_template:
             raise ValueError(
                 "rollout.multi_turn renders tool observations with the model's chat template: set "
@@ -99,6 +95,54 @@ class RunConfig(Section):
                 f"trainer.mini_batches={self.trainer.mini_batches} equal updates"
             )
         return self
+
+    def _check_rollout_mode(self) -> None:
+        trainer = self.trainer
+        mode = trainer.rollout_mode
+        if mode != "sync" and self.rollout.shares_devices:
+            raise ValueError(
+                f"trainer.rollout_mode: {mode} overlaps generation with training, which needs servers on their own "
+                f"GPUs; set rollout.colocation: none (servers on other GPUs) or trainer.rollout_mode: sync "
+                f"(rollout.colocation: {self.rollout.colocation.name} shares the trainer's devices)"
+            )
+        buffer = trainer.async_buffer_groups
+        if mode == "fully_async" and buffer is not None and buffer < trainer.prompts_per_step:
+            raise ValueError(
+                f"trainer.async_buffer_groups={buffer} cannot hold one step's trainer.prompts_per_step="
+                f"{trainer.prompts_per_step} groups: raise it to at least {trainer.prompts_per_step} (or null)"
+            )
+        if (
+            mode == "fully_async"
+            and trainer.stale_groups == "correct"
+            and self.algorithm.correction.name == "none"
+        ):
+            raise ValueError(
+                "trainer.stale_groups: correct trains groups past trainer.max_staleness with the decoupled "
+                "objective's proximal / behaviour weight, and algorithm.correction is none: set "
+                "algorithm.correction (tis or icepop) or trainer.stale_groups: drop"
+            )
+        if self.algorithm.proximal_logp == "loglinear" and self.algorithm.routing_replay == "r2":
+            raise ValueError(
+                "algorithm.proximal_logp: loglinear skips the old-policy pass, which R2 needs to record the routes "
+                "it replays: use algorithm.proximal_logp: recompute or algorithm.routing_replay: r3 / none"
+            )
+        if self.algorithm.proximal_logp == "loglinear" and getattr(
+            self.algorithm.correction, "is_batch_normalize", False
+        ):
+            raise ValueError(
+                "algorithm.proximal_logp: loglinear skips the old-policy pass, whose log-probs the batch mean of "
+                "algorithm.correction.is_batch_normalize reads: set is_batch_normalize: false or "
+                "algorithm.proximal_logp: recompute"
+            )
+        if (
+            self.algorithm.proximal_logp == "loglinear"
+            and self.teachers
+            and self.algorithm.opd_student_logp == "trainer"
+        ):
+            raise ValueError(
+                "algorithm.proximal_logp: loglinear skips the old-policy pass, whose log-probs the teachers' "
+                "A_opd reads: set algorithm.opd_student_logp: engine or algorithm.proximal_logp: recompute"
+            )
 
     def _check_fp8_setup(self) -> None:
         precision = self.precision

@@ -196,7 +196,10 @@ def _hf_logits(hf_dir: Path, inputs: dict[str, torch.Tensor], dtype: str, arch: 
 
     torch_dtype = torch.float32 if dtype == "fp32" else torch.bfloat16
     model_cls = transformers.AutoModelForImageTextToText if arch.is_vl else transformers.AutoModelForCausalLM
-    loaded: torch.nn.Module = model_cls.from_pretrained(str(hf_dir))  # transformers types .to() oddly
+    from sapo_megatron.checkpoint.fused_experts import transpose_square_hub_experts
+
+    # transformers types .to() oddly; a hub-layout VL-MoE with H = I loads with experts left untransposed
+    loaded: torch.nn.Module = transpose_square_hub_experts(model_cls.from_pretrained(str(hf_dir)), hf_dir)
     model = loaded.to(torch_dtype).eval()
     if not arch.is_vl:
         inputs = {"input_ids": inputs["input_ids"]}

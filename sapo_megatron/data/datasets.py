@@ -43,6 +43,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from sapo_megatron.data.conversation import check_conversation, is_conversation
 from sapo_megatron.data.images import ImagePolicy, check_image, image_values
 from sapo_megatron.data.prompts import DatasetError, PromptRow, _jsonl_lines, _relative_hint
 
@@ -482,9 +483,12 @@ def _row(
             f"{type(domain).__name__}"
         )
     response = _optional(record, keys["response_key"])
-    if response is not None and not isinstance(response, str):
+    if is_conversation(response):  # a messages-form target: assistant turns and tool results
+        response = check_conversation(response, where, str(keys["response_key"]))
+    elif response is not None and not isinstance(response, str):
         raise DatasetError(
-            f"{where}: field {keys['response_key']!r} (the response) must be a string, got {type(response).__name__}"
+            f"{where}: field {keys['response_key']!r} (the response) must be a string or a list of assistant "
+            f"and tool messages, got {type(response).__name__}"
         )
     return PromptRow(
         prompt=prompt,

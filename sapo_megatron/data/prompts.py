@@ -33,7 +33,8 @@ class PromptRow:
     ground_truth: str
     domain: str | None = None
     metadata: Any = None
-    response: str | None = None
+    response: str | list[dict[str, Any]] | None = None
+    """An SFT target: a string, or a messages-form conversation (:mod:`sapo_megatron.data.conversation`)."""
     prompt_ids: tuple[int, ...] | None = None
     images: tuple[Any, ...] = ()
     columns: dict[str, Any] | None = dataclasses.field(default=None, compare=False, repr=False)

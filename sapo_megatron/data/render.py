@@ -29,6 +29,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from sapo_megatron.data.conversation import final_answer, is_conversation
 from sapo_megatron.data.datasets import IMAGE_PLACEHOLDER, DatasetKeys, row_location
 from sapo_megatron.data.prompts import DatasetError, PromptRow, fill_template
 from sapo_megatron.data.vision import IMAGE_MARKUP, VisionSpec, pixel_inputs
@@ -61,6 +62,11 @@ class PromptRenderer:
         self.tools = tools or None
         self.chat = keys.apply_chat_template
         self._hf = _chat_tokenizer(tokenizer) if self.chat else None
+
+    @property
+    def hf(self) -> Any:
+        """The transformers tokenizer whose chat template renders the prompts (None: no chat template)."""
+        return self._hf
 
     def messages(self, row: PromptRow) -> Messages:
         """The prompt as chat messages (system prompt first when set; a trailing assistant turn left out)."""
@@ -151,6 +157,10 @@ class PromptRenderer:
             if full_ids[: len(short)] == short and len(full_ids) > len(short):
                 return prompt_ids, full_ids[len(short) :]
         return prompt_ids, self.tokenizer.encode(target, add_eos=True)
+
+    def render(self, messages: Messages, *, add_generation_prompt: bool) -> str:
+        """``messages`` rendered by the chat template with the run's tools and template arguments."""
+        return self._render(messages, add_generation_prompt=add_generation_prompt)
 
     def _render(self, messages: Messages, *, add_generation_prompt: bool) -> str:
         return render_chat(self._hf, [messages], add_generation_prompt, self._template_kwargs())[0]
@@ -261,14 +271,21 @@ def _context(row: PromptRow) -> str | Messages:
 
 
 def sft_target(row: PromptRow) -> str:
-    """The text SFT trains for ``row``: its trailing assistant message, else ``response``, else the label."""
+    """The text SFT trains for ``row``: its trailing assistant message, else ``response``, else the label; a
+    messages-form ``response`` gives its final answer (the last assistant message: what the reward scores)."""
+    if is_conversation(row.response):
+        return final_answer(row.response)  # type: ignore[arg-type]
     return _target(row)
 
 
 def _target(row: PromptRow) -> str:
     if not isinstance(row.prompt, str) and len(row.prompt) > 1 and row.prompt[-1]["role"] == "assistant":
         return row.prompt[-1]["content"]
-    return row.response if row.response is not None else row.ground_truth
+    if is_conversation(row.response):
+        raise DatasetError(
+            "a messages-form SFT target is built from its turns (rollout.episodes.warm_start), not as one string"
+        )
+    return row.response if row.response is not None else row.ground_truth  # type: ignore[return-value]
 
 
 def _chat_tokenizer(tokenizer: Any) -> Any:

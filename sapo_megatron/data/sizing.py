@@ -6,8 +6,11 @@
 - ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id``: the tokenizer's (a tokenizer without a bos token, as
   Qwen's, leaves ``bos_token_id`` out);
 - ``max_position_embeddings``: the longest prompt of ``data.train`` and of the eval datasets, as the engine
-  receives it (with the tool schemas of multi-turn episodes) (``max_prompt_tokens`` where set), plus the longest response (``rollout.max_new_tokens``, or an eval dataset's own), rounded up to a
-  multiple of :data:`CONTEXT_MULTIPLE` (the embedded demo's 64 stays 64).
+  receives it (with the tool schemas of multi-turn episodes, and each image's tokens when ``data.tokenizer`` is a VL
+  tokenizer folder) (``max_prompt_tokens`` where set), plus the longest
+  response (``rollout.max_new_tokens``, or an eval dataset's own), and with a warm start (``sft.steps`` > 0) at least
+  the longest SFT sequence of ``data.train``, rounded up to a multiple of :data:`CONTEXT_MULTIPLE` (the embedded
+  demo's 64 stays 64).
 
 The materialised ``config.yaml`` holds the numbers, so an evaluation or a resume reads them back unchanged.
 """
@@ -53,6 +56,30 @@ def longest_prompt(rows: list[Any], renderer: Any) -> int:
     return max((len(ids) for ids in renderer.encode_many(rows)), default=0)
 
 
+SFT_ROWS = 4096
+"""Rows whose SFT sequences auto sizing measures (as the start-up check does)."""
+THINK_BLOCK_TOKENS = 4
+"""Qwen3's empty ``<think>\n\n</think>\n\n``: what the policy writes in a turn the whole rendering leaves bare."""
+
+
+def longest_sft_sequence(rows: list[Any], renderer: Any) -> int:
+    """The longest SFT sequence (prompt + target) of ``rows`` in tokens. A messages-form target is measured as the
+    whole conversation rendered, plus :data:`THINK_BLOCK_TOKENS` per assistant turn (an upper bound of the ids
+    :mod:`sapo_megatron.rollout.episodes.warm_start` builds; the start-up check measures those exactly)."""
+    from sapo_megatron.data.conversation import is_conversation
+
+    longest = 0
+    for row in rows:
+        if is_conversation(row.response) and renderer.hf is not None:
+            text = renderer.render([*renderer.messages(row), *row.response], add_generation_prompt=False)
+            turns = sum(m["role"] == "assistant" for m in row.response)
+            length = len(renderer.encode_text(text)) + THINK_BLOCK_TOKENS * turns
+        else:
+            length = sum(map(len, renderer.sft_ids(row)))
+        longest = max(longest, length)
+    return longest
+
+
 def measured_context(
     sources: Iterable[tuple[str, Any, int | None, int]],
     tokenizer: Any,
@@ -60,17 +87,20 @@ def measured_context(
     digits: int,
     seed: int,
     tools: list[dict[str, Any]] | None = None,
+    sft: bool = False,
 ) -> int:
     """:func:`context_size` over ``sources``: ``(path, keys, rows to read or None for all, max_new_tokens)``
     each (``data.train`` and each eval dataset, with its own keys); ``tools``: the schemas the prompts show
-    (multi-turn episodes: the template writes them into the system turn)."""
+    (multi-turn episodes: the template writes them into the system turn); ``sft``: the first source's rows are
+    also SFT targets (``sft.steps`` > 0), whose sequences must fit too (:func:`longest_sft_sequence`)."""
     from sapo_megatron.data.datasets import read_dataset
     from sapo_megatron.data.prompts import DatasetError
     from sapo_megatron.data.render import PromptRenderer
     from sapo_megatron.data.synthetic import TASKS, make_mixed_rows
 
+    vision = _vision(tokenizer)  # a VL tokenizer folder: prompts are measured with their images' tokens
     needed = 0
-    for path, keys, size, new_tokens in sources:
+    for position, (path, keys, size, new_tokens) in enumerate(sources):
         if keys.max_prompt_tokens is not None:  # longer prompts are the length policy's to filter or cut
             needed = max(needed, context_size(keys.max_prompt_tokens, new_tokens))
             continue
@@ -83,10 +113,26 @@ def measured_context(
                 tasks, min(size or SYNTHETIC_ROWS, SYNTHETIC_ROWS), digits=digits, seed=seed
             )
         else:
+            policy = (
+                None
+                if vision is None
+                else keys.image_policy(vision.factor, vision.min_pixels, vision.max_pixels)
+            )
             try:
-                rows = read_dataset(path, keys).rows[:size]
+                rows = read_dataset(path, keys, policy).rows[:size]
             except DatasetError:
                 continue  # a missing or bad dataset is named by the input checks and the data load, in train.log
-        renderer = PromptRenderer(tokenizer, keys, tools=tools)
+        renderer = PromptRenderer(tokenizer, keys, vision, tools=tools)
         needed = max(needed, context_size(longest_prompt(rows, renderer), new_tokens))
+        if sft and position == 0:
+            needed = max(needed, context_size(longest_sft_sequence(rows[:SFT_ROWS], renderer), 0))
     return max(needed, CONTEXT_MULTIPLE)
+
+
+def _vision(tokenizer: Any) -> Any:
+    """The tokenizer folder's image tokens and processor (None: a text tokenizer, or no images to size)."""
+    from sapo_megatron.data.vision import load_image_processor, vision_spec
+
+    directory = getattr(tokenizer, "directory", None)
+    processor = None if directory is None else load_image_processor(directory)
+    return None if processor is None else vision_spec(tokenizer, processor, str(directory))

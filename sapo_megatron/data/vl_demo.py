@@ -171,6 +171,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"wrote {out}/tokenizer; set data.tokenizer: {out}/tokenizer and in model.hf_config:")
         print("\n".join(f"  {key}: {value}" for key, value in ids.items() if key != "vocab_size"))
         print(f"  text_config: {{vocab_size: {ids['vocab_size']}}}")
+        print(
+            "or model.hf_config: tiny_vl (the VL demo's model with these ids and a context sized to your data)"
+        )
         return
     if (out / "images").is_dir():  # a smaller dataset written over a larger one would keep stale images
         shutil.rmtree(out / "images")

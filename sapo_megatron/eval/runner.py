@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from sapo_megatron import jsonio
+from sapo_megatron.algo.config import reward_label
 from sapo_megatron.data.loading import build_vision, check_model_takes_images
 from sapo_megatron.data.prompts import PromptRow
 from sapo_megatron.data.thinking import reward_after_thinking, thinking_tokens
@@ -161,7 +162,7 @@ def note_missing_majority(dataset: EvalDataset, metrics: dict[str, Any]) -> str 
         return None
     _NOTED_MAJORITY.add(key)
     line = (
-        f"eval dataset {dataset.name}: no maj@{dataset.n}: the reward {dataset.reward} gave no answer to vote on "
+        f"eval dataset {dataset.name}: no maj@{dataset.n}: the reward {reward_label(dataset.reward)} gave no answer to vote on "
         "(return {'score': s, 'answer': a} from it, or use numeric_match / exact_match / math_verify / dapo_math)"
     )
     logger.warning(line)

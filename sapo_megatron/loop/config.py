@@ -3,9 +3,14 @@ supervised warm start before it (read by :mod:`sapo_megatron.loop.trainer`)."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from sapo_megatron.config_section import Section
+
+RolloutMode = Literal["sync", "one_step_off", "fully_async"]
+ROLLOUT_MODES: tuple[str, ...] = ("sync", "one_step_off", "fully_async")
 
 
 class SFTConfig(Section):
@@ -37,10 +42,39 @@ class TrainerConfig(Section):
         description="stop after this many optimizer steps in a row with a non-finite loss or gradient norm",
     )
     keep_checkpoints: int = Field(default=2, ge=1)
-    async_rollout: bool = Field(
+    rollout_mode: RolloutMode = Field(
+        default="sync",
+        description="sync: each batch generated, then trained; one_step_off: batch n+1 generated while batch n "
+        "trains (rollout/staleness 1); fully_async: generation runs on into a bounded buffer of finished groups "
+        "and each step trains groups at most max_staleness policy versions behind (docs/async.md)",
+    )
+    max_staleness: int = Field(
+        default=1,
+        ge=0,
+        le=1000,
+        description="fully_async: how many policy versions a token may be behind the trainer when it is trained",
+    )
+    stale_groups: Literal["drop", "correct"] = Field(
+        default="drop",
+        description="fully_async: a group past max_staleness is dropped, or trained with algorithm.correction "
+        "(the decoupled objective's proximal / behaviour weight) – correct needs a correction",
+    )
+    async_chunk_groups: int | None = Field(
+        default=None,
+        ge=1,
+        description="fully_async: prompt groups per generation call of the producer (null: prompts_per_step); "
+        "smaller chunks keep a weight update's wait for the chunk in flight short",
+    )
+    async_buffer_groups: int | None = Field(
+        default=None,
+        ge=1,
+        description="fully_async: finished groups the buffer holds at most (null: (max_staleness + 1) × "
+        "prompts_per_step); at least prompts_per_step",
+    )
+    fully_async_deterministic: bool = Field(
         default=False,
-        description="generate batch n+1 while training on batch n (one step off-policy; weights sync at step "
-        "boundaries, rollout/staleness 1); see docs/rl_loop.md",
+        description="fully_async without a thread: generation happens at fixed points (before each step, up to "
+        "the staleness bound), so staleness numbers are exact (tests, benchmarks of the schedule)",
     )
     export_hf: bool = Field(default=True, description="write an HF checkpoint at the end")
     log_ref_kl: bool = Field(
@@ -51,3 +85,8 @@ class TrainerConfig(Section):
     log_samples_every: int = Field(
         default=10, ge=0, description="write a few samples to samples.jsonl every N RL steps (0: never)"
     )
+
+    @property
+    def async_rollout(self) -> bool:
+        """The previous release's ``trainer.async_rollout``: one step off-policy."""
+        return self.rollout_mode == "one_step_off"

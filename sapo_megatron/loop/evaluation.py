@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from sapo_megatron.algo.config import reward_label
 from sapo_megatron.eval.runner import EvalResult, EvalSuite, build_suite, run_suite, write_outputs
 from sapo_megatron.loop.checkpointing import LoopState
 from sapo_megatron.runtime.ranks import on_main_rank
@@ -66,7 +67,7 @@ def describe_training_suite(cfg: RunConfig, tokenizer: Tokenizer) -> list[str]:
         sources = Counter(row.domain or "-" for row in rows)
         lines.append(
             f"eval {dataset.name} {dataset.path}: {len(rows)} prompts × n {dataset.n} at temperature "
-            f"{dataset.temperature:g}, reward {dataset.reward}; per source: "
+            f"{dataset.temperature:g}, reward {reward_label(dataset.reward)}; per source: "
             + ", ".join(f"{source}: {count}" for source, count in sorted(sources.items()))
         )
     return lines

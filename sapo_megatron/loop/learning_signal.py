@@ -11,9 +11,10 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from sapo_megatron.data.conversation import first_turn_call, is_conversation
 from sapo_megatron.data.prompts import PromptRow
 from sapo_megatron.data.render import sft_target
 from sapo_megatron.rewards.types import RewardInput, RewardOutput
@@ -128,23 +129,59 @@ def dry_run_sft_check(cfg: Any, rows: Sequence[Any]) -> str:
     return f"warning: {warning}" if warning else "sft targets OK: they score under algorithm.reward"
 
 
-def check_first_tool_call(rows: Sequence[Any], tokenizer: Any, max_new_tokens: int) -> str | None:
+def dry_run_warm_start(cfg: Any, data: Any) -> list[str]:
+    """``train --dry-run``'s lines about the warm start: the targets under the reward, their lengths against the
+    model's context (one line refuses them, as train does before SFT), multi-turn: the first tool call against
+    ``rollout.max_new_tokens``."""
+    from sapo_megatron.rollout.episodes.warm_start import check_sft_lengths, sft_settings
+
+    lines = [dry_run_sft_check(cfg, data.train_rows)]
+    if cfg.sft.steps > 0:
+        lines.append(check_sft_lengths(data.renderer, data.train_rows, **sft_settings(cfg)))
+    if cfg.rollout.multi_turn is not None:
+        from sapo_megatron.rollout.episodes.warm_start import first_turn_length
+
+        first_turn = first_turn_length(data.renderer, **sft_settings(cfg))
+        cut = check_first_tool_call(data.train_rows, data.tokenizer, cfg.rollout.max_new_tokens, first_turn)
+        lines.append(
+            f"warning: {cut}"
+            if cut
+            else "tool calls OK: the SFT targets' first tool call fits max_new_tokens"
+        )
+    return lines
+
+
+def check_first_tool_call(
+    rows: Sequence[Any],
+    tokenizer: Any,
+    max_new_tokens: int,
+    first_turn: Callable[[Any], int] | None = None,
+) -> str | None:
     """Multi-turn warm starts: the longest first turn of the first :data:`TARGETS_SCORED` SFT targets that call
-    a tool (the target up to its first ``</tool_call>``), in tokens; a warning (also logged) when
-    ``rollout.max_new_tokens`` would cut it, so every such turn would end truncated before the tool runs."""
+    a tool (the target up to its first ``</tool_call>``), in tokens; a warning (the dry run prints it) when
+    ``rollout.max_new_tokens`` would cut it, so every such turn would end truncated before the tool runs.
+    ``first_turn``: a messages-form row's first turn in tokens as SFT trains it (the template's think block and
+    end of turn included); without it, the turn's call as Qwen's templates write it."""
     end = "</tool_call>"
-    targets = [sft_target(row) for row in rows[:TARGETS_SCORED]]
-    firsts = [t[: t.index(end) + len(end)] for t in targets if "<tool_call>" in t and end in t]
-    if not firsts:
+    sample = rows[:TARGETS_SCORED]
+    targets = [
+        first_turn_call(row.response) if is_conversation(row.response) else sft_target(row) for row in sample
+    ]
+    calling = [(row, t) for row, t in zip(sample, targets) if "<tool_call>" in t and end in t]
+    if not calling:
         return None
-    longest = max(len(tokenizer.encode(text)) for text in firsts)
+    longest = max(
+        first_turn(row)
+        if first_turn is not None and is_conversation(row.response)
+        else len(tokenizer.encode(text[: text.index(end) + len(end)]))
+        for row, text in calling
+    )
     if longest <= max_new_tokens:
         return None
     message = (
-        f"the SFT targets' first turn takes up to {longest} tokens to its </tool_call>, and rollout.max_new_tokens="
+        f"the SFT targets' first turn takes up to {longest} tokens with its tool call, and rollout.max_new_tokens="
         f"{max_new_tokens} cuts every such turn before the tool runs: raise rollout.max_new_tokens (a turn's budget)"
     )
-    logger.warning(message)
     return message
 
 

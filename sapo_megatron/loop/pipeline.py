@@ -1,5 +1,5 @@
 """Where each RL step's batch comes from: generated now (synchronous, on-policy), or – with
-``trainer.async_rollout`` – generated in the background while the trainer trains on the previous batch
+``trainer.rollout_mode: one_step_off`` – generated in the background while the trainer trains on the previous batch
 (one step off-policy, the schedule of slime's ``train_async.py``, NeMo-RL's async GRPO with
 ``max_trajectory_age_steps: 1`` and AReaL with ``max_head_offpolicyness: 1``).
 
@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from sapo_megatron.algo.decoupled import staleness_metrics
 from sapo_megatron.data.prompts import PromptIterator
 from sapo_megatron.errors import UserError
 from sapo_megatron.loop.in_flight import IN_FLIGHT_FILE
@@ -120,7 +121,7 @@ class RolloutPipeline:
     """The RL loop's source of batches; a context manager (leaving it waits briefly for a generation still in
     flight, so that the engine is not closed under it). Every rank makes one and calls it at the same points.
 
-    ``overlap`` (``trainer.async_rollout``): generate the next batch while the trainer trains. ``start_step``:
+    ``overlap`` (``trainer.rollout_mode: one_step_off``): generate the next batch while the trainer trains. ``start_step``:
     the first RL step of this process (a resumed run's checkpoint step); ``total_steps``: no generation starts
     for a step past the last. ``generate`` runs on the main rank only.
     """
@@ -167,6 +168,7 @@ class RolloutPipeline:
             self._background = _Background(lambda: self._rollout(step + 1))
         metrics = dict(rollout.metrics)
         metrics["rollout/staleness"] = float(step - rollout.policy_version)
+        metrics.update(sequence_staleness(rollout.sequences, step, buckets=1))
         return rollout.sequences, metrics
 
     def push_weights(self, module: torch.nn.Module) -> dict[str, float]:
@@ -193,7 +195,7 @@ class RolloutPipeline:
     def _rollout(self, step: int) -> Rollout:
         version = self.engine_version  # read when the generation starts: the weights it samples from
         sequences, metrics, prompt_state = self._generate(step)
-        return Rollout(step, sequences, metrics, prompt_state, version)
+        return Rollout(step, with_versions(sequences, version), metrics, prompt_state, version)
 
     def _take_background(self) -> Rollout:
         background, self._background = self._background, None
@@ -236,6 +238,32 @@ class RolloutPipeline:
         error = background.abandon(timeout_s=min(self.session.cfg.rollout.timeout_s, 60.0))
         if error is not None:
             logger.error("the rollout in flight failed too: %s: %s", type(error).__name__, error)
+
+
+def with_versions(sequences: list[TrainSequence], version: int) -> list[TrainSequence]:
+    """``sequences`` with every response token's policy version set: those the engine reported
+    (``Sample.token_versions``, partial rollouts) kept, the others ``version`` (the weights the generation started
+    with)."""
+    return [
+        s if s.versions is not None else dataclasses.replace(s, versions=[version] * len(s.response_ids))
+        for s in sequences
+    ]
+
+
+def sequence_staleness(
+    sequences: list[TrainSequence], trainer_version: int, *, buckets: int
+) -> dict[str, float]:
+    """``staleness/*`` (:func:`~sapo_megatron.algo.decoupled.staleness_metrics`) of the trained tokens of
+    ``sequences`` at ``trainer_version``."""
+    per_sample = [
+        [
+            trainer_version - version
+            for version, trained in zip(s.versions or (), s.response_mask or [1] * len(s.response_ids))
+            if trained
+        ]
+        for s in sequences
+    ]
+    return {name: float(value) for name, value in staleness_metrics(per_sample, buckets).items()}
 
 
 def rollout_to_bytes(rollout: Rollout) -> bytes:

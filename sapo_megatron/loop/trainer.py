@@ -2,8 +2,9 @@
 configured policy loss → weight sync → logging → checkpoint. Preceded by an optional supervised warm start and
 followed by an HF export and ``summary.json``.
 
-With ``trainer.async_rollout`` each step's rollouts are generated in the background during the step before
-(:mod:`sapo_megatron.loop.pipeline`). After every step of either phase, :func:`end_of_step` logs it,
+``trainer.rollout_mode`` decides where each step's rollouts come from: generated now (sync), in the background
+during the step before (one_step_off, :mod:`sapo_megatron.loop.pipeline`), or from a bounded buffer that a
+producer keeps filling, within ``trainer.max_staleness`` (fully_async, :mod:`sapo_megatron.loop.fully_async`). After every step of either phase, :func:`end_of_step` logs it,
 checkpoints when due, and stops the run cleanly (checkpoint first) when a signal asked for it.
 """
 
@@ -17,9 +18,11 @@ from sapo_megatron.data.prompts import PromptIterator, PromptRow
 from sapo_megatron.data.render import PromptRenderer
 from sapo_megatron.distill.teachers import TeacherScoring
 from sapo_megatron.errors import RunInterrupted
+from sapo_megatron.eval.metrics import headline_name
 from sapo_megatron.loop import passes
 from sapo_megatron.loop.checkpointing import LoopState
 from sapo_megatron.loop.evaluation import evaluate, summary_fields
+from sapo_megatron.loop.fully_async import FullyAsyncPipeline, open_rollouts
 from sapo_megatron.loop.learning_signal import NoSignalWatch, check_sft_targets
 from sapo_megatron.loop.passes import PassFactory, StepContext
 from sapo_megatron.loop.pipeline import RolloutPipeline
@@ -33,6 +36,7 @@ from sapo_megatron.model.batching import RouteLayout, TrainSequence, build_micro
 from sapo_megatron.model.step_batch import MicroBatch, StepBatch
 from sapo_megatron.rewards.samples import score_sample_groups
 from sapo_megatron.rollout.collect import CollectSettings, RolloutBatch, collect
+from sapo_megatron.rollout.episodes.warm_start import check_sft_lengths, sft_sequences, sft_settings
 from sapo_megatron.rollout.types import SamplingParams
 from sapo_megatron.runtime.tracking import write_json_atomic
 from sapo_megatron.weight_sync import export_hf
@@ -51,8 +55,10 @@ def run(cfg: Any, *, mode: str = "new") -> dict[str, Any]:
         prompts = PromptIterator(session.train_rows, batch_size=cfg.trainer.prompts_per_step, seed=cfg.seed)
         if state.prompts:
             prompts.load_state_dict(state.prompts)
-        if session.info.is_main and state.sft_step < cfg.sft.steps:  # before the warm start teaches it
-            check_sft_targets(session.reward, session.train_rows, response_key=cfg.data.response_key)
+        if state.sft_step < cfg.sft.steps:  # before the warm start teaches it (every rank: the same verdict)
+            check_sft_lengths(session.renderer, session.train_rows, **sft_settings(cfg))
+            if session.info.is_main:
+                check_sft_targets(session.reward, session.train_rows, response_key=cfg.data.response_key)
         run_sft(session, state)
         session.sync.push(session.engine.module)
         evaluate(session, state, "before")  # the eval section's datasets (a resumed run keeps its value)
@@ -90,26 +96,29 @@ def run_sft(session: Session, state: LoopState) -> None:
 
 
 def _sft_micro_batches(session: Session, rows: list[PromptRow]) -> list[MicroBatch]:
-    renderer = session.renderer
-    sequences = [  # loss on the target only; the prompt's images as the RL path passes them
-        TrainSequence(*renderer.sft_ids(row), images=renderer.image_inputs(row)) for row in rows
-    ]
+    settings = sft_settings(session.cfg)
+    del settings["context"]
+    # loss on the target (a conversation's assistant turns) only, images as in RL
+    sequences = sft_sequences(session.renderer, rows, **settings)
     return add_global_normalisers(_micro_batches(session, sequences))
 
 
 def run_rl(session: Session, state: LoopState, prompts: PromptIterator) -> None:
     cfg = session.cfg
     correction = session.distill.correction(cfg.algorithm.correction)  # MOPD brings its own IS weight
-    hook = PolicyLossHook(cfg.algorithm.loss, correction, temperature=cfg.rollout.temperature)
+    hook = PolicyLossHook(
+        cfg.algorithm.loss,
+        correction,
+        temperature=cfg.rollout.temperature,
+        proximal_logp=cfg.algorithm.proximal_logp,  # loglinear: no old-policy pass (docs/async.md)
+    )
     reference = _reference_policy(session, state)
     session.tracker.start_phase("rl", cfg.trainer.steps, initial=state.step)
-    with RolloutPipeline(  # generates each batch now, or (trainer.async_rollout) during the previous step
+    with open_rollouts(  # trainer.rollout_mode: each batch now, one step ahead, or continuously (fully_async)
         session,
         prompts,
-        lambda step: _rollout(session, prompts, step),
+        lambda index, groups: _rollout(session, prompts, index, groups),
         start_step=state.step,
-        total_steps=cfg.trainer.steps,
-        overlap=cfg.trainer.async_rollout,
     ) as rollouts:
         # equal rewards in every group, step after step: say once why nothing is learnt
         no_signal = NoSignalWatch(cfg)
@@ -172,10 +181,12 @@ def _reference_policy(session: Session, state: LoopState) -> ReferenceModel | No
 
 
 STEP_PASSES: list[PassFactory] = [
+    passes.staleness,  # loop/versions.py: each token's versions behind the trainer (asynchronous rollouts)
     passes.old_policy,  # loop/old_policy.py: old_logp under the arm's routing (R2 records the routes to replay)
     passes.routing_agreement,  # loop/replay.py: the live routing against the engine's routes, image-token masks
     passes.reference,  # loop/reference.py: ref_logp of the frozen reference policy
     passes.teacher_fusion,  # distill/step.py: teacher advantages fused into the RL advantages (OPD, SAF, MOPD)
+    passes.rollout_corr_norm,  # loop/passes.py: the batch mean of rollout_corr's IS weights (is_batch_normalize)
 ]
 """The passes of an RL step, in order, between building its batch and the policy updates (see
 :mod:`sapo_megatron.loop.passes`; docs/architecture.md, "Life of a step")."""
@@ -184,7 +195,7 @@ STEP_PASSES: list[PassFactory] = [
 def rl_step(
     session: Session,
     hook: PolicyLossHook,
-    rollouts: RolloutPipeline,
+    rollouts: RolloutPipeline | FullyAsyncPipeline,
     step: int,
     reference: ReferenceModel | None,
 ) -> dict[str, float]:
@@ -221,7 +232,7 @@ def _train_updates(
     """The step's passes (``STEP_PASSES``: each adds its part to ``batch``), then the ``mini_batches`` policy
     updates."""
     routing = RoutingStep(session.engine, session.cfg)  # MoE routing: live, R2 or R3 replay, and its metrics
-    context = StepContext(session, routing, reference)
+    context = StepContext(session, routing, reference, version=step)
     for make_pass in STEP_PASSES:
         step_pass = make_pass(context)
         if step_pass is not None:
@@ -239,11 +250,12 @@ def _train_updates(
     metrics.update(routing.metrics(batch))
 
 
-def _rollout(session: Session, prompts: PromptIterator, step: int):
-    """Generate and score on the main rank: the training sequences, the rollout metrics (with the reward
-    function's error fraction, which stops the run past its budget) and where the prompt data now stands."""
+def _rollout(session: Session, prompts: PromptIterator, step: int, groups: int):
+    """Generate and score ``groups`` prompt groups on the main rank (``step``: the RL step, or the fully-async
+    chunk; it seeds the sampling): the training sequences, the rollout metrics (with the reward function's error
+    fraction, which stops the run past its budget) and where the prompt data now stands."""
     cfg = session.cfg
-    rows = next(prompts)
+    rows = next(prompts) if groups == prompts.batch_size else prompts.take(groups)
     settings = CollectSettings(
         n_samples=cfg.rollout.n_samples,
         sampling=_sampling(session, cfg.rollout.temperature),
@@ -302,6 +314,7 @@ def _train_sequences(batch: RolloutBatch, renderer: PromptRenderer | None) -> li
             float(batch.advantages[g, i]),
             s.rollout_logp,
             routed_experts=s.routed_experts,
+            versions=s.token_versions,  # None: the pipeline gives each token the version the sample started with
             sample_id=f"group {s.group_id} sample {s.sample_index}",
             response_mask=s.loss_mask,  # episodes: tool observations are not trained on
             images=images[g],
@@ -363,10 +376,18 @@ def _finish(session: Session, state: LoopState) -> dict[str, Any]:
         return summary
     write_json_atomic(session.run_dir / "summary.json", summary)
     session.tracker.message(
-        f"accuracy {_fmt(summary['accuracy_before'])} -> {_fmt(summary['accuracy_after'])} in {state.step} RL steps, "
+        f"{_headline_word(summary)} {_fmt(summary['accuracy_before'])} -> {_fmt(summary['accuracy_after'])} in "
+        f"{state.step} RL steps, "
         f"{summary['wall_seconds']:.0f} s; summary: {session.run_dir / 'summary.json'}"
     )
     return summary
+
+
+def _headline_word(summary: dict[str, Any]) -> str:
+    """``accuracy`` for a 0/1 reward, else ``eval_score`` (the first eval dataset's, as its eval.json says)."""
+    datasets = (summary.get("eval") or summary.get("eval_before") or {}).get("datasets") or {}
+    first: dict[str, Any] = next(iter(datasets.values()), {})
+    return headline_name(first) if first else "accuracy"
 
 
 def _fmt(accuracy: float | None) -> str:

@@ -25,6 +25,11 @@ Call :func:`apply` once, before building a model. It is idempotent. What it patc
    torch's compiler stack (about 1.2 s of CPU per process) for kernels fused for GPUs. Without CUDA, Megatron is
    imported with ``torch.compile`` standing in as the identity and its ``jit_fuser`` then disabled, so these
    functions run eagerly (:func:`import_megatron_eagerly`, called by ``sapo_megatron.megatron`` on import).
+
+Not a patch, but the same purpose: context parallelism (``parallel.cp > 1``) lives in Transformer Engine's
+attention, which CPUs do not have; the layer spec then uses
+:class:`~sapo_megatron.megatron.context_parallel.ContextParallelAttention`, a documented stand-in
+(docs/context_parallel.md).
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from sapo_megatron.megatron.context_parallel import batch_shards, gather_tokens
+from sapo_megatron.megatron.packed_seq import model_inputs
+
 
 @torch.no_grad()
 def forward_logits(
@@ -20,12 +23,17 @@ def forward_logits(
     model.eval()
     batch, seq = input_ids.shape
 
+    shards = batch_shards({"input_ids": input_ids})  # CP: this rank's chunks in, whole sequences out
+
     def loss_func(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         full = tensor_parallel.gather_from_tensor_model_parallel_region(logits).float()
-        return torch.zeros((), device=logits.device), full
+        return torch.zeros((), device=logits.device), gather_tokens(full, shards)
 
     def forward_step(data_iterator: Iterator[torch.Tensor], chunk: torch.nn.Module):
         ids = next(data_iterator)
+        if shards is not None:
+            with model_inputs(chunk, {"input_ids": ids, **vision}) as inputs:
+                return chunk(**inputs), loss_func
         positions = torch.arange(seq, device=ids.device).expand_as(ids)
         images = {k: v.to(ids.device) for k, v in vision.items()}
         return chunk(ids, positions, attention_mask=None, **images), loss_func

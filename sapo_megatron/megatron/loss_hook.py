@@ -14,7 +14,10 @@ Micro-batch keys the hook reads (all ``[b, s]`` unless noted, aligned with ``lab
 
 With the global normalisers each micro-batch returns its exact share of the full-batch loss, so the step does
 not depend on the micro-batch split or the data/pipeline layout (tests/loss prove it). A sequence must stay
-within one micro-batch, and context parallelism (which splits sequences) is refused.
+within one micro-batch. Context parallelism (``parallel.cp > 1``): the logits hold this CP rank's chunks of each
+sequence; log-probs and entropy are computed on them and gathered back into whole sequences on every CP rank
+(:func:`~sapo_megatron.megatron.context_parallel.gather_tokens`, whose backward keeps this rank's tokens), so
+every aggregation mode, sequence-level ratio and metric below sees whole sequences.
 
 Packed micro-batches (one row ``[1, T]`` holding several sequences, ``segment_ids``; :mod:`sapo_megatron.model.packing`):
 log-probs and entropy are computed on the packed logits, then every per-token tensor (any key shaped like
@@ -38,10 +41,13 @@ from sapo_megatron.algo import (
     NoCorrection,
     PolicyLoss,
     build_policy_loss,
+    correction_batch_sums,
     opd_k3,
 )
+from sapo_megatron.algo.decoupled import loglinear_proximal_logp
 from sapo_megatron.algo.losses import LOG_RATIO_CLAMP
 from sapo_megatron.algo.metric import MetricSet, Reduce
+from sapo_megatron.megatron.context_parallel import batch_shards, gather_tokens, shard_tokens
 from sapo_megatron.megatron.logprobs import (
     DEFAULT_CHUNK_TOKENS,
     MEGATRON_GROUP,
@@ -54,6 +60,8 @@ from sapo_megatron.model.packing import SequenceView, sequences_with_tokens
 from sapo_megatron.model.step_batch import MicroBatch
 
 NORMALISER_KEYS = ("num_sequences_global", "num_tokens_global")
+IS_WEIGHT_MEAN_KEY = "is_weight_mean_global"
+"""0-d batch mean of a batch-normalised ``rollout_corr`` correction's IS weights (:func:`global_is_weight_mean`)."""
 
 # Extrema cannot be combined from (weighted_sum, weight) pairs; the engine reports means and sums only.
 _EXTREMA = (Reduce.MIN, Reduce.MAX)
@@ -66,7 +74,11 @@ class PolicyLossHook:
     Log-probs and entropy come from :func:`~.logprobs.vocab_parallel_logprobs` in fp32 whatever the model's
     precision, at ``temperature`` (the rollout's sampling temperature). ``loss`` is a built policy loss or a
     mapping such as ``{"name": "sapo", "tau_neg": 1.05}``; it owns the aggregation mode and the KL / entropy
-    coefficients. ``correction``: TIS / IcePop / none (needs ``rollout_logp`` in the batch unless none).
+    coefficients. ``correction``: TIS / IcePop / none (needs ``rollout_logp`` in the batch unless none): with the
+    old-policy log-probs as the proximal policy and the engine's as the behaviour policy, the loss is the
+    decoupled objective (:mod:`sapo_megatron.algo.decoupled`). ``proximal_logp="loglinear"``: no ``old_logp`` is
+    needed; the proximal log-probs are interpolated from ``rollout_logp``, the current log-probs and the batch's
+    ``staleness``.
 
     Metrics, as ``(weighted_sum, weight)``, each weighted as its :class:`~sapo_megatron.algo.metric.Reduce`
     (given where the loss makes it) says: means by their token, sequence or sign-of-advantage count, so the
@@ -92,7 +104,11 @@ class PolicyLossHook:
         log_entropy: bool = True,
         inplace_backward: bool = True,
         tp_group: GroupArg = MEGATRON_GROUP,
+        proximal_logp: str = "recompute",
     ) -> None:
+        if proximal_logp not in ("recompute", "loglinear"):
+            raise ValueError(f"proximal_logp must be recompute or loglinear, got {proximal_logp!r}")
+        self.proximal_logp = proximal_logp
         self.loss = build_policy_loss(loss)
         if correction is None:
             correction = NoCorrection()
@@ -106,30 +122,34 @@ class PolicyLossHook:
         self.ratios: list[torch.Tensor] = []  # per call, for the step's ratio quantiles (take_ratios)
 
     def __call__(self, logits: torch.Tensor, batch: MicroBatch) -> tuple[torch.Tensor, Metrics]:
-        _refuse_context_parallel()
         batch = MicroBatch.of(batch)  # tensors by name (a test's, a script's) read the same way
         device = logits.device
         labels = _get(batch, "labels", device)
+        shards = batch_shards(batch)  # CP: the logits hold this rank's chunks of each sequence
+        local_labels = shard_tokens(labels, shards)
         # Teachers score at temperature 1: the student's KL to them is taken there too (before the in-place
         # backward may reuse the logits' storage).
         distilling = batch.teacher_logp is not None
-        logp_t1_bt = self._unit_temperature_logp(logits, labels) if distilling else None
+        logp_t1_bt = self._unit_temperature_logp(logits, local_labels) if distilling else None
+        logp_t1_bt = None if logp_t1_bt is None else gather_tokens(logp_t1_bt, shards)
         logp_bt, entropy_bt = vocab_parallel_logprobs(
             logits,
-            labels,
+            local_labels,
             tp_group=self.tp_group,
             temperature=self.temperature,
             with_entropy=self.with_entropy,
             chunk_tokens=self.chunk_tokens,
             inplace_backward=self.inplace_backward and logits.is_contiguous(),
         )
+        logp_bt = gather_tokens(logp_bt, shards)
+        entropy_bt = None if entropy_bt is None else gather_tokens(entropy_bt, shards)
         if entropy_bt is not None and self.loss.entropy_coef == 0:
             entropy_bt = entropy_bt.detach()  # logged only: backward then skips the entropy term
         view = _PerSequence(batch, labels.shape, device)  # packed rows → one row per sequence; else as is
         mask_bt = view.get("loss_mask").bool()
         num_sequences, num_tokens = (_get(batch, key, device) for key in NORMALISER_KEYS)
         adv = view.get("advantages")
-        old_logp_bt = view.get("old_logp")
+        old_logp_bt = self._proximal(view, batch, logp_bt)
         loss, metrics = self.loss.compute(
             view(logp_bt),
             old_logp_bt,
@@ -141,6 +161,7 @@ class PolicyLossHook:
             correction=self.correction,
             num_sequences=num_sequences,
             num_tokens=num_tokens,
+            is_weight_mean=batch.extra.get(IS_WEIGHT_MEAN_KEY),
         )
         if distilling:
             student_bt = view(logp_bt if logp_t1_bt is None else logp_t1_bt).detach()
@@ -149,6 +170,17 @@ class PolicyLossHook:
         self.ratios.append(_token_ratios(view(logp_bt), old_logp_bt, mask_bt))
         adv_bt = adv[:, None].expand(mask_bt.shape) if adv.dim() == 1 else adv
         return loss, _engine_metrics(metrics, _metric_weights(mask_bt, adv_bt, num_tokens))
+
+    def _proximal(self, view: _PerSequence, batch: MicroBatch, logp_bt: torch.Tensor) -> torch.Tensor:
+        """The proximal log-probs: the old-policy pass's, or (``loglinear``) interpolated between the engine's and
+        the current ones by each token's staleness (0 where the batch has none), detached."""
+        if self.proximal_logp == "recompute":
+            return view.get("old_logp")
+        behaviour = view.get("rollout_logp")
+        staleness = view.optional(batch.staleness)
+        return loglinear_proximal_logp(
+            behaviour, view(logp_bt), torch.zeros_like(behaviour) if staleness is None else staleness
+        )
 
     def take_ratios(self) -> list[torch.Tensor]:
         """The token ratios ``exp(logp − old_logp)`` (1-d, response tokens) of every call since the last take."""
@@ -198,8 +230,8 @@ class LogprobOutput:
         self.tp_group = tp_group
 
     def __call__(self, logits: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
-        _refuse_context_parallel()
-        labels = _get(batch, "labels", logits.device)
+        shards = batch_shards(batch)  # CP: the logits hold this rank's chunks; the result is whole sequences
+        labels = shard_tokens(_get(batch, "labels", logits.device), shards)
         logp_bt, entropy_bt = vocab_parallel_logprobs(
             logits.detach(),
             labels,
@@ -208,10 +240,13 @@ class LogprobOutput:
             with_entropy=self.with_entropy,
             chunk_tokens=self.chunk_tokens,
         )
+        logp_bt = gather_tokens(logp_bt, shards)
         if self.with_unit_temperature:  # the same forward's logits at temperature 1 (what teachers score at)
             unit_bt = unit_temperature_logprobs(logits, labels, self.tp_group, self.chunk_tokens)
-            return torch.stack((logp_bt, unit_bt))
-        return torch.stack((logp_bt, entropy_bt)) if entropy_bt is not None else logp_bt  # with_entropy
+            return torch.stack((logp_bt, gather_tokens(unit_bt, shards)))
+        if entropy_bt is not None:  # with_entropy
+            return torch.stack((logp_bt, gather_tokens(entropy_bt, shards)))
+        return logp_bt
 
 
 def global_normalisers(
@@ -243,6 +278,36 @@ def add_global_normalisers(
         MicroBatch.of(batch).copy(num_sequences_global=num_sequences, num_tokens_global=num_tokens)
         for batch in micro_batches
     ]
+
+
+def global_is_weight_mean(
+    correction: MismatchCorrection,
+    micro_batches: Sequence[MicroBatch],
+    *,
+    dp_group: GroupArg = MEGATRON_GROUP,
+) -> torch.Tensor | None:
+    """0-d fp64 mean of a batch-normalised ``rollout_corr`` correction's truncated IS weights over these
+    micro-batches (``old_logp``, ``rollout_logp``, ``loss_mask``; packed ones per sequence) and the data-parallel
+    group: verl's ``rollout_is_batch_normalize`` over the step's whole batch. None when the correction does not
+    normalise or a micro-batch has no ``old_logp`` (not the last pipeline stage). Every rank of the group that
+    has them must call it."""
+    sums = None
+    for batch in micro_batches:
+        if batch.old_logp is None or batch.rollout_logp is None:
+            return None
+        view = SequenceView(batch)
+        part = correction_batch_sums(
+            correction, view(batch.old_logp), view(batch.rollout_logp), view(batch["loss_mask"])
+        )
+        if part is None:
+            return None
+        sums = part if sums is None else sums + part.to(sums.device)
+    if sums is None:
+        return None
+    group = _resolve_dp_group(dp_group)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(sums, group=group)
+    return sums[0] / sums[1].clamp(min=1)
 
 
 class _PerSequence:
@@ -318,16 +383,3 @@ def _resolve_dp_group(dp_group: GroupArg) -> dist.ProcessGroup | None:
     if not parallel_state.model_parallel_is_initialized():
         return None
     return parallel_state.get_data_parallel_group()
-
-
-def _refuse_context_parallel() -> None:
-    from megatron.core import parallel_state
-
-    if (
-        parallel_state.model_parallel_is_initialized()
-        and parallel_state.get_context_parallel_world_size() > 1
-    ):
-        raise NotImplementedError(
-            "the policy loss hook needs whole sequences per rank; context parallelism (parallel.cp > 1) "
-            "splits them – set parallel.cp: 1"
-        )

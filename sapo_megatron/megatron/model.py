@@ -22,6 +22,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from sapo_megatron.config import ConfigError, ModelConfig, ParallelConfig, PrecisionConfig
+from sapo_megatron.megatron.context_parallel import with_context_parallel_attention
 from sapo_megatron.model.arch import ArchError, QwenArch
 from sapo_megatron.model.precision import FP8_RECIPES, fp8_runtime_problem, have_transformer_engine
 
@@ -74,6 +75,9 @@ def transformer_config(opts: BuildOptions) -> TransformerConfig:
         tensor_model_parallel_size=par.tp,
         pipeline_model_parallel_size=par.pp,
         context_parallel_size=par.cp,
+        # TE's CP attention on GPUs: p2p (ring, Megatron's default), which also takes THD packed rows (TE's
+        # all_gather does not); the CPU stand-in all-gathers K/V (context_parallel.ContextParallelAttention).
+        cp_comm_type="p2p" if par.cp > 1 else None,
         expert_model_parallel_size=par.ep,
         expert_tensor_parallel_size=par.etp,
         sequence_parallel=par.sequence_parallel,
@@ -162,7 +166,6 @@ def _moe_fields(arch: QwenArch, opts: BuildOptions) -> dict:
 def layer_spec(config: TransformerConfig, opts: BuildOptions) -> ModuleSpec:
     """Transformer Engine layer spec on GPU clusters, Megatron's local spec elsewhere."""
     use_te = have_transformer_engine() if opts.use_te is None else opts.use_te
-    num_experts = config.num_moe_experts
     if config.fp8 and not use_te:
         raise ConfigError(
             "precision.dtype=fp8 needs the Transformer Engine layer spec; the local spec has no FP8"
@@ -170,7 +173,21 @@ def layer_spec(config: TransformerConfig, opts: BuildOptions) -> ModuleSpec:
     if use_te:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
+        # cp > 1: TEDotProductAttention runs context parallelism itself (config.cp_comm_type).
         return get_gpt_decoder_block_spec(config, use_transformer_engine=True)
+    spec = _local_spec(config, opts)
+    if config.context_parallel_size > 1:
+        if torch.cuda.is_available():
+            raise ConfigError(
+                "parallel.cp > 1 on GPUs needs Transformer Engine's attention; install transformer-engine "
+                "or set parallel.cp: 1"
+            )
+        return with_context_parallel_attention(spec)  # the CPU stand-in for TE's CP attention
+    return spec
+
+
+def _local_spec(config: TransformerConfig, opts: BuildOptions) -> ModuleSpec:
+    num_experts = config.num_moe_experts
     if opts.model.moe_grouped_gemm:
         raise ArchError("model.moe_grouped_gemm needs Transformer Engine; set it to false on this machine")
     if num_experts and not all(opts.model.arch.moe_layer_pattern()):
@@ -231,7 +248,7 @@ def build_model_chunk(
     if arch.is_vl:
         from sapo_megatron.megatron.vl_model import VLGPTModel, check_vl_layout
 
-        check_vl_layout(arch, pp=opts.parallel.pp, cp=opts.parallel.cp, recompute=opts.model.recompute)
+        check_vl_layout(arch, pp=opts.parallel.pp, recompute=opts.model.recompute)
         return VLGPTModel(
             arch=arch, freeze_vision=opts.model.freeze_vision, layout_only=layout_only, **common
         )

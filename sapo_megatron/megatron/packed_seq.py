@@ -44,6 +44,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 
+from sapo_megatron.megatron.context_parallel import TokenShards, batch_shards, causal_mask, shard_tokens
 from sapo_megatron.model.batching import IMAGE_MASK
 from sapo_megatron.model.packing import POSITION_IDS, is_packed
 
@@ -99,13 +100,15 @@ def uses_local_attention(model: torch.nn.Module) -> bool:
 @contextlib.contextmanager
 def model_inputs(model: torch.nn.Module, batch: MicroBatch) -> Iterator[dict[str, Any]]:
     """Keyword arguments of ``model(batch["input_ids"], **kwargs)`` for this micro-batch, valid inside the block
-    (the local path's RoPE hook is removed when it exits)."""
+    (the local path's RoPE hook is removed when it exits). Under context parallelism the keyword arguments also
+    hold ``input_ids``: this CP rank's tokens (:func:`context_parallel_inputs`)."""
+    shards = batch_shards(batch)
+    if shards is not None:
+        with context_parallel_inputs(model, batch, shards) as inputs:
+            yield inputs
+        return
     input_ids = batch["input_ids"]
-    vision = {k: batch[k].to(input_ids.device) for k in VISION_INPUTS if k in batch}
-    if IMAGE_MASK in batch:  # image pads outside the prompts' images (sampled by the policy) are text
-        vision[IMAGE_MASK] = batch[IMAGE_MASK].to(input_ids.device).bool()
-    elif _is_vl(model) and "pixel_values" not in batch:  # no images here: every image pad is text
-        vision[IMAGE_MASK] = torch.zeros_like(input_ids, dtype=torch.bool)
+    vision = _vision_inputs(model, batch)
     if not is_packed(batch):
         position_ids = batch.get(POSITION_IDS)
         if position_ids is None:
@@ -136,8 +139,82 @@ def model_inputs(model: torch.nn.Module, batch: MicroBatch) -> Iterator[dict[str
         handle.remove()
 
 
+@contextlib.contextmanager
+def context_parallel_inputs(
+    model: torch.nn.Module, batch: MicroBatch, shards: TokenShards
+) -> Iterator[dict[str, Any]]:
+    """``model(**kwargs)`` for this CP rank's tokens (:mod:`~sapo_megatron.megatron.context_parallel`).
+
+    - Transformer Engine (GPU): padded rows as Megatron's ``get_batch_on_this_cp_rank`` slices them, no mask
+      (TE's CP attention is causal over the chunks; ``RotaryEmbedding`` slices its table with
+      ``get_pos_emb_on_this_cp_rank``, the same chunks); packed rows as TE's ``thd_get_partitioned_indices``
+      partitions them, with :func:`thd_params` over the *whole* slots (``_apply_rotary_pos_emb_thd`` divides
+      each ``cu_seqlens`` length by cp and takes this rank's two chunks of each). Checked against megatron-core
+      0.16.1's ``utils.py``, ``rope_utils.py`` and ``models/multimodal/llava_model.py`` (the THD partitioning).
+    - Local attention (CPU): :func:`~.context_parallel.causal_mask` for the
+      :class:`~.context_parallel.ContextParallelAttention`, and a RoPE hook that takes the rotary table at the
+      tokens' own positions (Megatron's CP slicing of the table assumes one padded row).
+    """
+    input_ids = batch["input_ids"]
+    local_attention = uses_local_attention(model)
+    if _is_vl(model):  # the model slices its MRoPE positions and image rows itself (VLGPTModel's cp_local)
+        if is_packed(batch) and not local_attention:
+            raise NotImplementedError(
+                "packed micro-batches of a vision-language model need Megatron's local attention (block mask); "
+                "THD RoPE cannot carry MRoPE positions: set parallel.max_tokens_per_micro_batch: null"
+            )
+        yield {
+            "input_ids": input_ids,
+            "position_ids": batch.get(POSITION_IDS),
+            "attention_mask": causal_mask(batch, shards) if local_attention else None,
+            "cp_local": shards.local.to(input_ids.device),
+            **_vision_inputs(model, batch),
+        }
+        return
+    position_ids = batch.get(POSITION_IDS)
+    if position_ids is None:
+        position_ids = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+    local = {
+        "input_ids": shard_tokens(input_ids, shards),
+        "position_ids": shard_tokens(position_ids.to(input_ids.device), shards),
+    }
+    if not local_attention:
+        if is_packed(batch):
+            local["packed_seq_params"] = thd_params(position_ids, input_ids.device)
+        yield {**local, "attention_mask": None}
+        return
+    rotary = _gpt(model).rotary_pos_emb
+    handle = rotary.register_forward_hook(rope_at_global_positions(local["position_ids"]))
+    try:
+        yield {**local, "attention_mask": causal_mask(batch, shards)}
+    finally:
+        handle.remove()
+
+
+def rope_at_global_positions(position_ids: torch.Tensor):
+    """Forward hook for ``GPTModel.rotary_pos_emb`` under CP: the rotary table of ``position_ids`` ``[b, s/cp]``
+    (this rank's tokens' positions in their sequences) ``[s/cp, b, 1, d]``, computed whole with ``get_emb`` – the
+    module's own output is sliced for one padded row of ``2·cp`` chunks."""
+
+    def hook(module: Any, args: Any, table: torch.Tensor) -> torch.Tensor:
+        whole = module.get_emb(int(position_ids.max()) + 1)
+        return whole[:, 0][position_ids.t().to(whole.device)]
+
+    return hook
+
+
 VISION_INPUTS = ("pixel_values", "image_grid_thw")
 """Micro-batch keys a vision-language model takes as they are (the images of the micro-batch's rows)."""
+
+
+def _vision_inputs(model: torch.nn.Module, batch: MicroBatch) -> dict[str, torch.Tensor]:
+    device = batch["input_ids"].device
+    vision = {k: batch[k].to(device) for k in VISION_INPUTS if k in batch}
+    if IMAGE_MASK in batch:  # image pads outside the prompts' images (sampled by the policy) are text
+        vision[IMAGE_MASK] = batch[IMAGE_MASK].to(device).bool()
+    elif _is_vl(model) and "pixel_values" not in batch:  # no images here: every image pad is text
+        vision[IMAGE_MASK] = torch.zeros_like(batch["input_ids"], dtype=torch.bool)
+    return vision
 
 
 def _is_vl(model: torch.nn.Module) -> bool:

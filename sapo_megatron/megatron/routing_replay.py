@@ -40,8 +40,11 @@ compatibility layer.) Recorded routes go to the CPU after each
 micro-batch's forward. All state (targets, FIFO, recorded indices, actions) is cleared after every pass, on
 error too.
 
+Context parallelism: a router sees this CP rank's chunks of each sequence
+(:mod:`~sapo_megatron.megatron.context_parallel`); replayed routes are sliced to them, recorded ones gathered back
+into whole sequences, so the micro-batch keys above always hold whole sequences.
 Not supported (refused): virtual pipeline stages (interleaved order), multi-token prediction (MTP routers share
-layer numbers), context parallelism (sequences split into chunks), the fused router, sinkhorn/quantile routing.
+layer numbers), the fused router, sinkhorn/quantile routing.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from sapo_megatron.megatron.context_parallel import batch_shards, gather_tokens, shard_tokens
 from sapo_megatron.model.batching import ENGINE_ROUTES, NO_ROUTE, RoutingReplayError
 
 if TYPE_CHECKING:
@@ -168,7 +172,7 @@ class RoutingReplay:
         start = time.perf_counter()
         if self._mode is RouteMode.REPLAY:
             assert self._key is not None  # begin() checked the REPLAY source key
-            for router, targets in zip(self.routers, self._targets(batch[self._key])):
+            for router, targets in zip(self.routers, self._targets(batch[self._key], batch)):
                 router.replay.set_target_indices(targets)  # also queued for REPLAY_BACKWARD
             self._set_action(RouterReplayAction.REPLAY_FORWARD)
         elif self._mode is RouteMode.RECORD:
@@ -187,7 +191,7 @@ class RoutingReplay:
         elif self._mode is RouteMode.RECORD:
             # to the CPU now: the device holds one micro-batch's recorded indices at a time
             recorded = [self._take_recorded(router) for router in self.routers]
-            batch[self._out_key] = self._assemble(batch["input_ids"].shape, recorded)
+            batch[self._out_key] = self._assemble(batch, recorded)
             self._set_action(None)  # a recomputation must not record again
         self.seconds += time.perf_counter() - start
 
@@ -244,11 +248,12 @@ class RoutingReplay:
                 f"micro-batch {index}: {key} has no route (-1) on some MoE layer of this stage {self.layers}"
             )
 
-    def _targets(self, routes: torch.Tensor) -> list[torch.Tensor]:
+    def _targets(self, routes: torch.Tensor, batch: MicroBatch) -> list[torch.Tensor]:
         """Per local router: int64 ``[tokens, k]`` on the model's device, tokens in the router's order (this
-        tensor-parallel rank's sequence slice, sequence-major)."""
+        context-parallel rank's chunks, then this tensor-parallel rank's sequence slice, sequence-major)."""
         if not self.routers:
             return []
+        routes = shard_tokens(routes, batch_shards(batch))
         start, stop = self._sequence_slice(routes.shape[1])
         local = routes[:, start:stop][:, :, self.layers]  # [b, s_local, n_local, k], int32 on the CPU
         device = self._device()
@@ -262,16 +267,17 @@ class RoutingReplay:
         router.replay.clear_indices()
         return indices
 
-    def _assemble(self, shape: torch.Size, per_layer: list[torch.Tensor]) -> torch.Tensor:
-        """``[b, s, L, k]`` int32 CPU from this stage's ``[tokens, k]`` per router (sequence-major tokens)."""
-        batch_size, length = shape
+    def _assemble(self, batch: MicroBatch, per_layer: list[torch.Tensor]) -> torch.Tensor:
+        """``[b, s, L, k]`` int32 CPU from this stage's ``[tokens, k]`` per router (sequence-major tokens; under
+        context parallelism this rank's chunks, gathered back into whole sequences)."""
+        batch_size, length = batch["input_ids"].shape
         out = torch.full((batch_size, length, self.num_layers, self.top_k), NO_ROUTE, dtype=torch.int32)
         if not per_layer:
             return out
         stacked = torch.stack(per_layer).to(torch.int32).reshape(len(per_layer), -1, batch_size, self.top_k)
         if self.split_sequence:
             stacked = _gather_sequence(stacked)
-        out[:, :, self.layers] = stacked.permute(2, 1, 0, 3).cpu()
+        out[:, :, self.layers] = gather_tokens(stacked.permute(2, 1, 0, 3), batch_shards(batch)).cpu()
         return out
 
     def _sequence_slice(self, length: int) -> tuple[int, int]:
@@ -339,7 +345,5 @@ def check_supported(config: TransformerConfig) -> None:
         problems.append("virtual pipeline stages: backward order differs from forward order")
     if getattr(config, "mtp_num_layers", None):
         problems.append("multi-token prediction: MTP routers have no engine routes and share layer numbers")
-    if config.context_parallel_size > 1:
-        problems.append("context parallelism: routes would have to follow the sequence chunks")
     if problems:
         raise RoutingReplayError("routing replay is not supported here: " + "; ".join(problems))

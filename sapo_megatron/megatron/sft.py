@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
+from sapo_megatron.megatron.context_parallel import batch_shards, gather_tokens, shard_tokens
 from sapo_megatron.megatron.train_step import Metrics, MicroBatch
 
 
@@ -13,7 +14,10 @@ def sft_loss(logits_bsv: torch.Tensor, batch: MicroBatch) -> tuple[torch.Tensor,
 
     ``labels`` [b, s] holds the next token of each position; ``loss_mask`` [b, s] marks the positions that count.
     """
-    nll_bs = vocab_parallel_cross_entropy(logits_bsv.float(), batch["labels"])
+    shards = batch_shards(batch)  # CP: the logits hold this rank's chunks; the NLL is gathered back whole
+    nll_bs = gather_tokens(
+        vocab_parallel_cross_entropy(logits_bsv.float(), shard_tokens(batch["labels"], shards)), shards
+    )
     mask_bs = batch["loss_mask"].float()
     nll_sum = (nll_bs * mask_bs).sum()
     loss = nll_sum / batch["num_tokens_global"].float()

@@ -157,6 +157,8 @@ class TrainEngine:
         for chunk in self.model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        # CP: the schedule multiplies a 2-tuple loss by cp and DDP divides the gradients by dp·cp (its dp_cp
+        # group), which cancel (megatron-core 0.16.1 schedules.forward_step_calc_loss, distributed_data_parallel)
         scale = len(micro_batches) * parallel_state.get_data_parallel_world_size()
         loss_fn = partial(_scaled_loss, loss_fn, scale)
         mode = RouteMode.REPLAY if replay_key else RouteMode.RECORD if record_routes else RouteMode.LIVE
@@ -332,7 +334,7 @@ def _forward_step(loss_fn, routes: RoutingReplay | None, data_iterator: Iterator
     if routes is not None:
         routes.before_forward(batch)
     with model_inputs(model, batch) as inputs:  # packed micro-batches: THD or block mask + per-sequence RoPE
-        logits = model(batch["input_ids"], **inputs)
+        logits = model(inputs.pop("input_ids", batch["input_ids"]), **inputs)  # CP: this rank's tokens
     if routes is not None:
         routes.after_forward(batch)
     return logits, partial(loss_fn, batch)

@@ -217,9 +217,13 @@ class VLGPTModel(GPTModel):
         pixel_values: Tensor | None = None,
         image_grid_thw: Tensor | None = None,
         image_mask: Tensor | None = None,
+        cp_local: Tensor | None = None,
         **kwargs: Any,
     ) -> Tensor:
-        """``image_mask`` bool ``[b, s]``: which image pads are images (None: all of them)."""
+        """``image_mask`` bool ``[b, s]``: which image pads are images (None: all of them). ``cp_local``
+        (context parallelism): the positions ``[s/cp]`` of this CP rank's tokens; ``input_ids`` (and 1-D
+        ``position_ids``) are then the whole sequences, from which the 3-D positions and the image rows are
+        taken before the model runs on this rank's tokens."""
         if position_ids is None or position_ids.dim() == 2:
             position_ids = mrope_positions(
                 input_ids,
@@ -231,7 +235,9 @@ class VLGPTModel(GPTModel):
             )
         self._visual_rows = None
         if self.pre_process and decoder_input is None:
-            decoder_input = self._embed(input_ids, pixel_values, image_grid_thw, image_mask)
+            decoder_input = self._embed(input_ids, pixel_values, image_grid_thw, image_mask, cp_local)
+        if cp_local is not None:
+            input_ids, position_ids = input_ids[:, cp_local], position_ids[:, :, cp_local]
         try:
             return super().forward(
                 input_ids, position_ids, attention_mask, decoder_input=decoder_input, labels=labels, **kwargs
@@ -245,10 +251,12 @@ class VLGPTModel(GPTModel):
         pixel_values: Tensor | None,
         image_grid_thw: Tensor | None,
         image_mask: Tensor | None = None,
+        cp_local: Tensor | None = None,
     ) -> Tensor:
         """Word embeddings ``[s_local, b, H]`` with the image tokens in place; keeps this slice's image index
-        and the DeepStack features for the hooks."""
-        embeddings = self.embedding(input_ids=input_ids, position_ids=None)
+        and the DeepStack features for the hooks. ``cp_local``: this CP rank's positions of ``input_ids``."""
+        local_ids = input_ids if cp_local is None else input_ids[:, cp_local]
+        embeddings = self.embedding(input_ids=local_ids, position_ids=None)
         is_image = _image_tokens(input_ids, self.arch.vl.image_token_id, image_mask)
         if pixel_values is None:
             if bool(is_image.any()):
@@ -269,6 +277,8 @@ class VLGPTModel(GPTModel):
             )
         index = torch.full(is_image.shape, -1, dtype=torch.long, device=input_ids.device)
         index[is_image] = torch.arange(image_embeds.shape[0], device=input_ids.device)  # reading order
+        if cp_local is not None:  # context parallelism: this rank's tokens (the tower ran on every image)
+            index = index[:, cp_local]
         index = _sequence_slice(index.t().contiguous(), self.config.sequence_parallel)  # [s_local, b]
         self._visual_rows = (index, deepstack)
         return _put_rows(embeddings, index, image_embeds)
@@ -304,7 +314,7 @@ def _add_rows(hidden: Tensor, index: Tensor, rows: Tensor) -> Tensor:
     return torch.where(chosen[..., None], hidden + rows.to(hidden.dtype)[index.clamp(min=0)], hidden)
 
 
-def check_vl_layout(arch: QwenArch, *, pp: int, cp: int, recompute: str) -> None:
+def check_vl_layout(arch: QwenArch, *, pp: int, recompute: str) -> None:
     """Refuse layouts this model cannot run faithfully, before any weight exists."""
     levels = len(arch.vl.vision.deepstack_visual_indexes)
     first_stage = arch.num_hidden_layers // pp
@@ -313,8 +323,6 @@ def check_vl_layout(arch: QwenArch, *, pp: int, cp: int, recompute: str) -> None
             f"parallel.pp={pp} puts {first_stage} LM layers on the first pipeline stage; the {levels} DeepStack "
             "levels must all sit there (next to the vision tower): lower pp"
         )
-    if cp > 1:
-        raise ConfigError("parallel.cp > 1 is not supported for vision-language models (MRoPE positions)")
     if recompute == "full":
         raise ConfigError(
             "model.recompute=full is not supported for vision-language models (DeepStack adds image features "

@@ -153,8 +153,9 @@ def owns_export(item_is_expert: bool) -> bool:
             parallel_state.get_expert_tensor_parallel_rank() == 0
             and parallel_state.get_expert_data_parallel_rank() == 0
         )
-    return (
-        parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0
+    return (  # CP ranks hold the same weights: only the first publishes
+        parallel_state.get_tensor_model_parallel_rank() == 0
+        and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0
     )
 
 
@@ -254,7 +255,7 @@ def stage_sources() -> list[int]:
     coords = (
         parallel_state.get_pipeline_model_parallel_rank(),
         parallel_state.get_tensor_model_parallel_rank(),
-        parallel_state.get_data_parallel_rank(),
+        parallel_state.get_data_parallel_rank(with_context_parallel=True),
     )
     gathered: list[tuple[int, int, int]] = [(0, 0, 0)] * dist.get_world_size()
     dist.all_gather_object(gathered, coords)

@@ -75,6 +75,8 @@ class TrainSequence:
     domain_id: int = -1
     token_values: Mapping[str, Sequence[float]] = field(default_factory=dict, compare=False, repr=False)
     response_mask: Sequence[int] | None = None
+    versions: Sequence[int] | None = None
+    """The policy version that sampled each response token (fully-async staleness; None: not tracked)."""
     images: Mapping[str, torch.Tensor] | None = field(default=None, compare=False, repr=False)
     """The prompt's images as the engine saw them: ``pixel_values`` ``[patches, C·T·P·P]`` and ``image_grid_thw``
     ``[images, 3]`` (None: a text prompt)."""
@@ -93,6 +95,9 @@ TEACHER_LOGP = "teacher_logp"
 """Micro-batch key of the teacher's log-probs, fp32 per token like ``labels`` (0 off the response)."""
 UNIT_TEMPERATURE_LOGP = "old_logp_t1"
 """The old-policy log-prob at temperature 1, next to ``old_logp`` when distilling at a rollout temperature ≠ 1."""
+VERSIONS = "versions"
+"""Micro-batch key of each response token's policy version, int64 per token like ``labels`` (-1 off the
+response); present when the sequences carry versions."""
 DOMAIN_IDS = "domain_ids"
 """Micro-batch key of the sequences' domain ids, int64 per sequence like ``advantages``."""
 
@@ -192,6 +197,8 @@ def position_values(seq: TrainSequence, name: str = "sequence") -> dict[str, tor
     loss_mask = torch.zeros(positions, dtype=torch.float32)
     loss_mask[start : start + count] = _response_mask(seq, count, name)
     values = {"input_ids": tokens[:-1], "labels": tokens[1:], "loss_mask": loss_mask}
+    if seq.versions is not None:
+        values[VERSIONS] = _version_row(seq.versions, positions, start, count, name)
     if seq.images is not None:
         values[IMAGE_MASK] = (torch.arange(positions) < len(seq.prompt_ids)).float()
     per_token_values = {"rollout_logp": seq.rollout_logp, **seq.token_values}
@@ -206,6 +213,7 @@ def position_values(seq: TrainSequence, name: str = "sequence") -> dict[str, tor
             SEQUENCE_INDEX,
             ENGINE_ROUTES,
             DOMAIN_IDS,
+            VERSIONS,
             *IMAGE_KEYS,
         ):
             raise ValueError(f"{name}: token_values key {key!r} is a reserved micro-batch key")
@@ -216,6 +224,14 @@ def position_values(seq: TrainSequence, name: str = "sequence") -> dict[str, tor
             out[start : start + count] = torch.tensor(list(per_token), dtype=torch.float32)
         values[key] = out
     return values
+
+
+def _version_row(versions: Sequence[int], positions: int, start: int, count: int, name: str) -> torch.Tensor:
+    if len(versions) != count:
+        raise ValueError(f"{name}: {len(versions)} policy versions for {count} response tokens")
+    out = torch.full((positions,), -1, dtype=torch.long)
+    out[start : start + count] = torch.tensor(list(versions), dtype=torch.long)
+    return out
 
 
 def _response_mask(seq: TrainSequence, count: int, name: str) -> torch.Tensor | float:
@@ -260,7 +276,13 @@ def image_values(sequences: Sequence[TrainSequence]) -> Tensors:
 
 
 def _pad_value(key: str, pad_id: int) -> int | float:
+    if key == VERSIONS:
+        return -1
     return pad_id if key in ("input_ids", "labels") else 0
+
+
+def _dtype(key: str) -> torch.dtype:
+    return torch.long if key in ("input_ids", "labels", VERSIONS) else torch.float32
 
 
 def _keys(rows: Sequence[dict[str, torch.Tensor]]) -> list[str]:
@@ -280,7 +302,7 @@ def to_tensors(
     rows = [position_values(seq, seq.sample_id or f"sequence {i}") for i, seq in enumerate(sequences)]
     batch: Tensors = {}
     for key in _keys(rows):
-        dtype = torch.long if key in ("input_ids", "labels") else torch.float32
+        dtype = _dtype(key)
         out = torch.full((len(rows), length), _pad_value(key, pad_id), dtype=dtype)
         for index, row in enumerate(rows):
             if key not in row:
@@ -317,7 +339,7 @@ def to_packed_tensors(
         )
     batch: Tensors = {}
     for key in _keys(rows):
-        dtype = torch.long if key in ("input_ids", "labels") else torch.float32
+        dtype = _dtype(key)
         out = torch.full((1, length), _pad_value(key, pad_id), dtype=dtype)
         for row, start in zip(rows, _offsets(slots)):
             if key in row:

@@ -25,8 +25,9 @@ class ModelConfig(Section):
 
     hf_config: str | dict[str, Any] | None = Field(
         default=None,
-        description="an HF config.json, its folder, the fields inline, or 'tiny' (the embedded demo's architecture, "
-        "sized to the data); with init: hf, default: init_path's",
+        description="an HF config.json, its folder, the fields inline, 'tiny' (the embedded demo's architecture, "
+        "sized to the data) or 'tiny_vl' (the CPU VL demo's, its ids and sizes from a VL tokenizer folder and the "
+        "data); with init: hf, default: init_path's",
     )
     init: Literal["random", "hf", "megatron"] = "random"
     init_path: str | None = None

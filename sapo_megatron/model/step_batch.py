@@ -37,12 +37,14 @@ class MicroBatch(MutableMapping[str, torch.Tensor]):
     response tokens the policy sampled: an episode's mask has several spans), ``rollout_logp``, ``advantages``
     (``[n]``, or ``[b, s]`` once teacher advantages are fused in), ``sequence_index``; packed: ``segment_ids``,
     ``position_ids``; vision: ``pixel_values``, ``image_grid_thw``, ``image_mask``; distillation: ``teacher_logp``,
-    ``domain_ids``; MoE: ``engine_routes`` (int32 ``[b, s, L, k]``); the step's loss normalisers
+    ``domain_ids``; asynchronous rollouts: ``versions`` (int64 per token: the policy version that sampled it, -1
+    off the response); MoE: ``engine_routes`` (int32 ``[b, s, L, k]``); the step's loss normalisers
     ``num_sequences_global`` / ``num_tokens_global``; ``extra``: ``TrainSequence.token_values`` keys.
 
     Parts the passes add: ``old_logp`` and ``old_logp_t1`` (old policy, at the rollout temperature and at 1),
     ``ref_logp`` (reference policy), ``recorded_routes`` / ``used_routes`` (written by the engine's route
-    recording), ``image_token_mask`` (the routing metrics' image positions)."""
+    recording), ``image_token_mask`` (the routing metrics' image positions), ``staleness`` (fp32 per token: the trainer's
+    version minus ``versions`` on the response, 0 elsewhere)."""
 
     input_ids: torch.Tensor | None = None
     labels: torch.Tensor | None = None
@@ -57,6 +59,7 @@ class MicroBatch(MutableMapping[str, torch.Tensor]):
     image_mask: torch.Tensor | None = None
     teacher_logp: torch.Tensor | None = None
     domain_ids: torch.Tensor | None = None
+    versions: torch.Tensor | None = None
     engine_routes: torch.Tensor | None = None
     num_sequences_global: torch.Tensor | None = None
     num_tokens_global: torch.Tensor | None = None
@@ -66,6 +69,7 @@ class MicroBatch(MutableMapping[str, torch.Tensor]):
     recorded_routes: torch.Tensor | None = None
     used_routes: torch.Tensor | None = None
     image_token_mask: torch.Tensor | None = None
+    staleness: torch.Tensor | None = None
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
     parts: dict[type, Any] = field(default_factory=dict)
 

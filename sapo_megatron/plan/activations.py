@@ -47,6 +47,14 @@ class MicroBatchShape:
         return self.sequences * self.seq_len
 
 
+def planned_prompt_tokens(cfg: RunConfig, prompt_tokens: int) -> int:
+    """The prompt length the plan pads to: ``prompt_tokens`` (``--prompt-tokens``, default 512), but no more than
+    the model's context leaves beside ``rollout.max_new_tokens`` (a tiny model of context 64 has no 512-token
+    prompts)."""
+    room = cfg.model.arch.max_position_embeddings - cfg.rollout.max_new_tokens
+    return max(1, min(prompt_tokens, room))
+
+
 def micro_batch_shape(cfg: RunConfig, world_size: int, prompt_tokens: int) -> MicroBatchShape:
     """The largest micro-batch of an RL update: ``parallel.max_tokens_per_micro_batch`` tokens when packing is on,
     else this rank's sequences per micro-batch, each padded to prompt + ``rollout.max_new_tokens`` (a response
@@ -58,7 +66,7 @@ def micro_batch_shape(cfg: RunConfig, world_size: int, prompt_tokens: int) -> Mi
     per_update = cfg.rollout.n_samples * cfg.trainer.prompts_per_step // cfg.trainer.mini_batches
     split = data_parallel_size(cfg, world_size) * cfg.parallel.micro_batches
     sequences = max(1, -(-per_update // split))
-    longest = prompt_tokens + cfg.rollout.max_new_tokens
+    longest = planned_prompt_tokens(cfg, prompt_tokens) + cfg.rollout.max_new_tokens
     if (
         cfg.rollout.multi_turn is not None
     ):  # an episode: prompt, turns and observations up to the context limit

@@ -30,6 +30,7 @@ from sapo_megatron.plan.activations import (
     Spec,
     StageActivations,
     micro_batch_shape,
+    planned_prompt_tokens,
     stage_activations,
 )
 from sapo_megatron.plan.static import StageShard, StaticMemory, memory_estimate, stage_shards
@@ -196,7 +197,7 @@ def _header_lines(cfg: RunConfig, plan: Plan) -> list[str]:
     batch = (
         f"packed: {shape.tokens:,} tokens"
         if shape.packed
-        else f"{shape.sequences} sequence{'s' if shape.sequences != 1 else ''} x {shape.seq_len:,} tokens (prompt {plan.settings.prompt_tokens} + "
+        else f"{shape.sequences} sequence{'s' if shape.sequences != 1 else ''} x {shape.seq_len:,} tokens (prompt {planned_prompt_tokens(cfg, plan.settings.prompt_tokens)} + "
         f"rollout.max_new_tokens {cfg.rollout.max_new_tokens}, padded to a multiple of "
         f"{sequence_length_multiple(cfg)}) = {shape.tokens:,} tokens"
     )

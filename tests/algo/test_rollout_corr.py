@@ -149,3 +149,64 @@ def test_composes_with_sequence_losses(name):
     assert got.item() != pytest.approx(plain.item())
     (grad,) = torch.autograd.grad(got, logp)
     assert torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
+def _ref_normalised(rows_deltas, level, cap):
+    """verl's ``rollout_is_batch_normalize`` (``compute_rollout_correction_weights``, same commit): truncate,
+    then divide by the batch mean – of every valid token's weight (token level) or of the sequences' weights,
+    one per sequence with a valid token (sequence level; geometric here as sequence) – unless it is ≤ 1e-8."""
+    weights = [_ref_is(deltas, level, cap) for deltas in rows_deltas]
+    if level == "token":
+        values = [w for row in weights for w in row]
+    else:
+        values = [row[0] for row in weights if row]
+    mean = sum(values) / len(values)
+    factor = mean if mean > 1e-8 else 1.0
+    return [[w / factor for w in row] for row in weights], factor
+
+
+@pytest.mark.parametrize("seed", [0, 1, 5])
+@pytest.mark.parametrize("level", ["token", "sequence", "geometric"])
+def test_batch_normalised_weights_equal_verl(seed, level):
+    old, rollout, mask = _data(seed)
+    rollout = old + (rollout - old) * 2.0  # wider mismatch: some weights are truncated at the cap
+    corr = RolloutCorrection(is_level=level, is_threshold=1.5, is_batch_normalize=True)
+    got = correction_weights(corr, old, rollout, mask)
+    deltas = [[(old[i, t] - rollout[i, t]).item() for t in range(7) if mask[i, t]] for i in range(ROWS)]
+    expected, factor = _ref_normalised(deltas, level, 1.5)
+    for i in range(ROWS):
+        assert got[i][mask[i]].tolist() == pytest.approx(expected[i], rel=1e-6, abs=1e-7)
+        assert (got[i][~mask[i]] == 0).all()
+    assert factor != pytest.approx(1.0, abs=1e-3)  # the normalisation changes the weights
+    if level == "token":
+        assert got[mask].mean().item() == pytest.approx(1.0, rel=1e-6)
+    metrics = corr.metrics(old - rollout, mask)
+    assert metrics["rollout_corr/batch_norm_factor"].item() == pytest.approx(factor, rel=1e-6)
+
+
+def test_batch_mean_over_micro_batches_is_the_whole_batch_mean():
+    """The loop passes the step's mean (sums over micro-batches): a micro-batch's weights are then those of the
+    whole batch, not normalised over the micro-batch alone; rejection comes after the normalisation."""
+    old, rollout, mask = _data(7)
+    rollout = old + (rollout - old) * 2.0
+    rule = {"stat": "token_k2", "upper": 0.05}
+    corr = RolloutCorrection(is_level="sequence", is_threshold=1.5, is_batch_normalize=True, reject=[rule])
+    delta = old - rollout
+    sums = corr.batch_sums(delta[:2], mask[:2]) + corr.batch_sums(delta[2:], mask[2:])
+    mean = sums[0] / sums[1]
+    whole = correction_weights(corr, old, rollout, mask)
+    part = correction_weights(corr, old[2:], rollout[2:], mask[2:], mean)
+    assert torch.allclose(part, whole[2:], rtol=1e-6, atol=1e-7)
+    alone = correction_weights(corr, old[2:], rollout[2:], mask[2:])
+    assert not torch.allclose(alone, whole[2:], rtol=1e-3)
+    deltas = [[(old[i, t] - rollout[i, t]).item() for t in range(7) if mask[i, t]] for i in range(ROWS)]
+    expected, _ = _ref_normalised(deltas, "sequence", 1.5)
+    for i in range(ROWS):
+        keep = _ref_keep(deltas[i], "token_k2", None, 0.05)
+        want = [w if k else 0.0 for w, k in zip(expected[i], keep)]
+        assert whole[i][mask[i]].tolist() == pytest.approx(want, rel=1e-6, abs=1e-7)
+
+
+def test_batch_normalize_needs_an_is_weight():
+    with pytest.raises(ValueError, match="is_batch_normalize needs an IS weight"):
+        RolloutCorrection(is_level=None, is_batch_normalize=True)

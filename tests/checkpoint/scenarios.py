@@ -170,3 +170,23 @@ def train_state(payload: dict[str, Any]) -> dict[str, Any]:
         "partial_error": partial_error,
         "dirs_at_end": sorted(p.name for p in root.iterdir()),
     }
+
+
+def cp_save_or_resume(payload: dict[str, Any]) -> dict[str, Any]:
+    """``mode="save"``: step on the first batch, save the training state, step on the second; ``"resume"``: a
+    fresh engine (random weights) loads that state and steps on the second batch. Both under
+    ``payload["parallel"]``: a state saved at one context-parallel size resumes at another."""
+    _allow_child_processes()
+    cfg = _config(payload["hf_dir"], payload["parallel"], init="hf", init_path=payload["hf_dir"])
+    if payload["mode"] == "resume":
+        cfg = _config(payload["hf_dir"], payload["parallel"])
+    init_parallel(cfg.parallel, seed=0, cfg=cfg)
+    first, second = (_micro_batches(ids) for ids in payload["batches"])
+    engine = TrainEngine(cfg, total_steps=4)
+    if payload["mode"] == "save":
+        engine.train_step(first, sft_loss)
+        dist_ckpt.save_train_state(engine, Path(payload["root"]) / "step_1", {"step": 1})
+    else:
+        dist_ckpt.load_latest_train_state(engine, Path(payload["root"]))
+    step = engine.train_step(second, sft_loss)
+    return {"step": (step.loss, step.grad_norm), "weights": _weights(engine, cfg.model.arch)}

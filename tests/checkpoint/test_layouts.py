@@ -1,4 +1,4 @@
-"""A converted checkpoint loads under TP2+SP, EP2 and PP2 (2 processes over gloo) and comes back bitwise: through
+"""A converted checkpoint loads under TP2+SP, EP2, PP2 and CP2 (2 processes over gloo) and comes back bitwise: through
 the online export (per rank and in buckets for weight sync) and through a save under that layout converted back
 to HF. Logits match HF transformers to 1e-4 (fp32) at TP1 and under parallel layouts."""
 
@@ -22,13 +22,19 @@ REPO = Path(__file__).resolve().parents[2]
 PARITY_TOL = 1e-4
 BUCKET_BYTES = 6000  # small: many buckets, some holding one oversized parameter
 LAYOUTS = {
-    "moe": [("tp2-sp", {"tp": 2, "sequence_parallel": True}), ("ep2", {"ep": 2}), ("pp2", {"pp": 2})],
+    "moe": [
+        ("tp2-sp", {"tp": 2, "sequence_parallel": True}),
+        ("ep2", {"ep": 2}),
+        ("pp2", {"pp": 2}),
+        ("cp2", {"cp": 2}),  # both ranks hold every weight: one exports, a save at cp 2 loads at cp 1
+    ],
     "dense": [("tp2", {"tp": 2}), ("pp2", {"pp": 2})],
 }
 PARITY_LAYOUTS = {
     "moe-fp32 tp2-sp": ("moe-fp32", {"tp": 2, "sequence_parallel": True}),
     "moe-fp32 ep2": ("moe-fp32", {"ep": 2}),
     "dense-fp32 pp2": ("dense-fp32", {"pp": 2}),
+    "moe-fp32 cp2": ("moe-fp32", {"cp": 2}),
 }
 
 

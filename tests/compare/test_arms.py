@@ -16,6 +16,7 @@ from sapo_megatron.compare import (
     Arm,
     CompareError,
     build_plan,
+    parse_configurations,
     parse_names,
     plan_arms,
 )
@@ -258,3 +259,47 @@ def test_every_baseline_and_verl_correction_is_an_arm(tmp_path):
         assert cfg.algorithm.correction.model_dump() == CORRECTIONS[arm.correction], arm.name
         parsed = ARM_NAME.match(arm.name)  # a rerun recognises the directory (dppo_tv-none-geo_rs-s0)
         assert parsed and (parsed["loss"], parsed["correction"]) == (arm.loss, arm.correction)
+
+
+def test_configurations_choose_arms_instead_of_the_product(tmp_path):
+    """``--configurations``: exactly the listed (loss, replay, correction) arms, seed-major in the order given, each
+    with the same config as the product's arm of that name."""
+    chosen = parse_configurations("dppo_tv-none-none,sapo-r2-none,grpo-none-geo_rs")
+    assert chosen == [("dppo_tv", "none", "none"), ("sapo", "r2", "none"), ("grpo", "none", "geo_rs")]
+    result = plan(tmp_path, configurations=chosen)
+    names = [run.name for run in result.arms]
+    assert names == [f"{'-'.join(c)}-s{seed}" for seed in (0, 1) for c in chosen]
+    product = {
+        run.name: run.cfg
+        for run in plan(
+            tmp_path,
+            losses=["dppo_tv", "sapo", "grpo"],
+            replays=["none", "r2"],
+            corrections=["none", "geo_rs"],
+        ).arms
+    }
+    for run in result.arms:
+        assert run.cfg.model_dump() == product[run.name].model_dump(), run.name
+
+
+@pytest.mark.parametrize(
+    ("text", "given", "message"),
+    [
+        ("sapo-none", (), "--configurations 'sapo-none': expected LOSS-REPLAY-CORRECTION"),
+        (
+            "sapo-r4-none",
+            (),
+            "--configurations 'sapo-r4-none': replay: unknown name 'r4'; choose from none, r2, r3",
+        ),
+        ("sapo-none-none,sapo-none-none", (), "--configurations: sapo-none-none given more than once"),
+        (
+            "sapo-none-none",
+            ("--losses",),
+            "--configurations names every arm's loss, replay and correction; drop --losses",
+        ),
+    ],
+)
+def test_bad_configurations_are_refused(text, given, message):
+    with pytest.raises(CompareError) as err:
+        parse_configurations(text, given)
+    assert str(err.value).startswith(message), str(err.value)

@@ -50,6 +50,11 @@ def test_steps_and_output_dir_are_required(capsys):
             "--replay: unknown name 'r33' (did you mean 'r3'?); choose from none, r2, r3",
         ),
         (["--corrections", "tis,tis"], "--corrections: tis given more than once"),
+        (
+            ["--configurations", "sapo-none-none", "--replay", "none"],
+            "--configurations names every arm's loss, replay and correction; drop --replay",
+        ),
+        (["--configurations", "sapo-none"], "--configurations 'sapo-none': expected LOSS-REPLAY-CORRECTION"),
         (["--steps", "0"], "--steps 0: each arm needs at least one RL step"),
         (["--seeds", "0"], "--seeds 0: need at least one seed"),
         (["--set", "seed=3"], "--set seed: every arm gets its own"),

@@ -172,7 +172,7 @@ def test_aborted_groups_are_not_scored_and_only_scored_samples_are_attached():
 
 
 def _dead_url() -> str:
-    from sapo_megatron.cli import free_port
+    from tests.ports import free_port
 
     return f"http://127.0.0.1:{free_port()}"  # nothing listens there
 

@@ -73,3 +73,15 @@ def test_a_warning_when_most_responses_hit_the_token_limit(caplog):
         assert runner.note_truncation(dataset, dataset_metrics([[ScoredSample(1.0)] * 2], [None])) is None
     assert line.startswith("eval dataset geo: 75% of the responses hit max_new_tokens=64")
     assert caplog.records[0].getMessage() == line
+
+
+def test_the_run_s_closing_line_names_the_headline_as_eval_json_does():
+    """Found re-timing the TRL user's path: with a weighted reward the run still closed with "accuracy 0.469 ->
+    0.484" though its eval.json said ``scores: graded``. Fails before this test."""
+    from sapo_megatron.loop.trainer import _headline_word
+
+    graded = {"eval": {"datasets": {"test": _metrics([1.5, 0.5]), "other": _metrics([1.0, 0.0])}}}
+    assert _headline_word(graded) == "eval_score"
+    assert _headline_word({"eval": {"datasets": {"test": _metrics([1.0, 0.0])}}}) == "accuracy"
+    assert _headline_word({"eval_before": {"datasets": {"t": _metrics([0.5, 0.0])}}}) == "eval_score"
+    assert _headline_word({}) == "accuracy"  # no evaluation: the word the summary's keys use

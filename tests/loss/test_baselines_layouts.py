@@ -1,5 +1,5 @@
 """CISPO, GMPO, DPPO (TV, KL) and M2PO inside Megatron training steps on tiny Qwen3-MoE, with TIS composed: the
-same loss, metrics and updated weights for 1 vs 4 micro-batches and under TP2+SP, PP2, DP2 and EP2 as in a single
+same loss, metrics and updated weights for 1 vs 4 micro-batches and under TP2+SP, PP2, DP2, EP2 and CP2 as in a single
 process (the SAPO versions of these checks are tests/loss/test_megatron_hook.py, whose data this reuses).
 
 M2PO's mask is taken per micro-batch, as in AReaL: the step is layout-invariant only where it drops nothing,
@@ -31,6 +31,7 @@ LAYOUTS = {
     "pp2": {"pp": 2, "micro_batches": 4},
     "dp2": {"micro_batches": 2},
     "ep2": {"ep": 2, "micro_batches": 2},  # DP2 with the experts split over the two ranks
+    "cp2": {"cp": 2, "micro_batches": 2},  # each sequence in 4 chunks over the two ranks
 }
 
 

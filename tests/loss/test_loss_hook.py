@@ -11,11 +11,14 @@ import torch
 
 from sapo_megatron.algo import TIS, build_policy_loss
 from sapo_megatron.megatron.loss_hook import (
+    IS_WEIGHT_MEAN_KEY,
     LogprobOutput,
     PolicyLossHook,
     add_global_normalisers,
+    global_is_weight_mean,
     global_normalisers,
 )
+from sapo_megatron.model.step_batch import MicroBatch
 
 VOCAB = 50
 LOSSES = {
@@ -276,3 +279,132 @@ def test_distillation_kl_at_temperature_one_ratio_collection_and_the_unit_temper
     both = LogprobOutput(tp_group=None, temperature=0.7, with_unit_temperature=True)(logits, data)
     torch.testing.assert_close(both[0], logp_hot, atol=2e-5, rtol=0)
     torch.testing.assert_close(both[1], logp_t1, atol=2e-5, rtol=0)
+
+
+def test_loglinear_proximal_needs_no_old_policy_pass():
+    """``proximal_logp="loglinear"``: the hook interpolates the proximal log-probs from the engine's and the current
+    ones by each token's staleness – the same loss as the algo loss given that approximation as ``old_logp`` –
+    and reads no ``old_logp``; staleness 0 everywhere makes the proximal policy the behaviour policy."""
+    from sapo_megatron.algo.decoupled import loglinear_proximal_logp
+
+    logits, data = make_batch(seed=3)
+    mask = data["loss_mask"].bool()
+    staleness = torch.where(mask, torch.arange(12).remainder(3).float().expand(6, 12), 0.0)
+    data = {**data, "staleness": staleness}
+    del data["old_logp"]
+    loss_cfg = build_policy_loss({"name": "sapo"})
+    hook = PolicyLossHook(loss_cfg, {"name": "tis", "cap": 2.0}, tp_group=None, proximal_logp="loglinear")
+
+    leaf = logits.clone().requires_grad_()
+    logp, _ = naive_logp(leaf, data["labels"])
+    proximal = loglinear_proximal_logp(torch.nan_to_num(data["rollout_logp"]), logp, staleness)
+    ref_loss, _ = loss_cfg.compute(
+        logp,
+        proximal,
+        data["advantages"],
+        mask,
+        rollout_logp_bt=data["rollout_logp"],
+        correction=TIS(cap=2.0),
+    )
+    ref_loss.backward()
+    total, reduced, grad = run_hook(hook, logits, data, [2, 4])
+    assert total == pytest.approx(float(ref_loss), rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(grad, leaf.grad, atol=1e-7, rtol=1e-5)
+    assert reduced["mismatch/is_weight_mean"] != pytest.approx(1.0, abs=1e-3)  # stale tokens: π_prox ≠ π_b
+
+    _, on_policy, _ = run_hook(hook, logits, {**data, "staleness": torch.zeros(6, 12)}, [6])
+    assert on_policy["mismatch/is_weight_mean"] == pytest.approx(1.0, abs=1e-6)  # π_prox = π_b
+    with pytest.raises(ValueError, match="recompute or loglinear"):
+        PolicyLossHook(loss_cfg, proximal_logp="exact")
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_batch_normalised_rollout_corr_uses_the_whole_batch_mean(level, layout):
+    """``is_batch_normalize``: the step's mean (global_is_weight_mean over every micro-batch, padded or packed)
+    makes the micro-batches' summed loss and gradient those of the whole batch; each micro-batch normalising over
+    itself would not."""
+    logits, data = make_batch(spans=True)
+    data["rollout_logp"] = data["old_logp"] + 6.0 * (
+        data["rollout_logp"] - data["old_logp"]
+    )  # wider mismatch
+    correction = {"name": "rollout_corr", "is_level": level, "is_threshold": 1.2, "is_batch_normalize": True}
+    loss_cfg = build_policy_loss({"name": "grpo"})
+    hook = PolicyLossHook(loss_cfg, correction, tp_group=None, chunk_tokens=7)
+    leaf = logits.clone().requires_grad_()
+    logp, _ = naive_logp(leaf, data["labels"])
+    want, want_metrics = loss_cfg.compute(
+        logp,
+        data["old_logp"],
+        data["advantages"],
+        data["loss_mask"],
+        rollout_logp_bt=data["rollout_logp"],
+        correction=hook.correction,
+    )
+    want.backward()
+    factor = float(want_metrics["rollout_corr/batch_norm_factor"])
+    assert factor != pytest.approx(1.0, abs=1e-2)
+    pieces = (
+        split(data, logits, [1, 2, 3])
+        if layout == "padded"
+        else pack_rows(logits, data, [[0, 1], [2, 3, 4, 5]])
+    )
+    batches = [MicroBatch.of(b) for b in add_global_normalisers([b for _, b in pieces], dp_group=None)]
+    mean = global_is_weight_mean(hook.correction, batches, dp_group=None)
+    assert float(mean) == pytest.approx(factor, rel=1e-6)
+    for normalised in (True, False):
+        total = 0.0
+        for (lg, _), batch in zip(pieces, batches):
+            batch = batch.copy(**({IS_WEIGHT_MEAN_KEY: mean} if normalised else {}))
+            loss, _ = hook(lg.clone().contiguous(), batch)
+            total += float(loss)
+        if normalised:
+            assert total == pytest.approx(want.item(), rel=1e-5, abs=1e-7)
+        else:  # each micro-batch's own mean: another loss
+            assert total != pytest.approx(want.item(), rel=1e-4)
+
+
+def _dp_is_weight_mean(payload):
+    """One data-parallel rank of the two: its part of the batch's rows; the mean over both ranks per correction."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rows = slice(0, 2) if dist.get_rank() == 0 else slice(2, 6)
+    mine = [MicroBatch.of({k: v[rows] for k, v in _wide_mismatch_batch().items()})]
+    return [
+        float(global_is_weight_mean(_correction(correction), mine, dp_group=dist.group.WORLD))
+        for correction in payload
+    ]
+
+
+def _wide_mismatch_batch():
+    _, data = make_batch(spans=True)
+    data["rollout_logp"] = data["old_logp"] + 6.0 * (data["rollout_logp"] - data["old_logp"])
+    return data
+
+
+def _correction(settings):
+    return PolicyLossHook(build_policy_loss({"name": "grpo"}), settings, tp_group=None).correction
+
+
+@pytest.mark.slow
+def test_batch_mean_is_over_every_data_parallel_rank():
+    """Two gloo ranks holding different rows (2 and 4): both get the whole batch's mean, not their own, at the
+    token and the sequence level."""
+    from tests.distributed import run_distributed
+
+    levels = [
+        {"name": "rollout_corr", "is_level": level, "is_threshold": 1.2, "is_batch_normalize": True}
+        for level in ("token", "sequence")
+    ]
+    data = _wide_mismatch_batch()
+    whole = [
+        float(global_is_weight_mean(_correction(c), [MicroBatch.of(data)], dp_group=None)) for c in levels
+    ]
+    head = [MicroBatch.of({k: v[:2] for k, v in data.items()})]
+    for correction, mean in zip(levels, whole):
+        assert float(global_is_weight_mean(_correction(correction), head, dp_group=None)) != pytest.approx(
+            mean, rel=1e-3
+        )  # a rank's own mean differs
+    got = run_distributed("tests.loss.test_loss_hook:_dp_is_weight_mean", 2, levels)
+    assert got == [pytest.approx(whole, rel=1e-9)] * 2

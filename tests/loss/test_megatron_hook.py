@@ -1,6 +1,6 @@
 """The policy loss hook inside Megatron training steps on tiny Qwen3-MoE: the same loss, metrics and updated
-weights (SGD lr 1, so weights compare gradients) in a single process, under TP2+SP, PP2 and DP2, and for 1 vs 4
-micro-batches in every aggregation mode; at ratio 1 SAPO's step equals the plain policy-gradient step; and
+weights (SGD lr 1, so weights compare gradients) in a single process, under TP2+SP, PP2, DP2 and CP2, and for 1 vs
+4 micro-batches and under CP2 in every aggregation mode; at ratio 1 SAPO's step equals the plain policy-gradient step; and
 vocab-parallel log-probs / entropy / gradients under TP2 equal the single-process ones.
 
 Two spawns in all (1 and 2 processes), each running many cases."""
@@ -124,7 +124,10 @@ def two_procs(hf_dir, data, logits_case):
         "tp2-sp": _sapo_case({"tp": 2, "sequence_parallel": True, "micro_batches": 2}),
         "pp2": _sapo_case({"pp": 2, "micro_batches": 4}),
         "dp2": _sapo_case({"micro_batches": 2}),
+        "cp2": _sapo_case({"cp": 2, "micro_batches": 2}),
     }
+    for name, loss in AGG_LOSSES.items():  # context parallelism splits each sequence over the two ranks
+        cases[f"cp2-{name}"] = {"parallel": {"cp": 2, "micro_batches": 1}, "loss": loss}
     results = _spawn(hf_dir, data, 2, list(cases.values()))
     return dict(zip(cases, results))
 
@@ -189,12 +192,19 @@ def test_every_aggregation_mode_is_micro_batch_invariant(single, name):
     assert one["grad_norm"] > 1e-3
 
 
+@pytest.mark.parametrize("name", list(AGG_LOSSES))
+def test_every_aggregation_mode_is_context_parallel_invariant(single, two_procs, name):
+    """CP2: each sequence in 4 chunks over 2 ranks; sequence means, token counts and GSPO's sequence ratios
+    still come out as in one process (the log-probs are gathered back whole before the loss)."""
+    _assert_same_step(single[f"{name}-mb1"], _merge(two_procs[f"cp2-{name}"]))
+
+
 def test_aggregation_modes_differ(single):
     losses = [single[f"{name}-mb1"]["loss"] for name in AGG_LOSSES if name.startswith("sapo")]
     assert len({round(x, 6) for x in losses}) == 3
 
 
-@pytest.mark.parametrize("layout", ["tp2-sp", "pp2", "dp2"])
+@pytest.mark.parametrize("layout", ["tp2-sp", "pp2", "dp2", "cp2"])
 def test_layout_matches_single_process(single, two_procs, layout):
     got = _merge(two_procs[layout])
     _assert_same_step(single["ref"], got)

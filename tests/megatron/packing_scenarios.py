@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from sapo_megatron.megatron.context_parallel import batch_shards, gather_tokens, shard_tokens
 from sapo_megatron.megatron.loss_hook import LogprobOutput, PolicyLossHook
 from sapo_megatron.megatron.parallel import data_parallel_group, rank_info
 from sapo_megatron.megatron.routing_replay import ENGINE_ROUTES, RECORDED_ROUTES, USED_ROUTES
@@ -131,7 +132,10 @@ def _old_logp_pass(engine: TrainEngine, micro: list[dict]) -> dict[str, Any]:
         handle.remove()
     result: dict[str, Any] = {
         "routes": _per_sequence(micro, [b[RECORDED_ROUTES] for b in micro]),
-        "queries": _per_sequence(micro, [q.transpose(0, 1) for q in queries]),
+        # context parallelism: this rank's chunks, gathered back into whole sequences
+        "queries": _per_sequence(
+            micro, [gather_tokens(q.transpose(0, 1), batch_shards(b)) for q, b in zip(queries, micro)]
+        ),
     }
     result["agreement"] = engine.routing_agreement(micro, ENGINE_ROUTES, RECORDED_ROUTES)
     if current is None:  # not the last pipeline stage: the loss runs elsewhere
@@ -162,10 +166,16 @@ def _updates(engine: TrainEngine, micro: list[dict], initial: dict, names: list[
             "metrics": step.metrics,
             "grads": _grads(engine),
             "used": engine.routing_agreement(micro, USED_ROUTES, ENGINE_ROUTES)[0],
-            "router_calls": match_calls(calls, [b[ENGINE_ROUTES] for b in micro]) if replay_key else None,
+            "router_calls": match_calls(calls, _router_sources(micro)) if replay_key else None,
         }
     spy.remove()
     return out
+
+
+def _router_sources(micro: list[dict]) -> list[torch.Tensor]:
+    """The engine's routes of each micro-batch as this rank's routers see its tokens (context parallelism: this
+    rank's chunks of each sequence)."""
+    return [shard_tokens(b[ENGINE_ROUTES], batch_shards(b)) for b in micro]
 
 
 def _sft(engine: TrainEngine, micro: list[dict], initial: dict) -> dict[str, float]:

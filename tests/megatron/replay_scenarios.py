@@ -21,6 +21,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.router_replay import RouterReplay
 
+from sapo_megatron.config import sequence_length_multiple
 from sapo_megatron.megatron.loss_hook import LogprobOutput, add_global_normalisers
 from sapo_megatron.megatron.parallel import data_parallel_group, init_parallel, rank_info
 from sapo_megatron.megatron.routing import agreement_counts, agreement_from_counts
@@ -136,7 +137,7 @@ def rank_micro_batches(
         dp_size=info.dp_size,
         micro_batches=par.micro_batches,
         pad_id=0,
-        length_multiple=par.tp if par.sequence_parallel else 1,
+        length_multiple=sequence_length_multiple(cfg),
         route_layout=layout,
         max_tokens_per_micro_batch=budget,
     )
@@ -430,7 +431,6 @@ def refusals(payload: dict[str, Any]) -> dict[str, Any]:
         ("moe_router_fusion", True),
         ("virtual_pipeline_model_parallel_size", 2),
         ("mtp_num_layers", 1),
-        ("context_parallel_size", 2),
     ):
         config = copy.copy(engine.config)
         setattr(config, field, value)

@@ -1,5 +1,6 @@
 """One training step of tiny Qwen3-MoE / Qwen3 gives the same loss, gradient norm and updated weights in every
-parallel layout as in a single process (2 and 4 processes over gloo)."""
+parallel layout as in a single process (2 and 4 processes over gloo), context parallelism (CP2, CP2 × DP2)
+included."""
 
 from __future__ import annotations
 
@@ -85,8 +86,21 @@ def test_reference_step_learns(reference):
         ("moe", 2, {"micro_batches": 1}),  # pure data parallel, 1 micro-batch of 4 rows per rank
         ("dense", 2, {"tp": 2, "micro_batches": 2}),
         ("moe", 4, {"tp": 2, "ep": 2, "sequence_parallel": True, "micro_batches": 2}),
+        ("moe", 2, {"cp": 2, "micro_batches": 2}),  # context parallelism: each sequence over both ranks
+        ("dense", 2, {"cp": 2, "micro_batches": 2}),
+        ("moe", 4, {"cp": 2, "micro_batches": 2}),  # CP2 × DP2
     ],
-    ids=["moe-tp2-sp", "moe-ep2", "moe-pp2", "moe-dp2", "dense-tp2", "moe-tp2xep2"],
+    ids=[
+        "moe-tp2-sp",
+        "moe-ep2",
+        "moe-pp2",
+        "moe-dp2",
+        "dense-tp2",
+        "moe-tp2xep2",
+        "moe-cp2",
+        "dense-cp2",
+        "moe-cp2xdp2",
+    ],
 )
 def test_layout_matches_single_process(checkpoints, batch, reference, kind, world, parallel):
     _assert_same(reference[kind], _run(checkpoints[kind], batch, world, parallel))

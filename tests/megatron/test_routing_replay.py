@@ -160,7 +160,6 @@ def test_refusals_and_no_state_after_a_failed_step(checkpoints):
     assert "moe_router_fusion" in out["moe_router_fusion"]
     assert "virtual pipeline" in out["virtual_pipeline_model_parallel_size"]
     assert "multi-token prediction" in out["mtp_num_layers"]
-    assert "context parallelism" in out["context_parallel_size"]
 
 
 def test_config_refuses_r3_without_engine_routes_and_replay_without_moe():

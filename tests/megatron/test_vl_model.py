@@ -228,9 +228,9 @@ def test_deepstack_layers_beyond_the_first_pipeline_stage_are_refused(hf_config)
 
     arch = QwenArch.from_hf_dict(hf_config)
     with pytest.raises(ConfigError, match="DeepStack levels must all sit there"):
-        check_vl_layout(arch, pp=2, cp=1, recompute="none")
+        check_vl_layout(arch, pp=2, recompute="none")
     check_vl_layout(
-        QwenArch.from_hf_dict(tiny_vl_hf_config(text={"num_hidden_layers": 6})), pp=2, cp=1, recompute="none"
+        QwenArch.from_hf_dict(tiny_vl_hf_config(text={"num_hidden_layers": 6})), pp=2, recompute="none"
     )
 
 

@@ -1,6 +1,7 @@
 """Qwen3-VL-MoE under parallel layouts (2 and 4 processes over gloo): the logits on text + image rows equal
 transformers', and one SFT step gives the loss, gradient norm and updated weights (vision tower included) of a
-single process, in TP2+SP, EP2, PP2 and TP2×EP2."""
+single process, in TP2+SP, EP2, PP2, TP2×EP2 and CP2 (each sequence in 4 chunks over 2 ranks: the 3-D MRoPE
+positions, image tokens and DeepStack rows follow the chunks)."""
 
 from __future__ import annotations
 
@@ -31,11 +32,10 @@ def hf_dir(tmp_path_factory):
 def batch():
     arch = QwenArch.from_hf_dict(tiny_vl_hf_config(text=TEXT))
     out = vl_batch(arch, ROWS, seed=6)
-    if (
-        out["input_ids"].shape[1] - 1
-    ) % 2:  # sequence parallelism splits the inputs (width - 1) over TP ranks
-        out["input_ids"] = torch.nn.functional.pad(out["input_ids"], (0, 1))
-        out["attention_mask"] = torch.nn.functional.pad(out["attention_mask"], (0, 1))
+    # the inputs (width - 1) split over 2 TP ranks (sequence parallelism) and into 4 chunks (CP2)
+    extra = -(out["input_ids"].shape[1] - 1) % 4
+    for key in ("input_ids", "attention_mask", "mm_token_type_ids"):
+        out[key] = torch.nn.functional.pad(out[key], (0, extra))
     return out
 
 
@@ -87,8 +87,9 @@ def test_single_process_matches_transformers_and_learns(reference, hf_logits, ba
         (2, {"ep": 2, "micro_batches": 2}),
         (2, {"pp": 2, "micro_batches": 2}),
         (4, {"tp": 2, "ep": 2, "sequence_parallel": True, "micro_batches": 2}),
+        (2, {"cp": 2, "micro_batches": 2}),
     ],
-    ids=["tp2-sp", "ep2", "pp2", "tp2xep2"],
+    ids=["tp2-sp", "ep2", "pp2", "tp2xep2", "cp2"],
 )
 def test_layout_matches_transformers_and_single_process(hf_dir, batch, hf_logits, reference, world, parallel):
     ref_step, ref_weights, _ = reference

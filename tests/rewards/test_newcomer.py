@@ -80,3 +80,21 @@ def test_a_weighted_list_of_rewards_with_per_function_metrics(tmp_path):
     raw["algorithm"] = {"reward": ["numeric_match", "no_such_reward"]}
     with pytest.raises(ConfigError, match=r"algorithm\.reward\[1\]"):
         build_reward_runner(config_from_dict(raw).algorithm.reward)
+
+
+def test_a_weighted_reward_list_reads_as_a_sum_in_messages():
+    """The dry run's eval line printed the list's Python repr (``[..., WeightedReward(reward=..., weight=0.5,
+    name=None, kwargs={})]``; found re-timing the TRL user's path); it reads as the sum now."""
+    from sapo_megatron.algo.config import AlgorithmConfig, reward_label
+
+    algo = AlgorithmConfig.model_validate(
+        {
+            "reward": [
+                "r.py:accuracy",
+                {"reward": "r.py:fmt", "weight": 0.5},
+                {"reward": {"url": "http://h:1"}},
+            ]
+        }
+    )
+    assert reward_label(algo.reward) == "r.py:accuracy + 0.5 × r.py:fmt + http://h:1"
+    assert reward_label("numeric_match") == "numeric_match"

@@ -44,7 +44,7 @@ def test_custom_reward_file_in_the_pool_trains(tmp_path, monkeypatch):
             "algorithm.reward": f"{tmp_path}/my_reward.py:reward",
             "algorithm.reward_workers": 1,
             "algorithm.reward_timeout_s": 20,
-            "trainer.async_rollout": True,  # the pool is driven from the rollout thread, evaluation from the main one
+            "trainer.rollout_mode": "one_step_off",  # the pool is driven from the rollout thread, evaluation from the main one
         },
     )
     train(config)

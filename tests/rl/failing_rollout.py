@@ -1,5 +1,5 @@
 """Run ``sapo-megatron`` with the rollout of one RL step failing on the main rank, as a lost rollout engine would:
-``SAPO_TEST_ROLLOUT_FAIL_AT=<0-based RL step>``. Under ``trainer.async_rollout`` that rollout runs in the
+``SAPO_TEST_ROLLOUT_FAIL_AT=<0-based RL step>``. Under ``trainer.rollout_mode: one_step_off`` that rollout runs in the
 background thread, during the step before."""
 
 from __future__ import annotations
@@ -16,12 +16,12 @@ def install() -> None:
     fail_at = int(os.environ["SAPO_TEST_ROLLOUT_FAIL_AT"])
     rollout = trainer._rollout
 
-    def failing_rollout(session, prompts, step):
+    def failing_rollout(session, prompts, step, groups):
         if step == fail_at:
             error = RolloutError(f"injected: the rollout engine went away generating step {step}")
             error.hint = "restart it"
             raise error
-        return rollout(session, prompts, step)
+        return rollout(session, prompts, step, groups)
 
     trainer._rollout = failing_rollout
 

@@ -1,4 +1,4 @@
-"""``trainer.async_rollout`` end to end (real ``sapo-megatron train`` processes, in-process fp32 CPU engine): every
+"""``trainer.rollout_mode: one_step_off`` end to end (real ``sapo-megatron train`` processes, in-process fp32 CPU engine): every
 batch after the first is one weight version stale and the engine's log-probs show it, held-out accuracy still
 rises, SIGINT with a batch in flight then ``--resume`` equals the uninterrupted run (the trainer's numbers bitwise,
 the engine's log-probs to 1e-6), and a rollout that
@@ -55,7 +55,7 @@ def config_for(tmp_path: Path, problems: dict[str, str], **overrides) -> Path:
         "rollout.temperature": 0.7,
         "trainer.steps": 20,
         "eval.every": 10,
-        "trainer.async_rollout": True,
+        "trainer.rollout_mode": "one_step_off",
         "trainer.export_hf": False,
         "trainer.log_samples_every": 1,
         **overrides,

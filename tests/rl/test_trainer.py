@@ -49,6 +49,12 @@ def write_config(path: Path, data_files: dict[str, str], **overrides) -> Path:
     return path
 
 
+def _without_native_frames(stderr: str) -> str:
+    """stderr without torch's C++ stack frames (``frame #N: ...``), which otherwise fill the failure message and
+    hide the Python error that caused them (CI once showed only a rank's rendezvous frames)."""
+    return "\n".join(line for line in stderr.splitlines() if not line.lstrip().startswith("frame #"))
+
+
 def run_cli(
     entry: list[str], *args: str, env: dict[str, str] | None = None, exit_code: int = 0, timeout: int = 600
 ) -> subprocess.CompletedProcess:
@@ -62,7 +68,7 @@ def run_cli(
         env={**os.environ, **(env or {})},
         check=False,
     )
-    assert proc.returncode == exit_code, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == exit_code, proc.stdout[-3000:] + _without_native_frames(proc.stderr)[-6000:]
     return proc
 
 

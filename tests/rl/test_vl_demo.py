@@ -52,3 +52,14 @@ def test_the_vl_demo_config_runs_end_to_end(tmp_path):
         json.loads(line) for line in (run / "eval" / "step_000002" / "samples.jsonl").read_text().splitlines()
     ]
     assert len(samples) == 8 and all(s["source"] == "name_colour" for s in samples)
+
+    # the run folder re-evaluates to its own last evaluation, response for response. Failed before the fused-expert
+    # fix (issue 38: 1 of 192 identical): the demo's hidden 64 = expert size 64 made transformers load the export's
+    # down_proj untransposed, while the run's engine had its weights by tensor sync
+    from sapo_megatron.cli import main
+
+    again = tmp_path / "again"
+    assert main(["eval", "--model", str(run), "--output-dir", str(again)]) == 0
+    rerun = [json.loads(line) for line in (again / "samples.jsonl").read_text().splitlines()]
+    assert [s["response"] for s in rerun] == [s["response"] for s in samples]
+    assert json.loads((again / "eval.json").read_text())["datasets"] == summary["eval"]["datasets"]

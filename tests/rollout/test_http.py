@@ -176,7 +176,7 @@ def test_module_entry_point_serves(moe_dir):
     import sys
     import time
 
-    from sapo_megatron.cli import free_port
+    from tests.ports import free_port
 
     port = free_port()
     command = [

@@ -11,11 +11,11 @@ import time
 import httpx
 import pytest
 
-from sapo_megatron.cli import free_port
 from sapo_megatron.rollout.base import RolloutError
 from sapo_megatron.rollout.sglang.client import SGLangClient
 from sapo_megatron.rollout.sglang.topology import list_router_workers, resolve_topology
 from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
+from tests.ports import free_port
 from tests.rollout.conftest import NUM_LAYERS, TOP_K
 from tests.rollout.server_process import ServerProcess
 from tests.servers import cpu_server, router

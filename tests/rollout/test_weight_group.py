@@ -6,7 +6,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from sapo_megatron.cli import free_port
 from sapo_megatron.rollout.weight_group import (
     WeightGroupError,
     broadcast_bucket,
@@ -15,6 +14,7 @@ from sapo_megatron.rollout.weight_group import (
     parse_dtype,
     tensor_metadata,
 )
+from tests.ports import free_port
 
 
 @pytest.mark.parametrize(

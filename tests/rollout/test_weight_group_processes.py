@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from sapo_megatron.cli import free_port
 from sapo_megatron.rollout.tensor_transport import serialize_named_tensors
+from tests.ports import free_port
 from tests.rollout.conftest import load, reference_logprobs
 from tests.rollout.server_process import REPO_ROOT, ServerProcess, child_env
 

@@ -20,8 +20,8 @@ import pytest
 import torch
 import transformers
 
-from sapo_megatron.cli import free_port
 from sapo_megatron.rollout.sglang.client import SGLangClient
+from tests.ports import free_port
 from tests.servers import ServerStartError, cpu_server, process, save_demo_model
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

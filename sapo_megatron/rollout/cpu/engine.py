@@ -497,6 +497,7 @@ def _load_model(model_dir: str | Path) -> PreTrainedModel:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.utils import logging as hf_logging
 
+    from sapo_megatron.checkpoint.fused_experts import transpose_square_hub_experts
     from sapo_megatron.checkpoint.hf_io import check_safetensors_complete
 
     path = Path(model_dir)
@@ -507,8 +508,8 @@ def _load_model(model_dir: str | Path) -> PreTrainedModel:
     hf_logging.disable_progress_bar()  # transformers 5 draws a "Loading weights" bar for a local load
     vision = getattr(AutoConfig.from_pretrained(path), "vision_config", None) is not None
     auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
-    try:
-        return auto.from_pretrained(path, dtype=torch.float32).eval()
+    try:  # a hub-layout VL-MoE with H = I (or 2I) loads with experts transformers left untransposed
+        return transpose_square_hub_experts(auto.from_pretrained(path, dtype=torch.float32).eval(), path)
     finally:
         if bar_was_on:
             hf_logging.enable_progress_bar()

@@ -109,3 +109,39 @@ def test_the_dry_run_says_when_max_new_tokens_cuts_the_first_tool_call(tmp_path,
     (tmp_path / "run.yaml").write_text(json.dumps(raw))
     assert main(["train", str(tmp_path / "run.yaml"), "--dry-run"]) == 0
     assert "tool calls OK" in capsys.readouterr().out
+
+
+def test_the_auto_context_holds_the_sft_sequences_and_a_fixed_one_is_checked(tmp_path, capsys):
+    """Fails on 3855bb6 and before this test: the auto context counted prompts + max_new_tokens only (64 here)
+    while SFT trained 117-token sequences past it without a word. Now auto sizing holds the longest SFT sequence
+    (a messages-form target too), and a fixed context below it stops the dry run (and train, before SFT) in one
+    line."""
+    import json
+
+    from sapo_megatron.cli import main
+
+    call = '<tool_call>\n{"name": "python", "arguments": {"code": "print(sum(range(1, 101)) * 37 + 12345 - 678)"}}\n</tool_call>'
+    conversation = [
+        {"role": "assistant", "content": call},
+        {"role": "tool", "content": "5050"},
+        {"role": "assistant", "content": "\\boxed{5050}"},
+    ]
+    rows = [
+        {"prompt": [{"role": "user", "content": f"Q{i}?"}], "ground_truth": "1", "response": conversation}
+        for i in range(4)
+    ]
+    raw = _raw(tmp_path)
+    raw["data"].update(train=str(write_jsonl(tmp_path / "t.jsonl", rows)), response_key="response")
+    cfg = config_from_dict(raw)
+    data = build_run_data(cfg, tools=prompt_tool_schemas(cfg.rollout.multi_turn))
+    from sapo_megatron.rollout.episodes.warm_start import ConversationTargets
+
+    targets = ConversationTargets(data.renderer, None, {})
+    longest = max(sum(map(len, targets.ids(row)[:2])) for row in data.train_rows)
+    assert longest > 64 + 40  # the prompts (+ max_new_tokens) alone gave a 64-token context
+    assert cfg.model.arch.max_position_embeddings == -(-longest // 64) * 64
+    raw["model"]["hf_config"] = {**cfg.model.hf_config, "max_position_embeddings": 128}
+    (tmp_path / "run.yaml").write_text(json.dumps(raw))
+    assert main(["train", str(tmp_path / "run.yaml"), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert f"the SFT sequences run to {longest} tokens" in err and "max_position_embeddings=128" in err
