@@ -121,7 +121,7 @@ class RolloutEngine(abc.ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} has no NCCL weight-sync path")
 
-    def pause_generation(self, mode: str = "retract") -> None:
+    def pause_generation(self, mode: str = "in_place") -> None:
         """Stop generating for a weight update, like SGLang's ``/pause_generation``: ``abort`` cuts running
         samples short (a client continues them after :meth:`continue_generation`), ``in_place`` keeps them with
         their cache, ``retract`` keeps their tokens and recomputes the cache with the new weights. Samples that span

@@ -119,3 +119,20 @@ def test_pause_refuses_an_unknown_mode_before_sending(moe_dir):
     with pytest.raises(ValueError, match="mode 'freeze' is not one of"):
         client.pause_generation("freeze")
     assert not client.fleet.pause.paused
+
+
+def test_the_default_pause_is_in_place_and_skips_the_flush_while_held(moe_dir, moe_dir_b):
+    server = slow_server(moe_dir)
+    client = SGLangClient([server.url], max_retries=0)
+    try:
+        client.pause_generation()
+        assert server.engine.pause_gate.mode == "in_place" and client.fleet.pause.mode == "in_place"
+        client.update_weights_from_disk(
+            str(moe_dir_b)
+        )  # flush_cache=True is skipped: held requests refuse it
+        assert server.engine.weight_version == 1 and server.weights.weight_version == "1"
+        client.continue_generation()
+        assert server.engine.pause_gate.mode is None and not client.fleet.pause.paused
+    finally:
+        client.close()
+        server.stop()

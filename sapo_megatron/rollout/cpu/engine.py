@@ -349,7 +349,7 @@ class CPUEngine(RolloutEngine):
             raise ValueError(f"weight {name} has shape {list(shape)}, the model expects {list(target.shape)}")
         return param_name, target
 
-    def pause_generation(self, mode: str = "retract", timeout_s: float | None = None) -> None:
+    def pause_generation(self, mode: str = "in_place", timeout_s: float | None = None) -> None:
         """Pause generation like SGLang's ``/pause_generation`` (see :mod:`.pause`): ``abort`` finishes running
         rows now, ``in_place`` keeps them and their cache, ``retract`` drops the cache and prefills again with the
         weights of the continue. Weight updates are allowed while paused; returns once no forward runs."""

@@ -188,7 +188,7 @@ class SGLangClient(RolloutEngine):
         """The workers that acknowledged every call since the last update become the current ones; then flush."""
         self.control.finish_weight_update(flush_cache=flush_cache)
 
-    def pause_generation(self, mode: str = "retract", *, timeout_s: float = 300.0) -> None:
+    def pause_generation(self, mode: str = "in_place", *, timeout_s: float = 300.0) -> None:
         self.control.pause_generation(mode, timeout_s=timeout_s)
 
     def continue_generation(self, *, timeout_s: float = 300.0) -> None:

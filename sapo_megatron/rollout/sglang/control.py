@@ -214,7 +214,7 @@ class ControlPlane:
             self.flush_cache()
 
     # ------------------------------------------------------------------ pause / continue (see pausing.py)
-    def pause_generation(self, mode: str = "retract", *, timeout_s: float = 300.0) -> None:
+    def pause_generation(self, mode: str = "in_place", *, timeout_s: float = 300.0) -> None:
         """``POST /pause_generation {mode}`` on every worker (abort | retract | in_place); weights may then be
         updated. A worker that does not answer within ``timeout_s`` or is unreachable fails the pause with one
         error naming it (:class:`~.errors.Unavailable`); a stop signal cuts the wait short."""
