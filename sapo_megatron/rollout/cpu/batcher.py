@@ -54,17 +54,16 @@ class Batcher:
         self._thread.join(timeout=30)
 
     def _loop(self) -> None:
-        held: list[_Item] = []
+        held: list[_Item | None] = []
         while True:
             item = held.pop(0) if held else self._queue.get()
             if item is None:
+                for stale in held:
+                    if stale is not None:
+                        stale.future.set_exception(RuntimeError("server stopped"))
                 break
             if self.engine.pause_gate.paused:
-                held = self._hold([item, *held])
-                if held and held[-1] is None:
-                    for stale in held[:-1]:
-                        stale.future.set_exception(RuntimeError("server stopped"))
-                    break
+                held = self._hold([item, *held])  # a trailing None (stop) is popped last, above
                 continue
             items = [item]
             deadline = time.monotonic() + self.window_s
@@ -92,12 +91,12 @@ class Batcher:
             if item is not None:
                 item.future.set_exception(RuntimeError("server stopped"))
 
-    def _hold(self, items: list[_Item]) -> list:
+    def _hold(self, items: list[_Item | None]) -> list[_Item | None]:
         """While paused: abort the items queued before an abort pause, keep the others (and newcomers) for after
         ``continue_generation``. A trailing None means the server stops."""
         gate = self.engine.pause_gate
         while True:
-            kept = []
+            kept: list[_Item | None] = []
             for item in items:
                 if item is not None and item.epoch < gate.abort_epoch:
                     item.future.set_result([_aborted() for _ in item.rows])

@@ -87,7 +87,10 @@ class PauseGate:
             self.mode = None
             self._cond.notify_all()
 
-    def wait_running(self, timeout_s: float) -> bool:
+    def _mode_now(self) -> PauseMode | None:
+        return self.mode  # read again after a wait (another thread sets it)
+
+    def wait_running(self, timeout_s: float | None) -> bool:
         """Wait up to ``timeout_s`` for generation to be allowed; True when it is."""
         with self._cond:
             return self._cond.wait_for(lambda: self.mode is None, timeout=timeout_s)
@@ -134,10 +137,10 @@ class PauseGate:
             self._cond.notify_all()
         try:
             with unlocked(), self._cond:
-                while self.mode is not None and self.mode != "abort":
-                    seen.add(self.mode)
+                while (mode := self._mode_now()) is not None and mode != "abort":
+                    seen.add(mode)
                     self._cond.wait()
-                if self.mode == "abort":
+                if self._mode_now() == "abort":
                     return "abort"
         finally:
             with self._cond:
