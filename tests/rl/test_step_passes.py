@@ -19,7 +19,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_the_passes_are_registered_in_order():
     names = [f.__name__ for f in trainer.STEP_PASSES]
-    assert names == ["staleness", "old_policy", "routing_agreement", "reference", "teacher_fusion"]
+    assert names == [
+        "staleness",
+        "old_policy",
+        "routing_agreement",
+        "reference",
+        "teacher_fusion",
+        "rollout_corr_norm",
+    ]
 
 
 @pytest.mark.slow
