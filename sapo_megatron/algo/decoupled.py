@@ -87,3 +87,19 @@ def staleness_metrics(per_sample: Sequence[Sequence[int]], buckets: int) -> Metr
     for k in range(buckets + 1):
         metrics.add(f"staleness/tokens_{k}", float((capped == k).double().mean()), Reduce.TOKEN_MEAN)
     return metrics
+
+
+def partial_sample_metrics(per_sample_versions: Sequence[Sequence[int]]) -> MetricSet:
+    """Partial rollouts among the trained samples, ``per_sample_versions[i]`` the policy version of each response
+    token of sample ``i``: ``async/partial_samples_frac`` (the share of samples whose tokens come from more than one
+    version: they spanned a weight update) and ``async/partial_tokens_frac`` (the share of tokens of such
+    samples that a later version made than the sample's first token)."""
+    metrics = MetricSet()
+    samples = [list(v) for v in per_sample_versions if len(v)]
+    if not samples:
+        return metrics
+    partial = [len(set(v)) > 1 for v in samples]
+    later = sum(sum(1 for x in v if x > v[0]) for v in samples)
+    metrics.add("async/partial_samples_frac", sum(partial) / len(samples), Reduce.SEQUENCE_MEAN)
+    metrics.add("async/partial_tokens_frac", later / sum(len(v) for v in samples), Reduce.TOKEN_MEAN)
+    return metrics

@@ -76,6 +76,12 @@ class TrainerConfig(Section):
         description="fully_async without a thread: generation happens at fixed points (before each step, up to "
         "the staleness bound), so staleness numbers are exact (tests, benchmarks of the schedule)",
     )
+    pause_mode: Literal["in_place", "retract", "abort", "none"] = Field(
+        default="in_place",
+        description="fully_async: a weight update that would wait for the chunk in flight pauses the engine in this "
+        "mode (SGLang's /pause_generation), syncs and continues; samples spanning it carry per-token versions. "
+        "none: wait for the chunk in flight (whole samples)",
+    )
     export_hf: bool = Field(default=True, description="write an HF checkpoint at the end")
     log_ref_kl: bool = Field(
         default=False,

@@ -8,9 +8,12 @@ generation started; each response token carries a version (``Sample.token_versio
 them for partial rollouts, else the group's). At RL step ``v`` (the trainer's weights are version ``v``) the
 trainer takes the oldest ``prompts_per_step`` groups whose tokens are at most ``trainer.max_staleness`` versions
 behind; an older group is dropped (``trainer.stale_groups: drop``) or trained all the same with
-``algorithm.correction`` weighting its tokens by ``π_prox / π_b`` (``correct``). The weight update after the step
-waits for the chunk in flight (the engine API generates whole samples; pausing mid-sample comes with
-``/pause_generation``) and bumps the version.
+``algorithm.correction`` weighting its tokens by ``π_prox / π_b`` (``correct``). A weight update after the step
+that would wait for the chunk in flight pauses the engine instead (``trainer.pause_mode``, SGLang's
+``/pause_generation``), syncs, and continues: the samples in flight span the update and come back with per-token
+versions (partial rollouts). The engine counts its weights its own way (every update, bucket or initial sync);
+the pipeline maps each engine version to the trainer's policy version that it served. ``pause_mode: none`` waits
+for the chunk in flight (whole samples).
 
 ``trainer.fully_async_deterministic``: no thread – before each step the producer fills the buffer, chunk after
 chunk, at the current version. Staleness then follows from counts alone (tests assert exact numbers).
@@ -38,6 +41,7 @@ from typing import Any
 
 import torch
 
+from sapo_megatron.algo.decoupled import partial_sample_metrics
 from sapo_megatron.data.prompts import PromptIterator
 from sapo_megatron.errors import UserError
 from sapo_megatron.loop.pipeline import RolloutPipeline, _pack, _unpack, sequence_staleness, with_versions
@@ -86,6 +90,7 @@ class AsyncSettings:
     capacity: int  # groups the buffer holds at most
     total_steps: int
     deterministic: bool
+    pause_mode: str = "none"  # in_place | retract | abort | none
 
 
 class FullyAsyncPipeline:
@@ -118,6 +123,9 @@ class FullyAsyncPipeline:
         self._thread: threading.Thread | None = None
         self._gen_idle = 0.0
         self._trainer_idle = 0.0
+        self._labels: dict[int, int] = {}  # engine weight version -> the policy version it served
+        if session.info.is_main:
+            self._label()
         checkpoint = session.start.checkpoint
         if session.start.resume and checkpoint is not None:
             on_main_rank(session.info, lambda: self._load(Path(checkpoint.path)))
@@ -139,12 +147,13 @@ class FullyAsyncPipeline:
             self.trainer_version - self.version < self.settings.max_staleness and not self._engine_needed()
         )
         start = time.perf_counter()
-        locked = on_main_rank(self.session.info, lambda: self._lock_engine(wait=not may_defer))
-        if not locked:
+        how = on_main_rank(self.session.info, lambda: self._lock_engine(wait=not may_defer))
+        if how == "deferred":
             return {
                 "weight_sync/deferred": 1.0,
                 "async/engine_lag": float(self.trainer_version - self.version),
             }
+        paused = how == "paused"
         try:
             self._trainer_idle += time.perf_counter() - start
             try:
@@ -155,13 +164,53 @@ class FullyAsyncPipeline:
                 metrics = {"weight_sync/interrupted": 1.0}
             with self._cond:
                 self.version = self.trainer_version
+                if self.session.info.is_main:
+                    self._label()
         finally:
             if self.session.info.is_main:
-                self._engine.release()
+                if paused:
+                    self._rollout().continue_generation()
+                else:
+                    self._engine.release()
             with self._cond:
                 self._push_pending = False
                 self._cond.notify_all()
-        return {**metrics, "weight_sync/deferred": 0.0, "async/engine_lag": 0.0}
+        return {
+            **metrics,
+            "weight_sync/deferred": 0.0,
+            "weight_sync/paused": float(paused),
+            "async/engine_lag": 0.0,
+        }
+
+    def _rollout(self) -> Any:
+        if self.session.rollout is None:
+            raise RuntimeError(
+                "the fully-async pipeline runs on the main rank, which holds the rollout engine"
+            )
+        return self.session.rollout
+
+    def _label(self) -> None:
+        """Main rank: the engine's weights now are the policy version ``self.version``."""
+        served = self._rollout().served_weight_version() if self.session.rollout is not None else None
+        if served is not None:
+            self._labels[served] = self.version
+
+    def _policy_versions(self, sequences: list[TrainSequence]) -> list[TrainSequence]:
+        """The engine's per-token versions (partial rollouts) as policy versions (an engine version seen by no
+        label – none is, since generation is paused while a sync counts up – takes the latest label before it)."""
+        with self._cond:
+            labels = sorted(self._labels.items())
+
+        def policy(engine_version: int) -> int:
+            known = [v for e, v in labels if e <= engine_version]
+            if not known:
+                raise RuntimeError(f"engine weight version {engine_version} predates the run's first label")
+            return known[-1]
+
+        return [
+            s if s.versions is None else dataclasses.replace(s, versions=[policy(v) for v in s.versions])
+            for s in sequences
+        ]
 
     def _engine_needed(self) -> bool:
         """The engine must hold the trainer's weights after this step: the last one, or one evaluated after it."""
@@ -169,17 +218,21 @@ class FullyAsyncPipeline:
         step = self.trainer_version
         return step >= self.settings.total_steps or (bool(every) and step % every == 0)
 
-    def _lock_engine(self, *, wait: bool) -> bool:
-        """Main rank: take the engine for a weight update (waiting for the chunk in flight when ``wait``); while
-        it waits, the producer starts no further chunk (the lock is not fair)."""
+    def _lock_engine(self, *, wait: bool) -> str:
+        """Main rank: take the engine for a weight update – ``locked`` (no chunk in flight, or after waiting for
+        it), ``paused`` (the chunk in flight paused in ``pause_mode``) or ``deferred`` (``wait`` false); while it
+        waits or pauses, the producer starts no further chunk (the lock is not fair)."""
         if self._engine.acquire(blocking=False):
-            return True
+            return "locked"
         if not wait:
-            return False
+            return "deferred"
         with self._cond:
             self._push_pending = True
+        if self.settings.pause_mode != "none" and self._rollout().served_weight_version() is not None:
+            self._rollout().pause_generation(self.settings.pause_mode)
+            return "paused"
         self._engine.acquire()
-        return True
+        return "locked"
 
     # -- the trainer's side (main rank) -----------------------------------------------------------------
 
@@ -223,6 +276,8 @@ class FullyAsyncPipeline:
         metrics = _mean_metrics([group.metrics for group in taken])
         trained = [s for group in taken for s in group.sequences]
         metrics.update(sequence_staleness(trained, step, buckets=max(self.settings.max_staleness, 1)))
+        partial = partial_sample_metrics([s.versions or () for s in trained])
+        metrics.update({name: float(value) for name, value in partial.items()})
         metrics["rollout/staleness"] = float(sum(g.staleness(step) for g in taken) / max(len(taken), 1))
         metrics["async/stale_dropped_groups"] = float(dropped)
         metrics["async/stale_dropped_frac"] = dropped / (dropped + len(taken))
@@ -284,7 +339,8 @@ class FullyAsyncPipeline:
                 self._gen_idle += time.perf_counter() - waited
                 version = self.version
                 sequences, metrics, _ = self._generate(index, groups)
-            sequences, n = with_versions(sequences, version), self.settings.n_samples
+            sequences = with_versions(self._policy_versions(sequences), version)
+            n = self.settings.n_samples
             finished = [Group(sequences[g : g + n], version, metrics) for g in range(0, len(sequences), n)]
         finally:  # a failed chunk is no longer in flight either: a checkpoint must not wait for it
             with self._cond:
@@ -396,6 +452,7 @@ def async_settings(cfg: Any) -> AsyncSettings:
         capacity=trainer.async_buffer_groups or (trainer.max_staleness + 1) * per_step,
         total_steps=trainer.steps,
         deterministic=trainer.fully_async_deterministic,
+        pause_mode=trainer.pause_mode,
     )
 
 

@@ -131,6 +131,11 @@ class RolloutEngine(abc.ABC):
     def continue_generation(self) -> None:
         raise NotImplementedError(f"{type(self).__name__} cannot pause generation")
 
+    def served_weight_version(self) -> int | None:
+        """The number of the weights served now, as the engine counts them in ``Sample.token_versions``; None when
+        the engine does not report per-token versions."""
+        return None
+
     @abc.abstractmethod
     def flush_cache(self) -> None:
         """Drop cached prefixes (after a weight change they belong to the old policy)."""

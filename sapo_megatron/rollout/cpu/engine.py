@@ -227,6 +227,7 @@ class CPUEngine(RolloutEngine):
         ]
         for req, row in zip((r for r in requests for _ in range(r.n)), rows):
             self._check_prompt(req, row)
+        start = self.weight_version  # a sample made (partly) with later weights reports its versions
         results = iter(self.generate_rows(rows))
         samples: list[list[Sample]] = []
         for req in requests:
@@ -243,7 +244,7 @@ class CPUEngine(RolloutEngine):
                         finish_reason=res.finish_reason,
                         routed_experts=res.routed_experts,
                         routed_experts_start=req.routed_experts_start,
-                        token_versions=res.token_versions if len(set(res.token_versions)) > 1 else None,
+                        token_versions=res.token_versions if set(res.token_versions) - {start} else None,
                     )
                 )
             samples.append(group)
@@ -357,6 +358,9 @@ class CPUEngine(RolloutEngine):
 
     def continue_generation(self) -> None:
         self.pause_gate.resume()
+
+    def served_weight_version(self) -> int:
+        return self.weight_version
 
     def pause_after(self, tokens: int, mode: str, during: Callable[[], None]) -> None:
         """Deterministic pause: the next batch that has sampled ``tokens`` tokens pauses in ``mode``, runs

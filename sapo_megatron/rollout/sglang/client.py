@@ -194,6 +194,9 @@ class SGLangClient(RolloutEngine):
     def continue_generation(self, *, timeout_s: float = 300.0) -> None:
         self.control.continue_generation(timeout_s=timeout_s)
 
+    def served_weight_version(self) -> int:
+        return self.fleet.weight_version
+
     def flush_cache(self) -> None:
         self.control.flush_cache()
 
