@@ -104,6 +104,7 @@ def run_arm(name: str, client, draws: list[int], args) -> dict[str, float]:
         start=SimpleNamespace(resume=False, checkpoint=None),
         checkpointer=None,
         sync=SimpleNamespace(push=SimulatedSync(args.sync_s).push),
+        rollout=None,  # the simulated sync changes no weights: updates wait for the chunk in flight (no pause)
     )
     generate = make_generate(client, draws, args)
     if name.startswith("fully_async"):

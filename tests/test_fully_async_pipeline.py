@@ -22,6 +22,7 @@ def session(pushes: list[int]) -> SimpleNamespace:
         start=SimpleNamespace(resume=False, checkpoint=None),
         checkpointer=None,
         sync=SimpleNamespace(push=lambda module: pushes.append(1) or {}),
+        rollout=None,  # no engine: updates wait for the chunk in flight
     )
 
 

@@ -189,17 +189,24 @@ class FullyAsyncPipeline:
             )
         return self.session.rollout
 
+    def _served(self) -> int | None:
+        """Main rank: the engine's own number of the weights it serves (None: it reports no per-token versions)."""
+        return None if self.session.rollout is None else self.session.rollout.served_weight_version()
+
     def _label(self) -> None:
-        """Main rank: the engine's weights now are the policy version ``self.version``."""
-        served = self._rollout().served_weight_version() if self.session.rollout is not None else None
+        """Main rank: the engine's weights now are the policy version ``self.version`` (a push that left the
+        engine's number as it was changed nothing there: its tokens keep the older label)."""
+        served = self._served()
         if served is not None:
-            self._labels[served] = self.version
+            self._labels.setdefault(served, self.version)
 
     def _policy_versions(self, sequences: list[TrainSequence]) -> list[TrainSequence]:
         """The engine's per-token versions (partial rollouts) as policy versions (an engine version seen by no
         label – none is, since generation is paused while a sync counts up – takes the latest label before it)."""
         with self._cond:
             labels = sorted(self._labels.items())
+        if not labels:  # an engine that reports no number: its versions are taken as they are
+            return sequences
 
         def policy(engine_version: int) -> int:
             known = [v for e, v in labels if e <= engine_version]
@@ -228,7 +235,7 @@ class FullyAsyncPipeline:
             return "deferred"
         with self._cond:
             self._push_pending = True
-        if self.settings.pause_mode != "none" and self._rollout().served_weight_version() is not None:
+        if self.settings.pause_mode != "none" and self._served() is not None:
             self._rollout().pause_generation(self.settings.pause_mode)
             return "paused"
         self._engine.acquire()

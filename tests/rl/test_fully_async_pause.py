@@ -113,11 +113,13 @@ def run_two_steps(mode: str) -> tuple[list[list[TrainSequence]], list[dict[str, 
     return batches, metrics, engine
 
 
-@pytest.mark.parametrize("mode", ["in_place", "retract"])
+@pytest.mark.parametrize("mode", ["in_place", "retract", "abort"])
 def test_a_sample_in_flight_spans_the_update_with_policy_versions(mode):
     batches, metrics, engine = run_two_steps(mode)
     assert engine.pause_gate.pauses == 1 and not engine.pause_gate.paused
     assert engine.weight_version == 6  # initial sync + two pushes, two buckets each
+    # abort: the cut samples come back, are continued after the update, and are counted
+    assert engine.metrics()["rollout/partial_samples"] == (2.0 if mode == "abort" else 0.0)
     # step 0 trains chunk 0, made whole at version 0; step 1 the chunk the update cut
     assert [list(s.versions) for s in batches[0]] == [[0] * NEW_TOKENS] * 2
     split = [0] * OLD + [1] * (NEW_TOKENS - OLD)

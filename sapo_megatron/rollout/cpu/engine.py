@@ -55,6 +55,7 @@ from sapo_megatron.rollout.base import (  # ContextLengthError: also importable 
 from sapo_megatron.rollout.cpu.decode import BatchDecode, RowResult, RowSpec  # re-exported
 from sapo_megatron.rollout.cpu.pause import PAUSE_MODES, PauseGate, PauseMode, ScriptedPause
 from sapo_megatron.rollout.cpu.vision import EngineVision, is_vision_model
+from sapo_megatron.rollout.partial import continuation_request, splice
 from sapo_megatron.rollout.precision import EngineNumerics
 from sapo_megatron.rollout.types import (
     GenerationRequest,
@@ -168,7 +169,11 @@ class CPUEngine(RolloutEngine):
         self._lock = threading.RLock()
         self.pause_gate = PauseGate()
         self._closed = False
-        self._counters = {"rollout/samples": 0.0, "rollout/generated_tokens": 0.0}
+        self._counters = {
+            "rollout/samples": 0.0,
+            "rollout/generated_tokens": 0.0,
+            "rollout/partial_samples": 0.0,
+        }
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, **kwargs) -> CPUEngine:
@@ -228,6 +233,7 @@ class CPUEngine(RolloutEngine):
         for req, row in zip((r for r in requests for _ in range(r.n)), rows):
             self._check_prompt(req, row)
         start = self.weight_version  # a sample made (partly) with later weights reports its versions
+        epoch = self.pause_gate.abort_epoch
         results = iter(self.generate_rows(rows))
         samples: list[list[Sample]] = []
         for req in requests:
@@ -247,8 +253,21 @@ class CPUEngine(RolloutEngine):
                         token_versions=res.token_versions if set(res.token_versions) - {start} else None,
                     )
                 )
-            samples.append(group)
+            samples.append([self._continued(req, s, epoch, start) for s in group])
         return samples
+
+    def _continued(self, req: GenerationRequest, sample: Sample, epoch: int, version: int) -> Sample:
+        """A sample that an ``abort`` pause cut short, continued after ``continue_generation`` with the weights of
+        then (:mod:`sapo_megatron.rollout.partial`), never restarted, as the SGLang client does; a sample that a
+        scripted abort (``pause_after``) cut comes back as it is."""
+        if sample.finish_reason != "abort" or self.pause_gate.abort_epoch == epoch:
+            return sample
+        self.pause_gate.wait_running(None)
+        with self._lock:
+            self._counters["rollout/partial_samples"] += 1
+        now = self.weight_version
+        continuation = self.generate([continuation_request(req, sample)])[0][0]
+        return splice(sample, continuation, partial_version=version, continuation_version=now)
 
     def _check_prompt(self, req: GenerationRequest, row: RowSpec) -> None:
         """Expand ``row``'s images with this engine's processor; the prompt must then be the trainer's."""
