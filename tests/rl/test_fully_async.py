@@ -78,6 +78,10 @@ def test_producer_thread_trains_within_the_bound(tmp_path, data_files):  # noqa:
     assert all(row["staleness/token_max"] <= 1.0 for row in rows)  # max_staleness 1 by default
     assert rows[0]["staleness/token_max"] == 0.0
     assert all(row["time/trainer_idle_s"] >= 0.0 and row["time/generation_idle_s"] >= 0.0 for row in rows)
+    # trainer.pause_mode in_place (default): an update pauses the chunk in flight; step 0's batch never spans one,
+    # and step 1's only if step 0's update paused a chunk
+    assert rows[0]["async/partial_samples_frac"] == 0.0
+    assert rows[1]["async/partial_samples_frac"] <= rows[0]["weight_sync/paused"]
 
 
 COMPARED = (
