@@ -104,11 +104,13 @@ def run_arm(name: str, client, draws: list[int], args) -> dict[str, float]:
         start=SimpleNamespace(resume=False, checkpoint=None),
         checkpointer=None,
         sync=SimpleNamespace(push=SimulatedSync(args.sync_s).push),
-        rollout=None,  # the simulated sync changes no weights: updates wait for the chunk in flight (no pause)
+        # ``_pause`` arms: an update that cannot be deferred pauses the server (``--pause-mode``) instead of waiting
+        # for the chunk in flight; the simulated sync changes no weights, so the tokens keep their chunk's version
+        rollout=client if name.endswith("_pause") else None,
     )
     generate = make_generate(client, draws, args)
     if name.startswith("fully_async"):
-        staleness = int(name.rsplit("_", 1)[1])
+        staleness = int(name.split("_")[2])
         settings = AsyncSettings(
             groups_per_step=args.prompts,
             n_samples=1,
@@ -118,6 +120,7 @@ def run_arm(name: str, client, draws: list[int], args) -> dict[str, float]:
             capacity=(staleness + 1) * args.prompts,
             total_steps=args.steps,
             deterministic=False,
+            pause_mode=args.pause_mode if name.endswith("_pause") else "none",
         )
         pipeline: Any = FullyAsyncPipeline(session, None, generate, settings, start_step=0)
     else:
@@ -177,6 +180,12 @@ def main() -> None:
     parser.add_argument("--train-ratio", type=float, default=1.0)
     parser.add_argument("--sync-s", type=float, default=0.05, help="the simulated weight update")
     parser.add_argument("--chunk", type=int, default=4, help="fully_async: groups per generation call")
+    parser.add_argument(
+        "--pause-mode",
+        default="in_place",
+        choices=["in_place", "retract", "abort", "none"],
+        help="the fully_async_<k>_pause arms' trainer.pause_mode (none: no pause arms)",
+    )
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
@@ -200,6 +209,8 @@ def main() -> None:
     ranked = sorted(draws)
     tail = sum(d >= 8 * args.median for d in draws) / len(draws)
     arms = ["sync", "one_step_off", "fully_async_1", "fully_async_2", "fully_async_4"]
+    if args.pause_mode != "none":
+        arms += ["fully_async_1_pause", "fully_async_2_pause"]
     results: dict[str, dict[str, float]] = {}
     with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
         model_dir = Path(tmp) / "model"
@@ -229,12 +240,12 @@ def main() -> None:
         f"average {os.getloadavg()[0]:.1f}"
     )
     sync, off = results["sync"]["samples_per_s"], results["one_step_off"]["samples_per_s"]
-    header = f"{'arm':14s} {'tokens':>7s} {'samples/s':>10s} {'trainer idle':>13s} {'generating':>11s} {'staleness':>10s}"
+    header = f"{'arm':19s} {'tokens':>7s} {'samples/s':>10s} {'trainer idle':>13s} {'generating':>11s} {'staleness':>10s}"
     print(f"{header} {'vs sync':>8s} {'vs 1-off':>9s}")
     for name in arms:
         r = results[name]
         print(
-            f"{name:14s} {r['tokens']:7.0f} {r['samples_per_s']:10.2f} {r['trainer_idle']:13.1%} {r['generating']:11.1%} "
+            f"{name:19s} {r['tokens']:7.0f} {r['samples_per_s']:10.2f} {r['trainer_idle']:13.1%} {r['generating']:11.1%} "
             f"{r['staleness']:10.2f} {r['samples_per_s'] / sync:7.2f}x {r['samples_per_s'] / off:8.2f}x"
         )
 
