@@ -236,7 +236,13 @@ class FullyAsyncPipeline:
         with self._cond:
             self._push_pending = True
         if self.settings.pause_mode != "none" and self._served() is not None:
-            self._rollout().pause_generation(self.settings.pause_mode)
+            try:
+                self._rollout().pause_generation(self.settings.pause_mode)
+            except BaseException:
+                with self._cond:  # the run fails with the engine's error; the producer may start chunks again
+                    self._push_pending = False
+                    self._cond.notify_all()
+                raise
             return "paused"
         self._engine.acquire()
         return "locked"

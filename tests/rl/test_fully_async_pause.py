@@ -149,3 +149,33 @@ def test_pause_mode_none_waits_for_whole_samples():
     assert [m["weight_sync/paused"] for m in metrics] == [0.0, 0.0]
     assert [m["async/partial_samples_frac"] for m in metrics] == [0.0, 0.0]
     assert metrics[1]["staleness/token_mean"] == 1.0
+
+
+def test_a_pause_that_fails_is_the_updates_error():
+    """The engine does not pause in time: the weight update raises its error (no hang, no silent wait), and the
+    producer is not left blocked behind the update."""
+    release, started = threading.Event(), threading.Event()
+
+    class StuckEngine:
+        def served_weight_version(self) -> int:
+            return 0
+
+        def pause_generation(self, mode: str) -> None:
+            raise TimeoutError(f"generation did not pause ({mode}) within 1 s")
+
+    def generate(index: int, groups: int):
+        if index == 1:
+            started.set()
+            assert release.wait(60)
+        return [TrainSequence([1, 2], [3, 4], 1.0, [-0.5, -0.5]) for _ in range(2 * groups)], {}, {}
+
+    sess = SimpleNamespace(**{**session(None).__dict__, "rollout": StuckEngine(), "sync": BucketedSync(None)})
+    settings = AsyncSettings(1, 2, 1, "drop", 1, 2, 3, False, pause_mode="in_place")
+    with FullyAsyncPipeline(sess, None, generate, settings, start_step=0) as rollouts:  # type: ignore[arg-type]
+        rollouts.next_batch(0)
+        assert started.wait(60)
+        with pytest.raises(TimeoutError, match="did not pause"):
+            rollouts.push_weights(torch.nn.Linear(1, 1))
+        assert sess.sync.pushes == 0  # nothing was pushed into an engine that kept generating
+        assert not rollouts._push_pending
+        release.set()
