@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -276,7 +277,12 @@ def test_embedded_default_validates():
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs").rglob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_configs_validate(path):
-    cfg = load_config(path)
+    """Every shipped config loads, fits its layout and uses no deprecated key (a user copies what ships)."""
+    from sapo_megatron.config.deprecated import DeprecatedConfigKey
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecatedConfigKey)
+        cfg = load_config(path)
     validate_layout(cfg, cfg.launch.world_size)
 
 

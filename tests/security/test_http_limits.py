@@ -14,6 +14,7 @@ import pytest
 from sapo_megatron.rollout.cpu.batcher import Batcher, ClientGone
 from sapo_megatron.rollout.cpu.engine import RowSpec
 from sapo_megatron.rollout.cpu.http import Limits, Request
+from sapo_megatron.rollout.cpu.pause import PauseGate
 from sapo_megatron.rollout.cpu.server import CPUServer, warn_if_exposed
 from sapo_megatron.rollout.types import SamplingParams
 from tests.rollout.conftest import engine_from
@@ -148,6 +149,7 @@ class _FlakyEngine:
 
     def __init__(self) -> None:
         self.computed = 0
+        self.pause_gate = PauseGate()  # the batcher holds work while the engine is paused (never here)
 
     def generate_rows(self, rows):
         if any(len(r.prompt_ids) == 13 for r in rows):
