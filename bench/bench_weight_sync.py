@@ -100,7 +100,7 @@ def main() -> None:
             tensor = TensorSync(client, cfg.model.arch, bucket_bytes=args.bucket_mb * 1024**2)
             tensor_s, tensor_bytes = timed_pushes(tensor, module, args.repeats)
             # rollout.colocation time_shared's form: one flattened bucket per dtype
-            client.flatten_buckets = True
+            client.control.flatten_buckets = True
             flat_s, flat_bytes = timed_pushes(tensor, module, args.repeats)
     print(
         f"Qwen3-MoE {args.layers} layers, hidden {args.hidden}, {args.experts} experts: {model_mb:.0f} MB fp32"

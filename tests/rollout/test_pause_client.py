@@ -4,6 +4,7 @@ update with per-token versions, and one clear error (naming the server) when a s
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 
@@ -39,6 +40,15 @@ def _request(n: int, routed: bool = True, new: int = NEW):
     )
 
 
+def _wait_until_submitted(servers: list[CPUServer], requests: int, timeout_s: float = 60.0) -> None:
+    """Until the servers' batchers hold ``requests`` requests (queued or running): a sleep alone let the pause come
+    before a slow machine's HTTP request reached its server."""
+    deadline = time.monotonic() + timeout_s
+    while sum(server.batcher.pending for server in servers) < requests:
+        assert time.monotonic() < deadline, "the requests never reached the servers"
+        time.sleep(0.01)
+
+
 @pytest.mark.parametrize("mode", ["abort", "retract"])
 def test_client_continues_samples_across_a_paused_weight_update(mode, moe_dir, moe_dir_b, refs):
     servers = [slow_server(moe_dir), slow_server(moe_dir)]
@@ -47,16 +57,23 @@ def test_client_continues_samples_across_a_paused_weight_update(mode, moe_dir, m
         out: dict = {}
         worker = threading.Thread(target=lambda: out.update(groups=client.generate([_request(4)])))
         worker.start()
-        time.sleep(0.4)
+        _wait_until_submitted(servers, 4)  # a request the pause came before would be made whole by version 1
+        time.sleep(0.3)
         client.pause_generation(mode)
         client.update_weights_from_disk(str(moe_dir_b))
         client.continue_generation()
         worker.join(timeout=120)
         samples = out["groups"][0]
         assert len(samples) == 4
+        # A request still queued at the pause is made whole by version 1: under retract the server reports no
+        # versions for it (one version throughout), and its log-probs must then be version 1's.
+        samples = [
+            s if s.token_versions is not None else dataclasses.replace(s, token_versions=[1] * NEW)
+            for s in samples
+        ]
         for s in samples:
             assert len(s.response_ids) == NEW and s.finish_reason == "length"
-            k = s.token_versions.count(0)  # 0: a request still queued when the pause came (continued whole)
+            k = s.token_versions.count(0)
             assert k < NEW and s.token_versions == [0] * k + [1] * (NEW - k)
             want_logp, want_routes = per_version_reference(refs, s)
             np.testing.assert_allclose(s.rollout_logp, want_logp, atol=1e-4)

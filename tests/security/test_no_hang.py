@@ -45,7 +45,7 @@ def test_the_weight_sync_timeout_comes_from_the_config():
     )
     client = _sglang_client(cfg, Topology(workers=("http://127.0.0.1:9",), tp_sizes=(1,)), None)
     try:
-        assert client.weight_sync_timeout_s == 42.0
+        assert client.control.weight_sync_timeout_s == 42.0
     finally:
         client.close()
 

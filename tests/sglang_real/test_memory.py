@@ -66,11 +66,11 @@ def test_release_resume_sync_generate_and_checksum(client, sglang_url, model_dir
 
     client.release_memory(["weights"])  # back to the tier's weights, as flattened buckets (colocate's sync)
     client.resume_memory(["weights"])
-    client.flatten_buckets = True
+    client.control.flatten_buckets = True
     try:
         _push(client, _checkpoint(model_dir))
     finally:
-        client.flatten_buckets = False
+        client.control.flatten_buckets = False
     client.flush_cache()
     [values] = client.score([ids], start)
     np.testing.assert_allclose(values, reference_logp(reference, ids)[start - 1 :].numpy(), atol=FP32_TOL)

@@ -36,7 +36,7 @@ import inspect
 import logging
 import re
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -53,7 +53,7 @@ from sapo_megatron.rollout.base import (  # ContextLengthError: also importable 
     normalize_response_starts,
 )
 from sapo_megatron.rollout.cpu.decode import BatchDecode, RowResult, RowSpec  # re-exported
-from sapo_megatron.rollout.cpu.pause import PAUSE_MODES, PauseGate, PauseMode, ScriptedPause
+from sapo_megatron.rollout.cpu.pause import PausableEngine, PauseGate
 from sapo_megatron.rollout.cpu.vision import EngineVision, is_vision_model
 from sapo_megatron.rollout.partial import continuation_request, splice
 from sapo_megatron.rollout.precision import EngineNumerics
@@ -122,7 +122,7 @@ class _RouterCapture:
         self._handles.clear()
 
 
-class CPUEngine(RolloutEngine):
+class CPUEngine(PausableEngine, RolloutEngine):
     """In-process rollout engine around a transformers causal LM. Thread-safe; calls run one at a time.
 
     ``num_threads`` sets torch's intra-op threads for the engine's forwards (and restores them after): tiny models
@@ -368,25 +368,6 @@ class CPUEngine(RolloutEngine):
         if tuple(target.shape) != tuple(shape):
             raise ValueError(f"weight {name} has shape {list(shape)}, the model expects {list(target.shape)}")
         return param_name, target
-
-    def pause_generation(self, mode: str = "in_place", timeout_s: float | None = None) -> None:
-        """Pause generation like SGLang's ``/pause_generation`` (see :mod:`.pause`): ``abort`` finishes running
-        rows now, ``in_place`` keeps them and their cache, ``retract`` drops the cache and prefills again with the
-        weights of the continue. Weight updates are allowed while paused; returns once no forward runs."""
-        self.pause_gate.pause(mode, timeout_s)
-
-    def continue_generation(self) -> None:
-        self.pause_gate.resume()
-
-    def served_weight_version(self) -> int:
-        return self.weight_version
-
-    def pause_after(self, tokens: int, mode: str, during: Callable[[], None]) -> None:
-        """Deterministic pause: the next batch that has sampled ``tokens`` tokens pauses in ``mode``, runs
-        ``during`` (e.g. a weight update) and continues (``abort``: its live rows finish, ``during`` is not run)."""
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"pause mode {mode!r} is not one of {PAUSE_MODES}")
-        self.pause_gate.scripted.append(ScriptedPause(tokens, cast("PauseMode", mode), during))
 
     @contextlib.contextmanager
     def _unlocked(self) -> Iterator[None]:

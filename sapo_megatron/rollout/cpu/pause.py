@@ -35,7 +35,7 @@ import contextlib
 import dataclasses
 import threading
 from collections.abc import Callable, Iterator
-from typing import Literal
+from typing import Literal, cast
 
 from sapo_megatron.rollout.partial import PAUSE_MODES, PauseMode
 
@@ -148,3 +148,30 @@ class PauseGate:
         if "retract" in seen:
             return "retract"
         return "in_place"
+
+
+class PausableEngine:
+    """SGLang's pause, continue and weight-version calls for an engine that holds a :class:`PauseGate` and counts
+    its weight updates in ``weight_version`` (the CPU engine)."""
+
+    pause_gate: PauseGate
+    weight_version: int
+
+    def pause_generation(self, mode: str = "in_place", timeout_s: float | None = None) -> None:
+        """Pause generation like SGLang's ``/pause_generation`` (see this module): ``abort`` finishes running
+        rows now, ``in_place`` keeps them and their cache, ``retract`` drops the cache and prefills again with the
+        weights of the continue. Weight updates are allowed while paused; returns once no forward runs."""
+        self.pause_gate.pause(mode, timeout_s)
+
+    def continue_generation(self) -> None:
+        self.pause_gate.resume()
+
+    def served_weight_version(self) -> int:
+        return self.weight_version
+
+    def pause_after(self, tokens: int, mode: str, during: Callable[[], None]) -> None:
+        """Deterministic pause: the next batch that has sampled ``tokens`` tokens pauses in ``mode``, runs
+        ``during`` (e.g. a weight update) and continues (``abort``: its live rows finish, ``during`` is not run)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r} is not one of {PAUSE_MODES}")
+        self.pause_gate.scripted.append(ScriptedPause(tokens, cast("PauseMode", mode), during))

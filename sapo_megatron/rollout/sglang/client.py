@@ -121,20 +121,6 @@ class SGLangClient(RolloutEngine):
         """The router that ``/generate`` goes to, or None (no router, or bypassed after a partial update)."""
         return self.fleet.router_url
 
-    @property
-    def weight_sync_timeout_s(self) -> float:
-        """The timeout of the weight-sync calls."""
-        return self.control.weight_sync_timeout_s
-
-    @property
-    def flatten_buckets(self) -> bool:
-        """Send each tensor bucket as one flattened tensor per dtype (SGLang's ``flattened_bucket``)."""
-        return self.control.flatten_buckets
-
-    @flatten_buckets.setter
-    def flatten_buckets(self, value: bool) -> None:
-        self.control.flatten_buckets = value
-
     # ------------------------------------------------------------------ generation (generation.py)
     def generate(self, requests: Sequence[GenerationRequest]) -> list[list[Sample]]:
         return self.generation.generate(requests)
