@@ -105,6 +105,9 @@ def wait_tokens(out: dict, n: int, timeout_s: float = 120) -> None:
 
 @pytest.mark.parametrize("mode", ["retract", "in_place"])
 def test_pause_update_continue_per_version(mode, client, sglang_url, model_dir, other_dir, versions):
+    restore(
+        sglang_url, model_dir
+    )  # the tier's earlier tests leave their own weight_version label on the server
     out: dict = {}
     worker = threading.Thread(target=stream, args=(sglang_url, out))
     worker.start()
