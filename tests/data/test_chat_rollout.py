@@ -93,16 +93,17 @@ def expected_ids(data) -> list[list[int]]:
     return out
 
 
-def recording(engine: CPUEngine) -> list[list[int]]:
-    """Record the prompt ids of every row the engine generates for."""
+def recording(target: object, method: str = "generate_rows") -> list[list[int]]:
+    """Record the prompt ids of every row ``target.method`` receives (an engine's ``generate_rows``, a server's
+    batcher's ``submit``)."""
     received: list[list[int]] = []
-    generate_rows = engine.generate_rows
+    original = getattr(target, method)
 
-    def record(rows):
+    def record(rows, *args, **kwargs):
         received.extend(list(row.prompt_ids) for row in rows)
-        return generate_rows(rows)
+        return original(rows, *args, **kwargs)
 
-    engine.generate_rows = record
+    setattr(target, method, record)
     return received
 
 
@@ -135,7 +136,7 @@ def test_engines_receive_the_chat_template_ids(run_data, model_dir, name, tmp_pa
     assert received == [ids for ids in expected for _ in range(2)]  # n=2 samples of each prompt
     assert [s.prompt_ids for s in batch.samples] == [ids for ids in expected for _ in range(2)]
     with CPUServer(CPUEngine.from_pretrained(model_dir, seed=0, num_threads=1)).start() as server:
-        served = recording(server.engine)
+        served = recording(server.batcher, "submit")
         rollout(SGLangClient([server.url]), data)
     assert sorted(served) == sorted(ids for ids in expected for _ in range(2))  # HTTP: any arrival order
     if (

@@ -50,21 +50,42 @@ def all_logprobs(groups):
     return np.array([s.rollout_logp for g in groups for s in g])
 
 
-def test_server_stopped_mid_rollout_loses_and_duplicates_nothing(moe_dir):
-    server_a = CPUServer(engine_from(moe_dir)).start()
-    server_b = CPUServer(engine_from(moe_dir)).start()
-    calls = {"b": 0}
-    generate_rows = server_b.engine.generate_rows
+def _crash_on_second_answer(server: CPUServer, static: bool, calls: dict[str, int]) -> None:
+    """Stop ``server`` right after it computed its second batch (static) or finished rows for the second time
+    (continuous), before answering them: the server dies in flight."""
 
-    def crash_on_second_batch(rows):
+    def crash() -> None:
         calls["b"] += 1
-        result = generate_rows(rows)
-        if calls["b"] == 2:  # this batch is computed but never answered: the server dies in flight
-            server_b.stopped = True  # at once, so that no handler of this batch replies
-            threading.Thread(target=server_b.stop).start()  # then close the port
-        return result
+        if calls["b"] == 2:  # computed but never answered
+            server.stopped = True  # at once, so that no handler of this batch replies
+            threading.Thread(target=server.stop).start()  # then close the port
 
-    server_b.engine.generate_rows = crash_on_second_batch
+    if static:
+        generate_rows = server.engine.generate_rows
+
+        def crash_on_second_batch(rows):
+            result = generate_rows(rows)
+            crash()
+            return result
+
+        server.engine.generate_rows = crash_on_second_batch
+        return
+    answer = server.batcher._answer_finished
+
+    def crash_on_second_answer(run):
+        if any(r.done for r in run.rows):
+            crash()
+        return answer(run)
+
+    server.batcher._answer_finished = crash_on_second_answer
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["continuous", "static"])
+def test_server_stopped_mid_rollout_loses_and_duplicates_nothing(moe_dir, static):
+    server_a = CPUServer(engine_from(moe_dir)).start()
+    server_b = CPUServer(engine_from(moe_dir), static_batches=static).start()
+    calls = {"b": 0}
+    _crash_on_second_answer(server_b, static, calls)
     try:
         with fast_client([server_a.url, server_b.url], max_concurrency=4) as client:
             groups = client.generate(rollout())

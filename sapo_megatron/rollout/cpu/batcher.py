@@ -1,9 +1,13 @@
-"""The CPU server's batcher: concurrent ``/generate`` requests are gathered for a few milliseconds and run through
-the engine as one batch (the client sends one HTTP request per sample). If a batch fails, its requests are retried
-one by one, so that only the failing one gets the error; a request whose client hung up before its batch ran is
-dropped without computing it (:class:`ClientGone`).
+"""The CPU server's batchers (the client sends one HTTP request per sample). A request whose client hung up before
+it ran is dropped without computing it (:class:`ClientGone`).
 
-While generation is paused (:mod:`.pause`) no new batch starts; an ``abort`` pause answers the requests queued
+- :class:`~sapo_megatron.rollout.cpu.continuous.ContinuousBatcher` (the server's default): SGLang's continuous
+  batching, rows join and leave the running batch between decode steps.
+- :class:`Batcher` (``--static-batches``): concurrent requests are gathered for a few milliseconds and run through
+  the engine as one batch to completion (every request waits for the batch's longest sample). If a batch fails,
+  its requests are retried one by one, so that only the failing one gets the error.
+
+While generation is paused (:mod:`.pause`) no new work starts; an ``abort`` pause answers the requests queued
 before it at once with ``finish_reason`` abort and no tokens (SGLang aborts its waiting queue), and holds those that
 arrive during the pause until ``continue_generation``."""
 
@@ -16,19 +20,21 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
 
-from sapo_megatron.rollout.cpu.decode import RowResult
-from sapo_megatron.rollout.cpu.engine import CPUEngine, RowSpec
+from sapo_megatron.rollout.cpu.decode import RowResult, RowSpec
+
+if TYPE_CHECKING:
+    from sapo_megatron.rollout.cpu.engine import CPUEngine
 
 logger = logging.getLogger(__name__)
 
 
-class Batcher:
-    """Runs queued rows through the engine in batches, gathering arrivals for ``window_s``."""
+class QueueBatcher:
+    """A thread that serves queued requests (lists of rows) on an engine; subclasses define :meth:`_loop`."""
 
-    def __init__(self, engine: CPUEngine, window_s: float, max_rows: int) -> None:
+    def __init__(self, engine: CPUEngine, max_rows: int) -> None:
         self.engine = engine
-        self.window_s = window_s
         self.max_rows = max_rows
         self.dropped = 0  # requests dropped because their client hung up
         self.pending = 0  # requests queued or running (SGLang's "fully idle" is pending == 0)
@@ -52,6 +58,68 @@ class Batcher:
     def stop(self) -> None:
         self._queue.put(None)
         self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        raise NotImplementedError
+
+    def _fail_queued(self) -> None:
+        while True:  # fail what is still queued
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item.future.set_exception(RuntimeError("server stopped"))
+
+    def _hold(self, items: list[_Item | None]) -> list[_Item | None]:
+        """While paused: abort the items queued before an abort pause, keep the others (and newcomers) for after
+        ``continue_generation``. A trailing None means the server stops."""
+        gate = self.engine.pause_gate
+        while True:
+            kept: list[_Item | None] = []
+            for item in items:
+                if item is not None and item.epoch < gate.abort_epoch:
+                    item.future.set_result([_aborted() for _ in item.rows])
+                else:
+                    kept.append(item)
+            items = kept
+            if (items and items[-1] is None) or gate.wait_running(0.02):
+                return items
+            while True:
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+
+    def _screen(self, item: _Item) -> bool:
+        """True when ``item`` is to be computed; answers it otherwise (queued before an abort pause: abort; its
+        client hung up: :class:`ClientGone`)."""
+        if item.epoch < self.engine.pause_gate.abort_epoch:
+            item.future.set_result([_aborted() for _ in item.rows])
+            return False
+        if item.client_gone():  # nobody waits for it: do not compute it
+            item.future.set_exception(ClientGone("the client closed its connection"))
+            self.dropped += 1
+            return False
+        return True
+
+    def _run_alone(self, item: _Item) -> None:
+        """Run one request as its own static batch, answering its result or error."""
+        try:
+            results = self.engine.generate_rows(item.rows)
+        except Exception as exc:
+            logger.exception("generation failed")  # handed to the waiting request, which answers 500
+            item.future.set_exception(exc)
+            return
+        item.future.set_result(results)
+
+
+class Batcher(QueueBatcher):
+    """Runs queued rows through the engine in static batches, gathering arrivals for ``window_s``."""
+
+    def __init__(self, engine: Any, window_s: float, max_rows: int) -> None:
+        self.window_s = window_s
+        super().__init__(engine, max_rows)
 
     def _loop(self) -> None:
         held: list[_Item | None] = []
@@ -83,56 +151,21 @@ class Batcher:
             self._run(items)
             if stopping:
                 break
-        while True:  # fail what is still queued
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                item.future.set_exception(RuntimeError("server stopped"))
-
-    def _hold(self, items: list[_Item | None]) -> list[_Item | None]:
-        """While paused: abort the items queued before an abort pause, keep the others (and newcomers) for after
-        ``continue_generation``. A trailing None means the server stops."""
-        gate = self.engine.pause_gate
-        while True:
-            kept: list[_Item | None] = []
-            for item in items:
-                if item is not None and item.epoch < gate.abort_epoch:
-                    item.future.set_result([_aborted() for _ in item.rows])
-                else:
-                    kept.append(item)
-            items = kept
-            if (items and items[-1] is None) or gate.wait_running(0.02):
-                return items
-            while True:
-                try:
-                    items.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
+        self._fail_queued()
 
     def _run(self, items: list[_Item]) -> None:
-        live = []
-        for item in items:
-            if item.epoch < self.engine.pause_gate.abort_epoch:  # queued before an abort pause
-                item.future.set_result([_aborted() for _ in item.rows])
-            elif item.client_gone():  # nobody waits for it: do not compute it
-                item.future.set_exception(ClientGone("the client closed its connection"))
-                self.dropped += 1
-            else:
-                live.append(item)
+        live = [item for item in items if self._screen(item)]
+        if len(live) == 1:
+            self._run_alone(live[0])
+            return
         if not live:
             return
         try:
             results = self.engine.generate_rows([row for it in live for row in it.rows])
-        except Exception as exc:
-            if len(live) > 1:  # find the request that failed; the others get their results
-                logger.warning("a batch of %d requests failed (%s); running them one by one", len(live), exc)
-                for item in live:
-                    self._run([item])
-                return
-            logger.exception("generation failed")  # handed to the waiting request, which answers 500
-            live[0].future.set_exception(exc)
+        except Exception as exc:  # find the request that failed; the others get their results
+            logger.warning("a batch of %d requests failed (%s); running them one by one", len(live), exc)
+            for item in live:
+                self._run_alone(item)
             return
         offset = 0
         for item in live:

@@ -26,7 +26,7 @@ import torch
 from sapo_megatron.rollout.types import FinishReason, SamplingParams
 
 if TYPE_CHECKING:
-    from sapo_megatron.rollout.cpu.pause import PauseGate
+    from sapo_megatron.rollout.cpu.pause import Action, PauseGate
 
 _FILLER = np.iinfo(np.int32).min  # routing of a finished row's filler token
 
@@ -96,6 +96,7 @@ class _Row:
     done: bool = False
     input_logprobs: list[float | None] | None = None
     recomputed: int = 0
+    next_version: int = 0  # the weight version of the forward whose logits the row samples next
 
     @property
     def sequence(self) -> list[int]:
@@ -105,66 +106,53 @@ class _Row:
         return sum(len(r) for r in self.routes)
 
 
-class BatchDecode:
-    """Runs rows (at most the engine's batch size) to completion; the engine's locks are held by the caller."""
+@dataclasses.dataclass
+class Running:
+    """A batch between two decode steps: its rows, their KV cache ``[rows, heads, width, dim]`` per layer (left
+    padded), attention mask ``[rows, width]``, each row's last position and the logits of its next token."""
 
-    def __init__(self, engine: DecodingEngine, rows: list[RowSpec], seeds: list[int], unlocked: Any) -> None:
+    rows: list[_Row]
+    cache: Any
+    mask: torch.Tensor
+    last_pos: torch.Tensor
+    logits: torch.Tensor
+
+
+class Decoder:
+    """The steps of a decode loop over :class:`Running` batches; the engine's locks are held by the caller.
+
+    :class:`BatchDecode` runs one static batch with them; :mod:`.continuous` lets rows join and leave between steps
+    (:meth:`select`, :meth:`merge`)."""
+
+    def __init__(self, engine: DecodingEngine, unlocked: Any) -> None:
         self.engine = engine
         self.unlocked = unlocked
-        self.capture = engine._routers is not None and any(r.return_routed_experts for r in rows)
-        self.rows = [
+
+    def new_rows(self, specs: list[RowSpec], seeds: list[int]) -> list[_Row]:
+        eos = set(self.engine.eos_token_ids)
+        return [
             _Row(
                 spec=r,
                 generator=torch.Generator().manual_seed(s),
-                stop_set=set(r.sampling.stop_token_ids)
-                | (set() if r.ignore_eos else set(engine.eos_token_ids)),
+                stop_set=set(r.sampling.stop_token_ids) | (set() if r.ignore_eos else eos),
                 done=r.sampling.max_new_tokens == 0,
             )
-            for r, s in zip(rows, seeds)
+            for r, s in zip(specs, seeds)
         ]
-        self._cache: Any = None
 
-    @torch.no_grad()
-    def run(self) -> list[RowResult]:
-        gate = self.engine.pause_gate
+    def _capture(self, rows: list[_Row]) -> bool:
+        """Route capture for the next forward: on when a row of it returns routes."""
         routers = self.engine._routers
+        capture = routers is not None and any(r.spec.return_routed_experts for r in rows)
         if routers is not None:
-            routers.enabled = self.capture
-        try:
-            with gate.decoding():
-                batch = self.rows
-                next_logits, cache, mask, last_pos, version = self._prefill(batch, first=True)
-                while not all(r.done for r in batch):
-                    tokens = self._step(batch, next_logits, version)
-                    if all(r.done for r in batch):
-                        break  # the final tokens are never fed back, as in SGLang
-                    self._cache = cache
-                    del cache  # a retract pause frees it (drop_cache) while it waits
-                    action = gate.checkpoint(
-                        max(len(r.outputs) for r in batch), self._drop_cache, self.unlocked
-                    )
-                    cache = self._cache
-                    if action == "abort":
-                        for r in batch:
-                            if not r.done:
-                                r.done, r.finish = True, "abort"
-                        break
-                    if action == "retract":
-                        batch = [r for r in batch if not r.done]
-                        next_logits, cache, mask, last_pos, version = self._prefill(batch, first=False)
-                        continue
-                    next_logits, mask, last_pos, version = self._feed(batch, tokens, cache, mask, last_pos)
-        finally:
-            if routers is not None:
-                routers.enabled = False
-        return [self._result(r) for r in self.rows]
+            routers.enabled = capture
+        return capture
 
-    def _drop_cache(self) -> None:
-        self._cache = None
-
-    def _step(self, batch: list[_Row], next_logits: torch.Tensor, version: int) -> torch.Tensor:
+    def sample(self, run: Running) -> torch.Tensor:
+        """Sample every live row's next token from ``run.logits``; rows that reach a stop are marked done."""
+        batch = run.rows
         tokens, token_logprobs = self.engine._sample(
-            [r.spec for r in batch], next_logits, [r.generator for r in batch], [r.done for r in batch]
+            [r.spec for r in batch], run.logits, [r.generator for r in batch], [r.done for r in batch]
         )
         for i, r in enumerate(batch):
             if r.done:
@@ -172,16 +160,24 @@ class BatchDecode:
             token = int(tokens[i])
             r.outputs.append(token)
             r.logprobs.append(float(token_logprobs[i]))
-            r.versions.append(version)
+            r.versions.append(r.next_version)
             if len(r.outputs) >= r.spec.sampling.max_new_tokens:
                 r.done, r.finish = True, "length"
             elif token in r.stop_set:
                 r.done, r.finish, r.matched = True, "stop", token
         return tokens
 
-    def _prefill(
-        self, batch: list[_Row], *, first: bool
-    ) -> tuple[torch.Tensor, Any, torch.Tensor, torch.Tensor, int]:
+    def checkpoint(self, run: Running) -> Action:
+        """The pause check between sampling and feeding (:meth:`PauseGate.checkpoint`); a retract pause frees
+        ``run.cache`` while it waits."""
+
+        def drop_cache() -> None:
+            run.cache = None
+
+        tokens = max(len(r.outputs) for r in run.rows)
+        return self.engine.pause_gate.checkpoint(tokens, drop_cache, self.unlocked)
+
+    def prefill(self, batch: list[_Row], *, first: bool) -> Running:
         """Feed each row's prompt + output so far (left padded); the first prefill also gives input logprobs."""
         engine = self.engine
         seqs = [r.sequence for r in batch]
@@ -204,6 +200,7 @@ class BatchDecode:
             position_ids, last_pos = engine._vision.positions(input_ids, mask, extra.get("image_grid_thw"))
             extra["mm_token_type_ids"] = engine._vision.mm_token_type_ids(input_ids, mask)
         want_input = first and any(r.spec.logprob_start_len >= 0 for r in batch)
+        capture = self._capture(batch)
         version = engine.weight_version
         cache = _new_cache()
         out = engine.model(
@@ -216,8 +213,9 @@ class BatchDecode:
             **extra,
         )
         logits = out.logits.float()
-        routed = engine._routers.take(len(batch), width) if self.capture and engine._routers else None
+        routed = engine._routers.take(len(batch), width) if capture and engine._routers else None
         for i, r in enumerate(batch):
+            r.next_version = version
             if first and r.spec.logprob_start_len >= 0:
                 r.input_logprobs = _input_logprobs(logits[i], r.spec, width)
             if not first:
@@ -225,32 +223,60 @@ class BatchDecode:
             if routed is not None:  # after a retract, keep the routes paired with earlier log-probs
                 rows = routed[i, width - lens[i] :]
                 r.routes.append(rows if first else rows[r.fed_rows() :])
-        return logits[:, -1, :], cache, mask, last_pos, version
+        return Running(batch, cache, mask, last_pos, logits[:, -1, :])
 
-    def _feed(
-        self, batch: list[_Row], tokens: torch.Tensor, cache: Any, mask: torch.Tensor, last_pos: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    def feed(self, run: Running, tokens: torch.Tensor) -> None:
+        """Feed every row's sampled token (a finished row's is a filler); ``run`` then holds the next logits."""
         engine = self.engine
+        batch = run.rows
         n = len(batch)
-        mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype)], dim=1)
-        last_pos = last_pos + 1
+        run.mask = torch.cat([run.mask, torch.ones((n, 1), dtype=run.mask.dtype)], dim=1)
+        run.last_pos = run.last_pos + 1
+        capture = self._capture(batch)
         version = engine.weight_version
         out = engine.model(
             input_ids=tokens.view(n, 1),
-            attention_mask=mask,
-            position_ids=last_pos.view(n, 1),
+            attention_mask=run.mask,
+            position_ids=run.last_pos.view(n, 1),
             use_cache=True,
             logits_to_keep=1,
-            **{engine._cache_kwarg: cache},
+            **{engine._cache_kwarg: run.cache},
         )
-        if self.capture and engine._routers is not None:
-            step = engine._routers.take(n, 1)
-            for i, r in enumerate(batch):
+        step = engine._routers.take(n, 1) if capture and engine._routers is not None else None
+        for i, r in enumerate(batch):
+            r.next_version = version
+            if step is not None:
                 # A row that finished feeds a filler token: mark it so that it is not taken as routing.
                 r.routes.append(np.full_like(step[i], _FILLER) if r.done else step[i])
-        return out.logits[:, -1, :].float(), mask, last_pos, version
+        run.logits = out.logits[:, -1, :].float()
 
-    def _result(self, r: _Row) -> RowResult:
+    @staticmethod
+    def select(run: Running, keep: list[int]) -> None:
+        """Keep rows ``keep`` of ``run`` (cache, mask, positions, logits on the batch dim), then cut the columns
+        that are padding for every kept row."""
+        index = torch.tensor(keep, dtype=torch.long)
+        run.rows = [run.rows[i] for i in keep]
+        run.mask, run.last_pos, run.logits = run.mask[index], run.last_pos[index], run.logits[index]
+        cut = int(run.mask.any(dim=0).long().argmax()) if keep else 0
+        run.mask = run.mask[:, cut:]
+        for layer in _layers(run.cache):
+            layer.keys, layer.values = layer.keys[index, :, cut:], layer.values[index, :, cut:]
+
+    @staticmethod
+    def merge(run: Running, other: Running) -> None:
+        """Append ``other``'s rows to ``run``: masks and caches left padded to a common width (positions are
+        per row, so padding changes none)."""
+        width = max(run.mask.shape[1], other.mask.shape[1])
+        run.rows = run.rows + other.rows
+        run.mask = torch.cat([_left_pad(run.mask, width, 1), _left_pad(other.mask, width, 1)])
+        run.last_pos = torch.cat([run.last_pos, other.last_pos])
+        run.logits = torch.cat([run.logits, other.logits])
+        for mine, theirs in zip(_layers(run.cache), _layers(other.cache), strict=True):
+            mine.keys = torch.cat([_left_pad(mine.keys, width, 2), _left_pad(theirs.keys, width, 2)])
+            mine.values = torch.cat([_left_pad(mine.values, width, 2), _left_pad(theirs.values, width, 2)])
+
+    @staticmethod
+    def result(r: _Row) -> RowResult:
         routed = None
         if r.spec.return_routed_experts:
             n_rows = len(r.spec.prompt_ids) + len(r.outputs) - 1
@@ -268,6 +294,66 @@ class BatchDecode:
             token_versions=r.versions,
             recomputed_tokens=r.recomputed,
         )
+
+
+class BatchDecode:
+    """Runs rows (at most the engine's batch size) to completion as one static batch: a row that finishes feeds
+    fillers until the last one does; the engine's locks are held by the caller."""
+
+    def __init__(self, engine: DecodingEngine, rows: list[RowSpec], seeds: list[int], unlocked: Any) -> None:
+        self.decoder = Decoder(engine, unlocked)
+        self.rows = self.decoder.new_rows(rows, seeds)
+
+    @torch.no_grad()
+    def run(self) -> list[RowResult]:
+        engine, decoder = self.decoder.engine, self.decoder
+        try:
+            with engine.pause_gate.decoding():
+                run = decoder.prefill(self.rows, first=True)
+                while not all(r.done for r in run.rows):
+                    tokens = decoder.sample(run)
+                    if all(r.done for r in run.rows):
+                        break  # the final tokens are never fed back, as in SGLang
+                    action = decoder.checkpoint(run)
+                    if action == "abort":
+                        abort_live(run.rows)
+                        break
+                    if action == "retract":
+                        run = decoder.prefill([r for r in run.rows if not r.done], first=False)
+                        continue
+                    decoder.feed(run, tokens)
+        finally:
+            if engine._routers is not None:
+                engine._routers.enabled = False
+        return [decoder.result(r) for r in self.rows]
+
+
+def abort_live(rows: list[_Row]) -> None:
+    """An abort pause: live rows finish now with the tokens made so far."""
+    for r in rows:
+        if not r.done:
+            r.done, r.finish = True, "abort"
+
+
+def _layers(cache: Any) -> list[Any]:
+    """The per-layer key/value holders of a transformers ``DynamicCache`` (``.layers[i].keys`` / ``.values``)."""
+    layers = getattr(cache, "layers", None)
+    if layers is None:
+        raise RuntimeError(
+            f"continuous batching needs transformers' DynamicCache with .layers (transformers >= 4.56), got "
+            f"{type(cache).__name__}; run the server with --static-batches"
+        )
+    return list(layers)
+
+
+def _left_pad(t: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """``t`` with zeros prepended along ``dim`` up to ``width``."""
+    missing = width - t.shape[dim]
+    if missing == 0:
+        return t
+    shape = list(t.shape)
+    shape[dim] = missing
+    return torch.cat([t.new_zeros(shape), t], dim=dim)
 
 
 def _new_cache() -> Any:

@@ -104,6 +104,12 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         default=DIST_TIMEOUT_S,
         help="seconds a weights update group may take to form, and each broadcast over it (default: %(default)s)",
     )
+    parser.add_argument(
+        "--static-batches",
+        action="store_true",
+        help="run concurrent requests as static batches to completion instead of continuous batching (requests "
+        "joining and leaving the running batch between decode steps, as SGLang) (default: %(default)s)",
+    )
     add_limit_arguments(parser)
 
 

@@ -3,7 +3,7 @@
 It stands in for SGLang servers in tests and CI (also behind the real ``sglang-router``), so requests, replies and
 errors follow SGLang field by field (checked against ``python/sglang/srt/entrypoints/http_server.py`` and
 ``python/sglang/srt/managers/io_struct.py``). The parts: :mod:`.http` (the HTTP/1.1 front and its limits),
-:mod:`.parsing` (reading a request), :mod:`.batcher` (batching), :mod:`.weights` and :mod:`.memory` (endpoints).
+:mod:`.parsing` (reading a request), :mod:`.continuous` and :mod:`.batcher` (batching), :mod:`.weights` and :mod:`.memory` (endpoints).
 
 Endpoints (what each checks):
 
@@ -14,11 +14,13 @@ Endpoints (what each checks):
   and URLs are refused, a server reads no files and fetches nothing for a client); prompt + ``max_new_tokens``
   within the context length. With images the prompt's pads are expanded by the model's image processor, as SGLang
   does, and ``prompt_tokens`` counts the expanded prompt.
-  Errors: 400 ``{"error": {"message"}}``. Concurrent requests are gathered for a few milliseconds and run as one
-  batch (the client sends one HTTP request per sample). Every field is checked before a request joins a batch
+  Errors: 400 ``{"error": {"message"}}``. Requests are batched continuously, as SGLang's scheduler does
+  (:mod:`.continuous`): a request joins the running batch between two decode steps and is answered as soon as its
+  rows finish; with ``static_batches`` (``--static-batches``) concurrent requests are gathered for a few
+  milliseconds and run as one batch to completion. Every field is checked before a request joins a batch
   (types, finite temperature / top_p, ``sampling_seed`` in [0, 2^63), at most ``max_rows_per_request`` rows), so
   one bad request never fails its batch-mates; if a batch fails anyway, its requests are retried one by one. A
-  request whose client hung up before its batch ran is dropped without computing it.
+  request whose client hung up before it joined a batch is dropped without computing it.
 - ``GET /health`` (200 at once), ``GET /health_generate`` (200 after generating one token).
 - ``GET /get_model_info``: SGLang's ``model_path``, ``tokenizer_path``, ``is_generation``,
   ``preferred_sampling_params``, ``weight_version``, plus the model's shape facts.
@@ -65,7 +67,8 @@ from typing import Any
 from sapo_megatron import __version__
 from sapo_megatron.checkpoint.hf_io import CheckpointError
 from sapo_megatron.errors import UserError
-from sapo_megatron.rollout.cpu.batcher import Batcher
+from sapo_megatron.rollout.cpu.batcher import Batcher, QueueBatcher
+from sapo_megatron.rollout.cpu.continuous import ContinuousBatcher
 from sapo_megatron.rollout.cpu.engine import CPUEngine, RowResult, RowSpec
 from sapo_megatron.rollout.cpu.flags import (  # re-exported
     DEFAULT_MAX_ROWS_PER_REQUEST,
@@ -118,7 +121,8 @@ class CPUServer:
     """The HTTP front of one :class:`CPUEngine`; binds 127.0.0.1 by default and listens on construction.
 
     ``api_key``: require ``Authorization: Bearer <api_key>`` like SGLang's ``--api-key``. ``dist_timeout_s``: how
-    long a weights update group may take to form, and each broadcast over it.
+    long a weights update group may take to form, and each broadcast over it. ``static_batches``: run gathered
+    requests as static batches (within ``batch_window_s``) instead of continuous batching.
     """
 
     def __init__(
@@ -136,6 +140,7 @@ class CPUServer:
         guard: WeightGuard | None = None,
         memory_saver: bool = False,
         weights_cpu_backup: bool = False,
+        static_batches: bool = False,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -144,7 +149,11 @@ class CPUServer:
         )
         self.api_key = api_key
         self.max_rows_per_request = max_rows_per_request
-        self.batcher = Batcher(engine, batch_window_s, engine.max_batch_size)
+        self.batcher: QueueBatcher = (
+            Batcher(engine, batch_window_s, engine.max_batch_size)
+            if static_batches
+            else ContinuousBatcher(engine, engine.max_batch_size)
+        )
         self.weights = WeightEndpoints(engine, dist_timeout_s=dist_timeout_s, guard=guard)
         self.memory = MemoryEndpoints(
             engine,
@@ -458,6 +467,7 @@ def serve(
     guard: WeightGuard | None = None,
     memory_saver: bool = False,
     weights_cpu_backup: bool = False,
+    static_batches: bool = False,
 ) -> CPUServer:
     """Load ``model_dir`` and serve it in ``precision`` (fp32, bf16, fp8). ``block=False`` returns the started
     server (stop it with ``.stop()``)."""
@@ -478,6 +488,7 @@ def serve(
             guard=guard,
             memory_saver=memory_saver,
             weights_cpu_backup=weights_cpu_backup,
+            static_batches=static_batches,
         )
     except OSError as exc:
         raise ServeError(f"cannot listen on {host}:{port}: {exc}") from exc
@@ -550,6 +561,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
             ),
             memory_saver=args.enable_memory_saver,
             weights_cpu_backup=args.enable_weights_cpu_backup,
+            static_batches=args.static_batches,
         )
         print(f"serving {args.model_path} at {server.url}", flush=True)
         try:
