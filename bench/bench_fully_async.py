@@ -9,8 +9,10 @@ process, one torch thread) behind :class:`~sapo_megatron.rollout.sglang.client.S
 Qwen3-MoE whose responses run to their ``max_new_tokens`` (no stop token). Each sample's length is drawn from a
 lognormal with median ``--median`` and ``--sigma`` (1.264: 5 % of samples ≥ 8× the median), capped at ``--cap``;
 the lengths are one fixed sequence, so every arm generates the same samples' lengths in the same order. The server
-batches concurrent requests into one static batch, so a batch lasts as long as its longest sample – the tail a
-synchronous step waits for.
+batches continuously, as SGLang does: a request joins the running batch between decode steps and is answered as
+soon as it ends, so a chunk's short samples come back while its long ones still run (``--static-batches``: the
+server's static batches instead, where every request waits for its batch's longest sample). A synchronous step
+still waits for its longest sample.
 
 The trainer is simulated: a step sleeps ``trained tokens / --train-tokens-per-s`` seconds (by default calibrated so
 that training takes ``--train-ratio`` times as long as generating, where asynchrony matters most; equal trained
@@ -190,6 +192,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=2, help="runs per arm, alternating the order")
+    parser.add_argument(
+        "--static-batches",
+        action="store_true",
+        help="the server runs static batches, not continuous batching",
+    )
     args = parser.parse_args()
 
     import torch
@@ -217,7 +224,8 @@ def main() -> None:
         torch.manual_seed(0)
         transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**arch)).save_pretrained(model_dir)
         CharTokenizer().save(model_dir)
-        server = ServerProcess("--model-path", str(model_dir), "--port", "0", "--threads", "1")
+        flags = ["--static-batches"] if args.static_batches else []
+        server = ServerProcess("--model-path", str(model_dir), "--port", "0", "--threads", "1", *flags)
         try:
             with SGLangClient([server.url], timeout_s=600.0, max_retries=0) as client:
                 warm_up = SamplingParams(max_new_tokens=4)
@@ -236,7 +244,8 @@ def main() -> None:
         f"tiny Qwen3-MoE (hidden {args.hidden}, {args.layers} layers) on the CPU server; {args.prompts} samples per "
         f"step, steps 2-{args.steps}; lengths lognormal median {args.median:g} sigma {args.sigma:g} cap {args.cap}: "
         f"median {ranked[len(ranked) // 2]}, max {ranked[-1]}, {tail:.1%} >= 8x median; simulated trainer "
-        f"{args.train_tokens_per_s:.1f} tokens/s, sync {args.sync_s:g} s; fully_async chunk {args.chunk}; load "
+        f"{args.train_tokens_per_s:.1f} tokens/s, sync {args.sync_s:g} s; fully_async chunk {args.chunk}; "
+        f"{'static' if args.static_batches else 'continuous'} batching; load "
         f"average {os.getloadavg()[0]:.1f}"
     )
     sync, off = results["sync"]["samples_per_s"], results["one_step_off"]["samples_per_s"]

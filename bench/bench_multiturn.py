@@ -11,8 +11,9 @@ sleeps ``--tool-latency-s``; one run per value given, through the ToolSet's time
 ``turns × tokens-per-turn`` tokens, in one ``generate`` call. Both count the tokens the engine sampled (observations
 excluded) over the wall time of the call; the ratio multi / single is the headline (goal ≥ 0.8).
 
-Engines: ``http`` is the CPU server (SGLang's API; static batches over a short window, as a stand-in for an
-SGLang worker) behind :class:`~sapo_megatron.rollout.sglang.client.SGLangClient`, the path SGLang servers take;
+Engines: ``http`` is the CPU server (SGLang's API and, as an SGLang worker, continuous batching: a turn's request
+joins the running batch between decode steps; ``--static-batches``: static batches gathered over
+``--batch-window-s``) behind :class:`~sapo_megatron.rollout.sglang.client.SGLangClient`, the path SGLang servers take;
 ``cpu`` is the in-process CPU engine, where the ready turns of all episodes go in one forward. The model is a
 random tiny Qwen3-MoE widened to ``--hidden`` whose end-of-sequence token is out of its reach, so every response
 runs to its limit. ``sglang`` is a real SGLang server on CPU (``tools/sglang_cpu/serve.sh`` from
@@ -228,8 +229,13 @@ def main(argv: list[str] | None = None) -> int:
         "--batch-window-s",
         type=float,
         default=0.05,
-        help="the CPU server's batching window: requests arriving within it share a batch (its batches are "
-        "static: a request that misses one waits for the whole batch to finish)",
+        help="with --static-batches, the CPU server's batching window: requests arriving within it share a batch "
+        "(a request that misses one waits for the whole batch to finish)",
+    )
+    parser.add_argument(
+        "--static-batches",
+        action="store_true",
+        help="the CPU server runs static batches (default: continuous)",
     )
     args = parser.parse_args(argv)
     if args.episodes % 4:
@@ -254,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.engine in ("cpu", "both"):
             results.extend(bench_engine("cpu (in-process)", engine, args, parallel_calls=1))
         if args.engine in ("http", "both"):
-            with CPUServer(engine, batch_window_s=args.batch_window_s).start() as server:
+            server = CPUServer(engine, batch_window_s=args.batch_window_s, static_batches=args.static_batches)
+            with server.start():
                 client = SGLangClient([server.url], max_concurrency=args.episodes)
                 results.extend(bench_engine("http (CPU server, SGLang API)", client, args, args.episodes))
                 client.close()
@@ -271,6 +278,7 @@ def settings(args: argparse.Namespace) -> dict:
         "observation_tokens",
         "hidden",
         "batch_window_s",
+        "static_batches",
     )
     return {k: getattr(args, k) for k in names}
 

@@ -1,5 +1,7 @@
-"""One batch of rows through the CPU engine's model: prefill, then sample and feed one token per step with a KV
-cache, pausing between steps (:mod:`.pause`).
+"""Rows through the CPU engine's model: prefill, then sample and feed one token per step with a KV cache, pausing
+between steps (:mod:`.pause`). :class:`Decoder` holds the steps over a :class:`Running` batch; :class:`BatchDecode`
+runs one static batch to completion (the in-process engine, the server's ``--static-batches``);
+:mod:`.continuous` lets rows join (:meth:`Decoder.merge`) and leave (:meth:`Decoder.select`) between steps.
 
 Every sampled token records the engine's weight version of the forward that produced its logits, and every fed
 position the routes of that same forward, so that a request spanning a weight update returns per-token versions,
