@@ -4,14 +4,18 @@ those of the request run alone."""
 
 from __future__ import annotations
 
+import argparse
 import threading
 import time
 
+import httpx
 import numpy as np
 import pytest
 
+from sapo_megatron.rollout.cpu.batcher import Batcher
 from sapo_megatron.rollout.cpu.continuous import ContinuousBatcher
 from sapo_megatron.rollout.cpu.decode import RowResult, RowSpec
+from sapo_megatron.rollout.cpu.flags import add_serve_arguments
 from sapo_megatron.rollout.cpu.server import CPUServer
 from sapo_megatron.rollout.types import SamplingParams
 from tests.rollout.conftest import engine_from
@@ -168,8 +172,6 @@ def test_a_failing_forward_in_a_merged_batch_fails_only_its_request(moe_dir):
 
 def test_server_answers_a_short_request_while_a_long_one_runs(moe_dir):
     """Over HTTP, the server's default batcher: the short request's reply comes while the long one decodes."""
-    import httpx
-
     engine = engine_from(moe_dir)
     engine.model.register_forward_pre_hook(lambda *_: time.sleep(0.01))  # the long request lasts >= 0.64 s
     replies: dict[str, dict] = {}
@@ -194,3 +196,18 @@ def test_server_answers_a_short_request_while_a_long_one_runs(moe_dir):
     assert replies["short"]["forwards"] < replies["long"]["forwards"] == LONG + 1  # + the short one's prefill
     assert replies["short"]["meta_info"]["completion_tokens"] == SHORT
     assert replies["long"]["meta_info"]["completion_tokens"] == LONG
+
+
+def test_static_batches_flag_selects_the_static_batcher(moe_dir):
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    assert parser.parse_args(["--model-path", "m", "--static-batches"]).static_batches is True
+    assert parser.parse_args(["--model-path", "m"]).static_batches is False
+    engine = engine_from(moe_dir)
+    with CPUServer(engine, static_batches=True) as static, CPUServer(engine) as continuous:
+        assert type(static.batcher) is Batcher and type(continuous.batcher) is ContinuousBatcher
+        body = {"input_ids": [3, 4], "sampling_params": {"max_new_tokens": 5, "sampling_seed": 1}}
+        replies = [
+            httpx.post(f"{s.url}/generate", json=body, timeout=60).json() for s in (static, continuous)
+        ]
+    assert replies[0]["output_ids"] == replies[1]["output_ids"] and len(replies[0]["output_ids"]) == 5
