@@ -17,8 +17,9 @@ from sapo_megatron.rollout.cpu.continuous import ContinuousBatcher
 from sapo_megatron.rollout.cpu.decode import RowResult, RowSpec
 from sapo_megatron.rollout.cpu.flags import add_serve_arguments
 from sapo_megatron.rollout.cpu.server import CPUServer
-from sapo_megatron.rollout.types import SamplingParams
-from tests.rollout.conftest import engine_from
+from sapo_megatron.rollout.types import Sample, SamplingParams
+from tests.rollout.conftest import engine_from, load
+from tests.rollout.test_pause import agreement, per_version_reference
 
 LONG, SHORT = 64, 4
 
@@ -211,3 +212,51 @@ def test_static_batches_flag_selects_the_static_batcher(moe_dir):
             httpx.post(f"{s.url}/generate", json=body, timeout=60).json() for s in (static, continuous)
         ]
     assert replies[0]["output_ids"] == replies[1]["output_ids"] and len(replies[0]["output_ids"]) == 5
+
+
+def test_a_retract_pause_reprefills_rows_that_joined_at_different_times(moe_dir, moe_dir_b):
+    """Both rows continue with the new weights over a recomputed prefix; each token's log-prob and route come from
+    the forward of its version (as ``test_pause`` checks for one batch)."""
+    engine = engine_from(moe_dir)
+    batcher = ContinuousBatcher(engine, engine.max_batch_size)
+    futures = {}
+    rows = [long_row(), row([7, 2], 20, seed=5)]
+    rows[0].sampling = SamplingParams(max_new_tokens=20, temperature=1.0)
+
+    def update() -> None:
+        engine.pause_generation("retract")
+        engine.update_weights_from_disk(str(moe_dir_b))
+        engine.continue_generation()
+
+    def pause_retract() -> None:
+        threading.Thread(target=update).start()
+        while not engine.pause_gate.paused:
+            pass
+
+    def send_second() -> None:
+        futures["second"] = batcher.submit([rows[1]])
+
+    Forwards(engine, {3: send_second, 8: pause_retract})
+    try:
+        first = batcher.submit([rows[0]]).result(60)[0]
+        second = futures["second"].result(60)[0]
+    finally:
+        batcher.stop()
+    refs = {0: load(moe_dir), 1: load(moe_dir_b)}
+    # before the pause the first row sampled 8 tokens (forwards 0-3 and 5-8), the second 5 (its prefill is forward 4)
+    for res, spec, before in ((first, rows[0], 8), (second, rows[1], 5)):
+        assert res.token_versions == [0] * before + [1] * (20 - before)
+        assert res.recomputed_tokens == len(spec.prompt_ids) + before
+        sample = Sample(
+            group_id=0,
+            sample_index=0,
+            prompt_ids=spec.prompt_ids,
+            response_ids=res.output_ids,
+            rollout_logp=res.output_logprobs,
+            finish_reason=res.finish_reason,
+            routed_experts=res.routed_experts,
+            token_versions=res.token_versions,
+        )
+        want_logp, want_routes = per_version_reference(refs, sample)
+        np.testing.assert_allclose(res.output_logprobs, want_logp, atol=1e-4)
+        assert agreement(sample, want_routes) == 1.0
