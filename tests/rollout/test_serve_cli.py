@@ -45,7 +45,7 @@ def test_every_option_shows_its_default_in_help():
     text = " ".join(parser().format_help().split())
     for default in ("(default: 127.0.0.1)", "(default: 30000)", "(default: None, no key)", "(default: 1)"):
         assert default in text
-    assert text.count("(default:") == 19  # every option but --model-path (required) and -h
+    assert text.count("(default:") == 20  # every option but --model-path (required) and -h
 
 
 def test_unknown_flags_are_named(capsys):
