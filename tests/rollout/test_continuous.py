@@ -12,7 +12,7 @@ import httpx
 import numpy as np
 import pytest
 
-from sapo_megatron.rollout.cpu.batcher import Batcher
+from sapo_megatron.rollout.cpu.batcher import Batcher, ClientGone
 from sapo_megatron.rollout.cpu.continuous import ContinuousBatcher
 from sapo_megatron.rollout.cpu.decode import RowResult, RowSpec
 from sapo_megatron.rollout.cpu.flags import add_serve_arguments
@@ -260,3 +260,24 @@ def test_a_retract_pause_reprefills_rows_that_joined_at_different_times(moe_dir,
         want_logp, want_routes = per_version_reference(refs, sample)
         np.testing.assert_allclose(res.output_logprobs, want_logp, atol=1e-4)
         assert agreement(sample, want_routes) == 1.0
+
+
+def test_a_running_request_whose_client_hung_up_is_dropped(moe_dir):
+    engine = engine_from(moe_dir)
+    batcher = ContinuousBatcher(engine, engine.max_batch_size)
+    hung_up = threading.Event()
+    forwards = Forwards(engine, {10: hung_up.set})
+    try:
+        order: list[str] = []
+        gone = batcher.submit([long_row()], client_gone=hung_up.is_set)
+        gone.add_done_callback(lambda _: order.append("gone"))
+        other = batcher.submit([row([7, 2], 40, seed=5)])
+        other.add_done_callback(lambda _: order.append("other"))
+        with pytest.raises(ClientGone):
+            gone.result(60)
+        assert len(other.result(60)[0].output_ids) == 40
+        assert order == ["gone", "other"]  # dropped while the other request still ran
+    finally:
+        batcher.stop()
+    # the long request left the batch at the first check after the hang-up: its 64 tokens were never all made
+    assert forwards.count < LONG and batcher.dropped == 1

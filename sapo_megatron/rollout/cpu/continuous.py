@@ -33,7 +33,8 @@ update, so they see the same on both.
 A failure (a forward raising) fails the merged batch: a request alone in it gets the error; otherwise each of its
 unanswered requests is run again alone from its prompt as a static batch (:meth:`CPUEngine.generate_rows`, same
 seeds), so that only the failing one gets the error, as the static batcher retries. A request whose client hung
-up is dropped when it would join (:class:`~sapo_megatron.rollout.cpu.batcher.ClientGone`), not while it runs.
+up is dropped (:class:`~sapo_megatron.rollout.cpu.batcher.ClientGone`) when it would join, and while it runs
+(checked every ``GONE_CHECK_STEPS`` steps), as SGLang aborts the request of a closed connection.
 VL rows join like text rows (their MRoPE positions are per row too). Stopping the server fails running and queued
 requests with "server stopped".
 """
@@ -48,7 +49,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sapo_megatron.rollout.cpu.batcher import QueueBatcher, _Item
+from sapo_megatron.rollout.cpu.batcher import ClientGone, QueueBatcher, _Item
 from sapo_megatron.rollout.cpu.decode import Decoder, Running, _Row, abort_live
 from sapo_megatron.rollout.cpu.engine import _COMPUTE_LOCK, _torch_threads
 
@@ -56,6 +57,8 @@ if TYPE_CHECKING:
     from sapo_megatron.rollout.cpu.engine import CPUEngine
 
 logger = logging.getLogger(__name__)
+
+GONE_CHECK_STEPS = 8  # decode steps between two checks for running requests whose client hung up
 
 
 @dataclasses.dataclass
@@ -75,6 +78,7 @@ class ContinuousBatcher(QueueBatcher):
         self._waiting: list[_Item] = []
         self._stopping = False
         self._slots: dict[int, tuple[_Slot, int]] = {}  # id(row) -> its request and index
+        self._steps = 0
         super().__init__(engine, max_rows)
 
     # ------------------------------------------------------------------ the queue
@@ -140,7 +144,7 @@ class ContinuousBatcher(QueueBatcher):
             if run is None:
                 return None
             tokens = decoder.sample(run)
-            keep = self._answer_finished(run)
+            keep = self._drop_gone(run, self._answer_finished(run))
             if not keep:
                 return None
             decoder.select(run, keep)
@@ -206,6 +210,28 @@ class ContinuousBatcher(QueueBatcher):
             if slot.left == 0:
                 slot.item.future.set_result(slot.results)
         return keep
+
+    def _drop_gone(self, run: Running, keep: list[int]) -> list[int]:
+        """Every ``GONE_CHECK_STEPS`` steps: drop the running requests whose client hung up; the rows kept."""
+        self._steps += 1
+        if self._steps % GONE_CHECK_STEPS:
+            return keep
+        gone: set[int] = set()
+        for i in keep:
+            slot, _ = self._slots[id(run.rows[i])]
+            if id(slot.item) not in gone and slot.item.client_gone():
+                gone.add(id(slot.item))
+                slot.item.future.set_exception(ClientGone("the client closed its connection"))
+                self.dropped += 1
+        if not gone:
+            return keep
+        kept = []
+        for i in keep:
+            if id(self._slots[id(run.rows[i])][0].item) in gone:
+                del self._slots[id(run.rows[i])]
+            else:
+                kept.append(i)
+        return kept
 
     # ------------------------------------------------------------------ failures
     def _live_items(self) -> list[_Item]:
