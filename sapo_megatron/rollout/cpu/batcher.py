@@ -1,5 +1,5 @@
 """The CPU server's batchers (the client sends one HTTP request per sample). A request whose client hung up before
-it ran is dropped without computing it (:class:`ClientGone`).
+it ran is dropped without computing it (:class:`ClientGone`; continuous batching also drops a running one).
 
 - :class:`~sapo_megatron.rollout.cpu.continuous.ContinuousBatcher` (the server's default): SGLang's continuous
   batching, rows join and leave the running batch between decode steps.

@@ -20,7 +20,8 @@ Endpoints (what each checks):
   milliseconds and run as one batch to completion. Every field is checked before a request joins a batch
   (types, finite temperature / top_p, ``sampling_seed`` in [0, 2^63), at most ``max_rows_per_request`` rows), so
   one bad request never fails its batch-mates; if a batch fails anyway, its requests are retried one by one. A
-  request whose client hung up before it joined a batch is dropped without computing it.
+  request whose client hung up before it joined a batch is dropped without computing it (with continuous
+  batching, also one that hangs up while it runs).
 - ``GET /health`` (200 at once), ``GET /health_generate`` (200 after generating one token).
 - ``GET /get_model_info``: SGLang's ``model_path``, ``tokenizer_path``, ``is_generation``,
   ``preferred_sampling_params``, ``weight_version``, plus the model's shape facts.
