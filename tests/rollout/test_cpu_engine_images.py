@@ -261,3 +261,57 @@ def test_images_through_the_real_router(vl, tmp_path):
     for (a,), (b,) in zip(local, routed):
         assert a.response_ids == b.response_ids and a.prompt_ids == b.prompt_ids
         assert np.allclose(a.rollout_logp, b.rollout_logp, atol=1e-6)
+
+
+def test_vl_rows_join_the_running_batch_of_the_server_as_they_run_alone(vl):
+    """Continuous batching (the CPU server's batcher) with images: rows that join a running VL batch (two images,
+    text only) sample the tokens and log-probs they sample alone."""
+    from sapo_megatron.rollout.cpu.continuous import ContinuousBatcher
+    from sapo_megatron.rollout.cpu.decode import RowSpec
+
+    _, engine, renderer, rows, _ = vl
+    finished: list[int] = []
+
+    def spec_of(row, tokens: int, seed: int) -> RowSpec:
+        images = tuple(image.png() for image in row.images) if row.images else ()
+        out = RowSpec(
+            prompt_ids=renderer.encode(row),
+            sampling=SamplingParams(max_new_tokens=tokens, temperature=1.0),
+            seed=seed,
+            images=images,
+        )
+        if images:
+            engine.prepare_images(out)
+        return out
+
+    def run(joined: bool) -> list:
+        batcher = ContinuousBatcher(engine, engine.max_batch_size)
+        futures: list = []
+        calls = [0]
+
+        def hook(*_: object) -> None:
+            calls[0] += 1
+            if joined and calls[0] == 3:  # while the first row decodes
+                futures.extend(batcher.submit([spec_of(row, 4, 20 + i)]) for i, row in enumerate(rows[1:]))
+                for i, future in enumerate(futures):
+                    future.add_done_callback(lambda _, i=i: finished.append(i + 1))
+
+        handle = engine.model.register_forward_pre_hook(hook)
+        try:
+            first_future = batcher.submit([spec_of(rows[0], 12, 7)])
+            first_future.add_done_callback(lambda _: finished.append(0))
+            first = first_future.result(60)
+            if not joined:
+                futures.extend(batcher.submit([spec_of(row, 4, 20 + i)]) for i, row in enumerate(rows[1:]))
+            return [first[0]] + [f.result(60)[0] for f in futures]
+        finally:
+            handle.remove()
+            batcher.stop()
+
+    together = run(joined=True)
+    assert finished == [1, 2, 0]  # the joined rows were answered while the first one ran
+    alone = run(joined=False)
+    assert [len(r.output_ids) for r in together] == [12, 4, 4]
+    for got, want in zip(together, alone):
+        assert got.output_ids == want.output_ids
+        np.testing.assert_allclose(got.output_logprobs, want.output_logprobs, atol=1e-4)
