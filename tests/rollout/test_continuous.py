@@ -281,3 +281,17 @@ def test_a_running_request_whose_client_hung_up_is_dropped(moe_dir):
         batcher.stop()
     # the long request left the batch at the first check after the hang-up: its 64 tokens were never all made
     assert forwards.count < LONG and batcher.dropped == 1
+
+
+def test_stopping_fails_running_and_queued_requests(moe_dir):
+    engine = engine_from(moe_dir)
+    batcher = ContinuousBatcher(engine, 1)  # one running row: the second request waits in the queue
+    stop = threading.Thread(target=batcher.stop)
+    Forwards(engine, {5: stop.start})
+    running = batcher.submit([long_row()])
+    queued = batcher.submit([row([7, 2], 4, seed=5)])
+    for future in (running, queued):
+        with pytest.raises(RuntimeError, match="server stopped"):
+            future.result(30)
+    stop.join(30)
+    assert not stop.is_alive() and batcher.pending == 0
