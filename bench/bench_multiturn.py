@@ -2,7 +2,7 @@
 
     python bench/bench_multiturn.py [--episodes 64] [--turns 3] [--tokens-per-turn 16] [--tool-latency-s 0.2 ...]
                                     [--observation-tokens 8] [--engine http|cpu|both|sglang] [--hidden 128]
-                                    [--rounds 2]
+                                    [--rounds 2] [--stream-window 2]
 
 Multi-turn arm: ``--episodes`` episodes at once through :class:`~sapo_megatron.rollout.episodes.EpisodeEngine`,
 each ``--turns`` engine turns of ``--tokens-per-turn`` tokens with a tool call between turns (an async tool that
@@ -20,6 +20,23 @@ runs to its limit. ``sglang`` is a real SGLang server on CPU (``tools/sglang_cpu
 continuous batching and its prefix cache, on the embedded demo's architecture and character tokenizer with the
 end-of-sequence token removed from model and tokenizer (so responses run to their limit there too); the server's
 start (1-3 minutes) is not timed. The arms alternate for ``--rounds`` rounds; medians are printed.
+
+Streaming arm (``stream``, server engines only: ``http`` and ``sglang``): episodes that do not move in lockstep. A
+pool keeps ``--episodes`` episodes in flight, each slot a thread that runs one episode (its own ``generate`` call
+of one sample through the same ``EpisodeEngine``, one engine call per turn) and starts the next the moment it
+ends; slot i starts i/episodes of D after the first, D the wall time of the same round's lockstep arm (one
+episode's duration with everything in flight), so the tool waits of the slots are spread over an episode from the
+start. The engine is wrapped to record when each turn's call returns and how many tokens it sampled; the rate is
+the tokens of the turns that returned inside a window [D, D + ``--stream-window`` × D] after the first start,
+divided by the window's length: warm-up (the staggered ramp) and the drain (no new episode starts after the
+window) are outside it. The ratio stream / single compares it with the single-turn arm's batch of the same number
+of samples (``turns × tokens-per-turn`` each) in one call, as the lockstep ratio does.
+
+What the stream arm stands for: generation that never waits for the slowest episode of a batch, i.e. a producer
+that starts new episodes while others still run their tools. The fully-async pipeline (``loop/fully_async.py``)
+keeps generating while the trainer trains, but its producer still runs one chunk (one ``collect`` call) at a time,
+so the episodes of a chunk start together; the stream arm is what overlapping chunks (or per-episode admission)
+would give, measured on the same engine, not a run of the pipeline.
 """
 
 from __future__ import annotations
@@ -27,11 +44,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -177,6 +196,57 @@ def timed(engine, reqs) -> tuple[float, int]:
     return elapsed, sum(s.generated_tokens for g in groups for s in g)
 
 
+class TurnClock:
+    """The engine, recording when each call returns and the tokens it sampled (everything else passes through)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.turns: list[tuple[float, int]] = []
+        self._lock = threading.Lock()
+
+    def generate(self, reqs):
+        groups = self.engine.generate(reqs)
+        tokens = sum(s.generated_tokens for g in groups for s in g)
+        with self._lock:
+            self.turns.append((time.perf_counter(), tokens))
+        return groups
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+
+def streamed(engine, args, parallel_calls: int, episode_s: float, seed: int) -> tuple[float, int]:
+    """Tokens/s of a pool of ``args.episodes`` episodes in flight (see the module's docstring) and the tokens
+    counted in its window."""
+    clock = TurnClock(engine)
+    episodes = build_episodes(clock, args, parallel_calls)
+    start = time.perf_counter()
+    window = (start + episode_s, start + episode_s * (1 + args.stream_window))
+    errors: list[BaseException] = []
+
+    def slot(i: int) -> None:
+        time.sleep(i * episode_s / args.episodes)
+        k = 0
+        while time.perf_counter() < window[1] and not errors:
+            prompt = requests(args, args.tokens_per_turn, seed)[i // 4]  # slot i: the lockstep arm's prompt
+            req = dataclasses.replace(prompt, n=1, group_id=i * 10_000 + k)
+            try:
+                episodes.generate([req])
+            except BaseException as error:  # re-raised below
+                errors.append(error)
+            k += 1
+
+    threads = [threading.Thread(target=slot, args=(i,), daemon=True) for i in range(args.episodes)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    tokens = sum(n for at, n in clock.turns if window[0] <= at <= window[1])
+    return tokens / (window[1] - window[0]), tokens
+
+
 def bench_engine(name: str, engine, args, parallel_calls: int) -> list[dict]:
     """One result per tool latency of ``args.tool_latency_s``."""
     return [
@@ -194,13 +264,17 @@ def bench_latency(name: str, engine, args, parallel_calls: int) -> dict:
     episodes = build_episodes(engine, args, parallel_calls)
     total = args.turns * args.tokens_per_turn
     timed(engine, requests(args, 4, seed=0))  # warm-up
-    single, multi = [], []
+    single, multi, stream, counted = [], [], [], []
     for round_ in range(args.rounds):
         seconds, tokens = timed(engine, requests(args, total, seed=round_))
         single.append(tokens / seconds)
         seconds, tokens = timed(episodes, requests(args, args.tokens_per_turn, seed=round_))
         multi.append(tokens / seconds)
         assert tokens == args.episodes * total, tokens
+        if parallel_calls > 1:  # a pool of one-sample calls needs an engine that takes calls in parallel
+            rate, tokens = streamed(engine, args, parallel_calls, episode_s=seconds, seed=round_)
+            stream.append(rate)
+            counted.append(tokens)
     result = {
         "engine": name,
         "single_turn_tokens_per_s": round(statistics.median(single), 1),
@@ -208,6 +282,15 @@ def bench_latency(name: str, engine, args, parallel_calls: int) -> dict:
         "engine_calls_per_round": episodes.metrics()["episode/engine_calls"] / args.rounds,
     }
     result["ratio"] = round(result["multi_turn_tokens_per_s"] / result["single_turn_tokens_per_s"], 3)
+    if stream:
+        result["stream_tokens_per_s"] = round(statistics.median(stream), 1)
+        result["stream_tokens_in_window"] = counted
+        result["stream_ratio"] = round(result["stream_tokens_per_s"] / result["single_turn_tokens_per_s"], 3)
+        result["per_round"] = {
+            "single": [round(x, 1) for x in single],
+            "lockstep": [round(x, 1) for x in multi],
+            "stream": [round(x, 1) for x in stream],
+        }
     return result
 
 
@@ -223,6 +306,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine", choices=("http", "cpu", "both", "sglang"), default="both")
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--stream-window",
+        type=float,
+        default=2.0,
+        help="the stream arm's measuring window, in lockstep-episode durations after one of warm-up",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the engine")
     parser.add_argument(
         "--batch-window-s",
@@ -271,6 +360,7 @@ def settings(args: argparse.Namespace) -> dict:
         "observation_tokens",
         "hidden",
         "batch_window_s",
+        "stream_window",
     )
     return {k: getattr(args, k) for k in names}
 
