@@ -130,6 +130,35 @@ def test_fully_async_settings_are_checked_with_their_fix():
         )
 
 
+def test_retract_with_r3_is_refused_on_sglang_servers_and_allowed_in_process():
+    """miles #3277 on SGLang 0.5.23 (measured in tests/sglang_real/test_pause.py): a retract pause returns the
+    re-prefill's routes for the prefix, whose log-probs are the old version's; the client cannot tell a CPU server
+    from SGLang, so both server engines are refused; the in-process engine keeps routes per forward."""
+    tiny = {"hf_config": tiny_hf_config("moe")}
+    trainer = {"rollout_mode": "fully_async", "prompts_per_step": 8, "pause_mode": "retract"}
+    r3 = {"routing_replay": "r3"}
+    servers = {
+        "sglang": {"engine": "sglang", "urls": ["http://w:30000"], "routed_experts": True},
+        "cpu_http": {"engine": "cpu_http", "routed_experts": True},
+    }
+    for engine, rollout in servers.items():
+        with pytest.raises(ConfigError) as info:
+            config_from_dict({"model": tiny, "rollout": rollout, "trainer": trainer, "algorithm": r3})
+        message = str(info.value)
+        assert (
+            f"trainer.pause_mode: retract with algorithm.routing_replay: r3 on rollout.engine: {engine}"
+            in message
+        )
+        assert "set trainer.pause_mode: in_place or abort" in message
+        for mode in ("in_place", "abort"):  # the fix named is accepted
+            fixed = {**trainer, "pause_mode": mode}
+            config_from_dict({"model": tiny, "rollout": rollout, "trainer": fixed, "algorithm": r3})
+        config_from_dict({"model": tiny, "rollout": rollout, "trainer": trainer})  # retract without R3
+    in_process = {"engine": "cpu", "routed_experts": True}
+    run = config_from_dict({"model": tiny, "rollout": in_process, "trainer": trainer, "algorithm": r3})
+    assert run.trainer.pause_mode == "retract"
+
+
 def test_time_sharing_needs_an_engine_it_can_release_and_names_the_fix():
     assert "set rollout.engine: cpu_http" in error_of(colocation="time_shared")
     shared = {"engine": "sglang", "urls": ["http://w:30000"], "weight_sync": "tensor"}

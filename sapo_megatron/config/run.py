@@ -121,6 +121,18 @@ class RunConfig(Section):
                 "objective's proximal / behaviour weight, and algorithm.correction is none: set "
                 "algorithm.correction (tis or icepop) or trainer.stale_groups: drop"
             )
+        if (
+            mode == "fully_async"
+            and trainer.pause_mode == "retract"
+            and self.algorithm.routing_replay == "r3"
+            and self.rollout.engine in ("sglang", "cpu_http")
+        ):
+            raise ValueError(
+                f"trainer.pause_mode: retract with algorithm.routing_replay: r3 on rollout.engine: "
+                f"{self.rollout.engine}: after a retract SGLang (0.5.23) returns the re-prefill's new-version routes "
+                "for the prefix whose log-probs are the old version's (miles #3277), and the client cannot tell a "
+                "CPU server from SGLang; set trainer.pause_mode: in_place or abort (or rollout.engine: cpu)"
+            )
         if self.algorithm.proximal_logp == "loglinear" and self.algorithm.routing_replay == "r2":
             raise ValueError(
                 "algorithm.proximal_logp: loglinear skips the old-policy pass, which R2 needs to record the routes "

@@ -80,7 +80,8 @@ class TrainerConfig(Section):
         default="in_place",
         description="fully_async: a weight update that would wait for the chunk in flight pauses the engine in this "
         "mode (SGLang's /pause_generation), syncs and continues; samples spanning it carry per-token versions. "
-        "none: wait for the chunk in flight (whole samples)",
+        "none: wait for the chunk in flight (whole samples). retract is refused with algorithm.routing_replay: r3 "
+        "on server engines (SGLang returns the re-prefill's routes for the prefix: miles #3277)",
     )
     export_hf: bool = Field(default=True, description="write an HF checkpoint at the end")
     log_ref_kl: bool = Field(
