@@ -2,7 +2,7 @@
 
     python bench/bench_multiturn.py [--episodes 64] [--turns 3] [--tokens-per-turn 16] [--tool-latency-s 0.2 ...]
                                     [--observation-tokens 8] [--engine http|cpu|both|sglang] [--hidden 128]
-                                    [--rounds 2] [--stream-window 2]
+                                    [--rounds 2] [--stream-window 2] [--stream-in-flight 64 128]
 
 Multi-turn arm: ``--episodes`` episodes at once through :class:`~sapo_megatron.rollout.episodes.EpisodeEngine`,
 each ``--turns`` engine turns of ``--tokens-per-turn`` tokens with a tool call between turns (an async tool that
@@ -21,12 +21,14 @@ continuous batching and its prefix cache, on the embedded demo's architecture an
 end-of-sequence token removed from model and tokenizer (so responses run to their limit there too); the server's
 start (1-3 minutes) is not timed. The arms alternate for ``--rounds`` rounds; medians are printed.
 
-Streaming arm (``stream``, server engines only: ``http`` and ``sglang``): episodes that do not move in lockstep. A
-pool keeps ``--episodes`` episodes in flight, each slot a thread that runs one episode (its own ``generate`` call
-of one sample through the same ``EpisodeEngine``, one engine call per turn) and starts the next the moment it
-ends; slot i starts i/episodes of D after the first, D the wall time of the same round's lockstep arm (one
-episode's duration with everything in flight), so the tool waits of the slots are spread over an episode from the
-start. The engine is wrapped to record when each turn's call returns and how many tokens it sampled; the rate is
+Streaming arm (``stream_<m>``, server engines only: ``http`` and ``sglang``): episodes that do not move in
+lockstep. A pool keeps m episodes in flight (``--stream-in-flight``, default ``--episodes``), each slot a thread
+that runs one episode (its own ``generate`` call of one sample through the same ``EpisodeEngine``, one engine call
+per turn) and starts the next the moment it ends; the client still sends at most ``--episodes`` requests at once
+(its ``max_concurrency``, as in the other arms), so m > episodes keeps more episodes alive – some in their tools –
+without a larger running batch than the single-turn arm's. Slot i starts i/m of D after the first, D the wall
+time of the same round's lockstep arm (one episode's duration with everything in flight), so the tool waits of
+the slots are spread over an episode from the start. The engine is wrapped to record when each turn's call returns and how many tokens it sampled; the rate is
 the tokens of the turns that returned inside a window [D, D + ``--stream-window`` × D] after the first start,
 divided by the window's length: warm-up (the staggered ramp) and the drain (no new episode starts after the
 window) are outside it. The ratio stream / single compares it with the single-turn arm's batch of the same number
@@ -215,20 +217,22 @@ class TurnClock:
         return getattr(self.engine, name)
 
 
-def streamed(engine, args, parallel_calls: int, episode_s: float, seed: int) -> tuple[float, int]:
-    """Tokens/s of a pool of ``args.episodes`` episodes in flight (see the module's docstring) and the tokens
-    counted in its window."""
+def streamed(
+    engine, args, parallel_calls: int, episode_s: float, seed: int, in_flight: int
+) -> tuple[float, int]:
+    """Tokens/s of a pool of ``in_flight`` episodes (see the module's docstring) and the tokens counted in its
+    window."""
     clock = TurnClock(engine)
-    episodes = build_episodes(clock, args, parallel_calls)
+    episodes = build_episodes(clock, args, max(parallel_calls, in_flight))
     start = time.perf_counter()
     window = (start + episode_s, start + episode_s * (1 + args.stream_window))
     errors: list[BaseException] = []
 
     def slot(i: int) -> None:
-        time.sleep(i * episode_s / args.episodes)
+        time.sleep(i * episode_s / in_flight)
         k = 0
         while time.perf_counter() < window[1] and not errors:
-            prompt = requests(args, args.tokens_per_turn, seed)[i // 4]  # slot i: the lockstep arm's prompt
+            prompt = requests(args, args.tokens_per_turn, seed)[i % args.episodes // 4]  # the lockstep arm's
             req = dataclasses.replace(prompt, n=1, group_id=i * 10_000 + k)
             try:
                 episodes.generate([req])
@@ -236,7 +240,7 @@ def streamed(engine, args, parallel_calls: int, episode_s: float, seed: int) -> 
                 errors.append(error)
             k += 1
 
-    threads = [threading.Thread(target=slot, args=(i,), daemon=True) for i in range(args.episodes)]
+    threads = [threading.Thread(target=slot, args=(i,), daemon=True) for i in range(in_flight)]
     for t in threads:
         t.start()
     for t in threads:
@@ -264,7 +268,8 @@ def bench_latency(name: str, engine, args, parallel_calls: int) -> dict:
     episodes = build_episodes(engine, args, parallel_calls)
     total = args.turns * args.tokens_per_turn
     timed(engine, requests(args, 4, seed=0))  # warm-up
-    single, multi, stream, counted = [], [], [], []
+    single, multi = [], []
+    stream: dict[int, list[float]] = {m: [] for m in args.stream_in_flight}
     for round_ in range(args.rounds):
         seconds, tokens = timed(engine, requests(args, total, seed=round_))
         single.append(tokens / seconds)
@@ -272,9 +277,10 @@ def bench_latency(name: str, engine, args, parallel_calls: int) -> dict:
         multi.append(tokens / seconds)
         assert tokens == args.episodes * total, tokens
         if parallel_calls > 1:  # a pool of one-sample calls needs an engine that takes calls in parallel
-            rate, tokens = streamed(engine, args, parallel_calls, episode_s=seconds, seed=round_)
-            stream.append(rate)
-            counted.append(tokens)
+            for m in args.stream_in_flight:
+                rate, tokens = streamed(engine, args, parallel_calls, seconds, round_, in_flight=m)
+                assert tokens > 0, "no turn returned inside the stream window"
+                stream[m].append(rate)
     result = {
         "engine": name,
         "single_turn_tokens_per_s": round(statistics.median(single), 1),
@@ -282,15 +288,16 @@ def bench_latency(name: str, engine, args, parallel_calls: int) -> dict:
         "engine_calls_per_round": episodes.metrics()["episode/engine_calls"] / args.rounds,
     }
     result["ratio"] = round(result["multi_turn_tokens_per_s"] / result["single_turn_tokens_per_s"], 3)
-    if stream:
-        result["stream_tokens_per_s"] = round(statistics.median(stream), 1)
-        result["stream_tokens_in_window"] = counted
-        result["stream_ratio"] = round(result["stream_tokens_per_s"] / result["single_turn_tokens_per_s"], 3)
-        result["per_round"] = {
-            "single": [round(x, 1) for x in single],
-            "lockstep": [round(x, 1) for x in multi],
-            "stream": [round(x, 1) for x in stream],
-        }
+    result["per_round"] = {
+        "single": [round(x, 1) for x in single],
+        "lockstep": [round(x, 1) for x in multi],
+    }
+    for m, rates in stream.items():
+        if rates:
+            rate = round(statistics.median(rates), 1)
+            result[f"stream_{m}_tokens_per_s"] = rate
+            result[f"stream_{m}_ratio"] = round(rate / result["single_turn_tokens_per_s"], 3)
+            result["per_round"][f"stream_{m}"] = [round(x, 1) for x in rates]
     return result
 
 
@@ -312,6 +319,14 @@ def main(argv: list[str] | None = None) -> int:
         default=2.0,
         help="the stream arm's measuring window, in lockstep-episode durations after one of warm-up",
     )
+    parser.add_argument(
+        "--stream-in-flight",
+        type=int,
+        nargs="+",
+        default=None,
+        help="episodes the stream arm keeps in flight, one arm per value (default: --episodes); the client "
+        "still sends at most --episodes requests at once, as in the other arms",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the engine")
     parser.add_argument(
         "--batch-window-s",
@@ -323,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.episodes % 4:
         parser.error("--episodes must be a multiple of 4 (groups of 4 samples)")
+    args.stream_in_flight = args.stream_in_flight or [args.episodes]
 
     from sapo_megatron.rollout.cpu.engine import CPUEngine
     from sapo_megatron.rollout.cpu.server import CPUServer
@@ -361,6 +377,7 @@ def settings(args: argparse.Namespace) -> dict:
         "hidden",
         "batch_window_s",
         "stream_window",
+        "stream_in_flight",
     )
     return {k: getattr(args, k) for k in names}
 

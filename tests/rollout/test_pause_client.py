@@ -174,3 +174,43 @@ def test_every_sample_carries_its_version_and_foreign_labels_none(moe_dir, moe_d
         client.close()
         other.close()
         server.stop()
+
+
+def test_an_abort_reply_that_arrives_after_continue_is_continued_not_restarted(moe_dir, moe_dir_b, refs):
+    """The abort pause's reply may reach the client only after ``continue_generation`` (a loaded machine): the
+    sample was cut by this client's pause (a newer pause epoch), so it is continued from its partial, not retried
+    from scratch on the new weights."""
+    server = slow_server(moe_dir)
+    client = SGLangClient([server.url], num_layers=NUM_LAYERS, top_k=TOP_K, max_retries=1, backoff_s=0.0)
+    send = client.fleet.request
+    late = threading.Event()
+
+    def request(method, srv, path, payload, **kwargs):
+        reply = send(method, srv, path, payload, **kwargs)
+        if path == "/generate" and reply["meta_info"]["finish_reason"]["type"] == "abort":
+            assert late.wait(60)  # held until continue_generation has returned
+        return reply
+
+    client.fleet.request = request  # type: ignore[method-assign]
+    try:
+        out: dict = {}
+        worker = threading.Thread(target=lambda: out.update(groups=client.generate([_request(1)])))
+        worker.start()
+        _wait_until_submitted([server], 1)
+        time.sleep(0.3)
+        client.pause_generation("abort")
+        client.update_weights_from_disk(str(moe_dir_b))
+        client.continue_generation()
+        late.set()
+        worker.join(timeout=120)
+        (s,) = out["groups"][0]
+        k = s.token_versions.count(0)
+        assert 0 < k < NEW and s.token_versions == [0] * k + [1] * (NEW - k)  # a restart would be all 1
+        want_logp, want_routes = per_version_reference(refs, s)
+        np.testing.assert_allclose(s.rollout_logp, want_logp, atol=1e-4)
+        assert agreement(s, want_routes) == 1.0
+        assert client.metrics()["rollout/partial_samples"] == 1
+    finally:
+        late.set()
+        client.close()
+        server.stop()

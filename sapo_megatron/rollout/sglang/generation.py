@@ -142,7 +142,10 @@ class GenerationClient:
             return parsed
 
         def retry(parsed: ParsedGeneration) -> bool:  # an abort not of this client's pause: try again
-            return parsed.finish_reason == "abort" and not self.fleet.pause.paused
+            # a pause begun since the request was sent cut it: it is continued (never restarted), also when its
+            # reply comes back after continue_generation
+            pause = self.fleet.pause
+            return parsed.finish_reason == "abort" and not pause.paused and pause.epoch == epoch
 
         parsed = self.fleet.with_failover(rid_base, attempt, cancel, retry_if=retry)
         if spans[0] and versions[0] is None:
