@@ -292,11 +292,17 @@ def bench_latency(name: str, engine, args, parallel_calls: int) -> dict:
         "single": [round(x, 1) for x in single],
         "lockstep": [round(x, 1) for x in multi],
     }
+    # the median of each round's own ratio too: the arms of a round run back to back, so a change of the machine's
+    # load between rounds moves both sides of that round's ratio
+    result["ratio_of_rounds"] = round(statistics.median(m / s for m, s in zip(multi, single)), 3)
     for m, rates in stream.items():
         if rates:
             rate = round(statistics.median(rates), 1)
             result[f"stream_{m}_tokens_per_s"] = rate
             result[f"stream_{m}_ratio"] = round(rate / result["single_turn_tokens_per_s"], 3)
+            result[f"stream_{m}_ratio_of_rounds"] = round(
+                statistics.median(r / s for r, s in zip(rates, single)), 3
+            )
             result["per_round"][f"stream_{m}"] = [round(x, 1) for x in rates]
     return result
 
