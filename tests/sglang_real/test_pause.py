@@ -262,3 +262,25 @@ def test_abort_pause_continues_samples_through_the_client(sglang_url, model_dir,
     assert metrics["rollout/partial_samples"] >= mid >= 1
     split = [(s.token_versions.count(0), len(s.response_ids), s.finish_reason) for s in samples]
     print(f"\nSGLANG_ABORT attempts={attempts} (v0 tokens, length, finish)={split}")
+
+
+def test_whole_samples_report_their_version(sglang_url, model_dir, other_dir, versions):
+    """SGLang sends ``meta_info.weight_versions`` with every finished request (one span when one version made every
+    token): the client tags whole samples too, so a sample generated after an update says so."""
+    restore(sglang_url, model_dir)
+    client = SGLangClient([sglang_url], api_key=API_KEY, max_retries=0)
+    sampling = SamplingParams(max_new_tokens=8, temperature=1.0)
+    request = GenerationRequest(prompt_ids=PROMPT, n=2, sampling=sampling, group_id=0)
+    try:
+        before = client.generate([request])[0]
+        client.update_weights_from_disk(str(other_dir))
+        after = client.generate([request])[0]
+    finally:
+        client.close()
+        restore(sglang_url, model_dir)
+    assert [s.token_versions for s in before] == [[0] * len(s.response_ids) for s in before]
+    assert [s.token_versions for s in after] == [[1] * len(s.response_ids) for s in after]
+    for s in after:  # made by version 1 indeed
+        want = reference_logp(versions[1], s.token_ids)[len(PROMPT) - 1 :].numpy()
+        np.testing.assert_allclose(s.rollout_logp, want, atol=FP32_TOL)
+    assert client.metrics()["rollout/partial_unsplit"] == 0
