@@ -411,9 +411,14 @@ class FullyAsyncPipeline:
         self._idle_since = now if self._generating == 0 and self._threads else None
 
     def _raise_error(self) -> None:
+        """The first failed worker's error, once; later waits fail without repeating it (nothing generates)."""
         if self._error is not None:
             error, self._error = self._error, None
             raise error
+        if self._failed:
+            raise RuntimeError(
+                "the rollout producer stopped after an error (raised before); the run cannot go on"
+            )
 
     # -- checkpoints ------------------------------------------------------------------------------------
 
