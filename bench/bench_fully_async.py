@@ -3,7 +3,7 @@
 
     python bench/bench_fully_async.py [--steps 16] [--prompts 4] [--median 6] [--sigma 1.264] [--cap 96]
                                       [--train-ratio 1.0 | --train-tokens-per-s T] [--chunk 4] [--rounds 2]
-                                      [--inflight 1] [--engine cpu-server|sglang]
+                                      [--inflight 1 [4 ...]] [--engine cpu-server|sglang]
 
 Generation is real: the CPU rollout server (``sapo-megatron serve``, the stand-in for an SGLang worker, its own
 process, one torch thread) behind :class:`~sapo_megatron.rollout.sglang.client.SGLangClient`, a tiny random
@@ -15,9 +15,10 @@ synchronous step waits for. ``--engine sglang``: a real SGLang 0.5.23 server on 
 as tests/sglang_real starts it: float32, one thread, continuous batching; the demo's architecture widened to
 ``--hidden``, no EOS); its start (1-3 minutes) is not timed.
 
-``--inflight K``: the fully_async arms' producer keeps up to K chunks in flight (``trainer.async_inflight_chunks``),
-each entering the buffer when it finishes – with continuous batching, short samples reach the trainer while long
-ones keep generating.
+``--inflight K [K ...]``: the fully_async arms' producer keeps up to K chunks in flight
+(``trainer.async_inflight_chunks``), each entering the buffer when it finishes – with continuous batching, short
+samples reach the trainer while long ones keep generating. Each K gets its own fully_async arms (named
+``fully_async_<max_staleness>_k<K>``, plain for K = 1), measured in the same run as the others.
 
 The trainer is simulated: a step sleeps ``trained tokens / --train-tokens-per-s`` seconds (by default calibrated so
 that training takes ``--train-ratio`` times as long as generating, where asynchrony matters most; equal trained
@@ -138,7 +139,9 @@ def run_arm(name: str, client, draws: list[int], args) -> dict[str, float]:
     )
     generate = make_generate(client, draws, args)
     if name.startswith("fully_async"):
-        staleness = int(name.split("_")[2])
+        parts = name.split("_")
+        staleness = int(parts[2])
+        inflight = int(parts[3][1:]) if len(parts) > 3 and parts[3].startswith("k") else 1
         settings = AsyncSettings(
             groups_per_step=args.prompts,
             n_samples=1,
@@ -149,7 +152,7 @@ def run_arm(name: str, client, draws: list[int], args) -> dict[str, float]:
             total_steps=args.steps,
             deterministic=False,
             pause_mode=args.pause_mode if name.endswith("_pause") else "none",
-            inflight_chunks=args.inflight,
+            inflight_chunks=inflight,
         )
         pipeline: Any = FullyAsyncPipeline(session, None, generate, settings, start_step=0)
     else:
@@ -244,8 +247,9 @@ def main() -> None:
     parser.add_argument(
         "--inflight",
         type=int,
-        default=1,
-        help="fully_async: chunks in flight at once (trainer.async_inflight_chunks)",
+        nargs="+",
+        default=[1],
+        help="fully_async: chunks in flight at once (trainer.async_inflight_chunks); several values: arms for each",
     )
     parser.add_argument(
         "--engine",
@@ -265,7 +269,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=2, help="runs per arm, alternating the order")
     args = parser.parse_args()
-    if args.inflight < 1:
+    if min(args.inflight) < 1:
         parser.error(f"--inflight must be >= 1, got {args.inflight}")
 
     from sapo_megatron.defaults import DEMO_MODEL
@@ -279,9 +283,12 @@ def main() -> None:
     draws = lengths(needed, median=args.median, sigma=args.sigma, cap=args.cap, seed=args.seed)
     ranked = sorted(draws)
     tail = sum(d >= 8 * args.median for d in draws) / len(draws)
-    arms = ["sync", "one_step_off", "fully_async_1", "fully_async_2", "fully_async_4"]
-    if args.pause_mode != "none":
-        arms += ["fully_async_1_pause", "fully_async_2_pause"]
+    arms = ["sync", "one_step_off"]
+    for k in dict.fromkeys(args.inflight):
+        tag = "" if k == 1 else f"_k{k}"
+        arms += [f"fully_async_{bound}{tag}" for bound in (1, 2, 4)]
+        if args.pause_mode != "none":
+            arms += [f"fully_async_{bound}{tag}_pause" for bound in (1, 2)]
     results: dict[str, dict[str, float]] = {}
     with (
         tempfile.TemporaryDirectory(dir="/tmp") as tmp,
@@ -304,17 +311,17 @@ def main() -> None:
         f"step, steps 2-{args.steps}; lengths lognormal median {args.median:g} sigma {args.sigma:g} cap {args.cap}: "
         f"median {ranked[len(ranked) // 2]}, max {ranked[-1]}, {tail:.1%} >= 8x median; simulated trainer "
         f"{args.train_tokens_per_s:.1f} tokens/s, sync {args.sync_s:g} s; fully_async chunk {args.chunk}, "
-        f"{args.inflight} in flight; load "
+        f"{'/'.join(map(str, args.inflight))} in flight; load "
         f"average {os.getloadavg()[0]:.1f}"
     )
     sync, off = results["sync"]["samples_per_s"], results["one_step_off"]["samples_per_s"]
-    header = f"{'arm':19s} {'tokens':>7s} {'tokens/s':>9s} {'samples/s':>10s} {'trainer idle':>13s} {'generating':>11s}"
+    header = f"{'arm':22s} {'tokens':>7s} {'tokens/s':>9s} {'samples/s':>10s} {'trainer idle':>13s} {'generating':>11s}"
     header += f" {'staleness':>10s}"
     print(f"{header} {'vs sync':>8s} {'vs 1-off':>9s}")
     for name in arms:
         r = results[name]
         print(
-            f"{name:19s} {r['tokens']:7.0f} {r['tokens'] / r['wall_s']:9.1f} {r['samples_per_s']:10.2f} {r['trainer_idle']:13.1%} {r['generating']:11.1%} "
+            f"{name:22s} {r['tokens']:7.0f} {r['tokens'] / r['wall_s']:9.1f} {r['samples_per_s']:10.2f} {r['trainer_idle']:13.1%} {r['generating']:11.1%} "
             f"{r['staleness']:10.2f} {r['samples_per_s'] / sync:7.2f}x {r['samples_per_s'] / off:8.2f}x"
         )
 
