@@ -3,7 +3,7 @@
 
     python bench/bench_fully_async.py [--steps 16] [--prompts 4] [--median 6] [--sigma 1.264] [--cap 96]
                                       [--train-ratio 1.0 | --train-tokens-per-s T] [--chunk 4] [--rounds 2]
-                                      [--inflight 1 [4 ...]] [--engine cpu-server|sglang]
+                                      [--inflight 1 [4 8x1 ...]] [--engine cpu-server|sglang]
 
 Generation is real: the CPU rollout server (``sapo-megatron serve``, the stand-in for an SGLang worker, its own
 process, one torch thread) behind :class:`~sapo_megatron.rollout.sglang.client.SGLangClient`, a tiny random
@@ -15,10 +15,11 @@ synchronous step waits for. ``--engine sglang``: a real SGLang 0.5.23 server on 
 as tests/sglang_real starts it: float32, one thread, continuous batching; the demo's architecture widened to
 ``--hidden``, no EOS); its start (1-3 minutes) is not timed.
 
-``--inflight K [K ...]``: the fully_async arms' producer keeps up to K chunks in flight
-(``trainer.async_inflight_chunks``), each entering the buffer when it finishes – with continuous batching, short
-samples reach the trainer while long ones keep generating. Each K gets its own fully_async arms (named
-``fully_async_<max_staleness>_k<K>``, plain for K = 1), measured in the same run as the others.
+``--inflight K[xC] ...``: the fully_async arms' producer keeps up to K chunks (of C groups, default ``--chunk``) in
+flight (``trainer.async_inflight_chunks``, ``trainer.async_chunk_groups``), each entering the buffer when it
+finishes – with continuous batching, short samples reach the trainer while long ones keep generating. Each value
+gets its own fully_async arms (named ``fully_async_<max_staleness>_k<K>[c<C>]``, plain for K = 1 with ``--chunk``),
+measured in the same run as the others.
 
 The trainer is simulated: a step sleeps ``trained tokens / --train-tokens-per-s`` seconds (by default calibrated so
 that training takes ``--train-ratio`` times as long as generating, where asynchrony matters most; equal trained
@@ -38,6 +39,7 @@ import contextlib
 import math
 import os
 import random
+import re
 import sys
 import tempfile
 import threading
@@ -141,13 +143,15 @@ def run_arm(name: str, client, draws: list[int], args) -> dict[str, float]:
     if name.startswith("fully_async"):
         parts = name.split("_")
         staleness = int(parts[2])
-        inflight = int(parts[3][1:]) if len(parts) > 3 and parts[3].startswith("k") else 1
+        inflight, chunk = inflight_of(
+            parts[3] if len(parts) > 3 and parts[3].startswith("k") else "", args.chunk
+        )
         settings = AsyncSettings(
             groups_per_step=args.prompts,
             n_samples=1,
             max_staleness=staleness,
             stale_groups="drop",
-            chunk_groups=args.chunk,
+            chunk_groups=chunk,
             capacity=(staleness + 1) * args.prompts,
             total_steps=args.steps,
             deterministic=False,
@@ -189,6 +193,14 @@ def run_arm(name: str, client, draws: list[int], args) -> dict[str, float]:
         "generating": (generate.busy[0] - gen_at_start) / wall,
         "tokens": trained_tokens,
     }
+
+
+def inflight_of(tag: str, chunk: int) -> tuple[int, int]:
+    """``(chunks in flight, groups per chunk)`` of an arm's ``k<K>[c<C>]`` tag ("": one chunk of ``chunk``)."""
+    match = re.fullmatch(r"k(\d+)(?:c(\d+))?", tag)
+    if match is None:
+        return 1, chunk
+    return int(match[1]), int(match[2] or chunk)
 
 
 ENGINES = {"cpu-server": "the CPU server", "sglang": "real SGLang 0.5.23 (CPU)"}
@@ -246,10 +258,10 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=4, help="fully_async: groups per generation call")
     parser.add_argument(
         "--inflight",
-        type=int,
         nargs="+",
-        default=[1],
-        help="fully_async: chunks in flight at once (trainer.async_inflight_chunks); several values: arms for each",
+        default=["1"],
+        help="fully_async: K[xC]: K chunks (of C groups, default --chunk) in flight at once "
+        "(trainer.async_inflight_chunks); several values: arms for each",
     )
     parser.add_argument(
         "--engine",
@@ -269,8 +281,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=2, help="runs per arm, alternating the order")
     args = parser.parse_args()
-    if min(args.inflight) < 1:
-        parser.error(f"--inflight must be >= 1, got {args.inflight}")
+    for value in args.inflight:
+        if not re.fullmatch(r"[1-9][0-9]*(x[1-9][0-9]*)?", value):
+            parser.error(f"--inflight takes K or KxC (K chunks of C groups, both >= 1), got {value!r}")
 
     from sapo_megatron.defaults import DEMO_MODEL
     from sapo_megatron.rollout.sglang.client import SGLangClient
@@ -284,8 +297,9 @@ def main() -> None:
     ranked = sorted(draws)
     tail = sum(d >= 8 * args.median for d in draws) / len(draws)
     arms = ["sync", "one_step_off"]
-    for k in dict.fromkeys(args.inflight):
-        tag = "" if k == 1 else f"_k{k}"
+    for value in dict.fromkeys(args.inflight):
+        k, _, c = value.partition("x")
+        tag = "" if value == "1" else f"_k{k}" + (f"c{c}" if c else "")
         arms += [f"fully_async_{bound}{tag}" for bound in (1, 2, 4)]
         if args.pause_mode != "none":
             arms += [f"fully_async_{bound}{tag}_pause" for bound in (1, 2)]
@@ -311,7 +325,7 @@ def main() -> None:
         f"step, steps 2-{args.steps}; lengths lognormal median {args.median:g} sigma {args.sigma:g} cap {args.cap}: "
         f"median {ranked[len(ranked) // 2]}, max {ranked[-1]}, {tail:.1%} >= 8x median; simulated trainer "
         f"{args.train_tokens_per_s:.1f} tokens/s, sync {args.sync_s:g} s; fully_async chunk {args.chunk}, "
-        f"{'/'.join(map(str, args.inflight))} in flight; load "
+        f"{' / '.join(args.inflight)} in flight; load "
         f"average {os.getloadavg()[0]:.1f}"
     )
     sync, off = results["sync"]["samples_per_s"], results["one_step_off"]["samples_per_s"]

@@ -366,9 +366,8 @@ class FullyAsyncPipeline:
                     groups = min(self.settings.chunk_groups, self._room())
                     index = self._admit(groups)
                 self._chunk(index, groups)
-        except (
-            BaseException
-        ) as exc:  # kept for the trainer, which re-raises the first worker's at its next wait
+        # kept for the trainer, which re-raises the first worker's at its next wait
+        except BaseException as exc:
             with self._cond:
                 if self._failed:
                     logger.error("another rollout worker failed too: %s: %s", type(exc).__name__, exc)
@@ -381,9 +380,8 @@ class FullyAsyncPipeline:
         completion)."""
         finished: list[Group] = []
         try:
-            with (
-                self._engine.chunk()
-            ):  # waits for a weight update in progress; an update waits for (or pauses) it
+            # waits for a weight update in progress; an update waits for (or pauses) the chunks inside
+            with self._engine.chunk():
                 with self._cond:
                     version = self.version
                     self._count_generating(+1)
