@@ -125,9 +125,6 @@ class FullyAsyncPipeline:
         self._error: BaseException | None = None
         self._failed = False  # a worker failed: no chunk starts any more
         self._threads: list[threading.Thread] = []
-        self._gen_idle = 0.0
-        self._generating = 0  # chunks inside the engine gate (threaded mode)
-        self._idle_since: float | None = None  # threaded mode: when the last chunk left the engine
         self._trainer_idle = 0.0
         self._labels: dict[int, int] = {}  # engine weight version -> the policy version it served
         if session.info.is_main:
@@ -305,11 +302,7 @@ class FullyAsyncPipeline:
         metrics["async/stale_kept_groups"] = float(kept_stale)
         metrics["async/buffer_groups"] = float(fill)
         metrics["async/buffer_fill"] = fill / self.settings.capacity
-        with self._cond:  # the idle stretch going on now counts up to here
-            if self._idle_since is not None:
-                now = time.perf_counter()
-                self._gen_idle, self._idle_since = self._gen_idle + now - self._idle_since, now
-            metrics["time/generation_idle_s"], self._gen_idle = self._gen_idle, 0.0
+        metrics["time/generation_idle_s"] = self._engine.take_idle_s()  # no chunk generating (threaded mode)
         metrics["time/trainer_idle_s"], self._trainer_idle = self._trainer_idle, 0.0
         return metrics
 
@@ -348,8 +341,7 @@ class FullyAsyncPipeline:
 
     def _start_workers(self) -> None:
         """``inflight_chunks`` producer threads, each generating one chunk at a time."""
-        with self._cond:
-            self._idle_since = time.perf_counter()
+        self._engine.start_idle_clock()
         for _ in range(self.settings.inflight_chunks):
             thread = threading.Thread(target=self._produce, name="rollout-producer", daemon=True)
             self._threads.append(thread)
@@ -384,12 +376,7 @@ class FullyAsyncPipeline:
             with self._engine.chunk():
                 with self._cond:
                     version = self.version
-                    self._count_generating(+1)
-                try:
-                    sequences, metrics, _ = self._generate(index, groups)
-                finally:
-                    with self._cond:
-                        self._count_generating(-1)
+                sequences, metrics, _ = self._generate(index, groups)
             sequences = with_versions(self._policy_versions(sequences), version)
             n = self.settings.n_samples
             finished = [Group(sequences[g : g + n], version, metrics) for g in range(0, len(sequences), n)]
@@ -399,14 +386,6 @@ class FullyAsyncPipeline:
                 self._flight.pop(index, None)
                 self._buffer.extend(finished)
                 self._cond.notify_all()
-
-    def _count_generating(self, change: int) -> None:
-        """Under ``_cond``: chunks generating; the producer's idle time is the time none is (threaded mode)."""
-        now = time.perf_counter()
-        if self._generating == 0 and self._idle_since is not None:
-            self._gen_idle += now - self._idle_since
-        self._generating += change
-        self._idle_since = now if self._generating == 0 and self._threads else None
 
     def _raise_error(self) -> None:
         """The first failed worker's error, once; later waits fail without repeating it (nothing generates)."""

@@ -286,3 +286,30 @@ def test_a_checkpoint_with_chunks_in_flight_neither_loses_nor_repeats_a_prompt(t
             trained += chunk_of(sequences)
             pipeline.push_weights(None)
     assert sorted(trained) == list(range(12))  # 6 steps x 2 groups: each prompt once
+
+
+def test_the_engine_gate_keeps_chunks_out_of_an_update_and_counts_idle_time_without_chunks():
+    from sapo_megatron.loop.engine_gate import EngineGate
+
+    gate = EngineGate()
+    assert gate.take_idle_s() == 0.0  # the clock has not started
+    with gate.chunk():
+        gate.start_idle_clock()
+        assert not gate.try_update()  # a chunk is inside
+        assert gate.take_idle_s() == 0.0  # a chunk was inside the whole time
+    assert gate.try_update()
+    entered = threading.Event()
+
+    def chunk() -> None:
+        with gate.chunk():
+            entered.set()
+
+    waiting = threading.Thread(target=chunk, daemon=True)
+    waiting.start()
+    assert not entered.wait(0.05) and gate.chunks == 0  # held out while the update is in progress
+    with pytest.raises(RuntimeError, match="already in progress"):
+        gate.begin_update(wait_for_chunks=False)
+    gate.end_update()
+    wait(entered, "the chunk after the update")
+    waiting.join(WAIT_S)
+    assert gate.take_idle_s() > 0.0  # no chunk inside during the update
