@@ -19,16 +19,12 @@ the objective. cp 1 runs in one process, cp 2 on two gloo ranks.
 from __future__ import annotations
 
 import argparse
-import io
-import os
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -113,42 +109,13 @@ def measure_rank(payload: dict) -> dict:
     return {"peak": peak, "seconds": statistics.median(seconds)}
 
 
-def _worker(rank: int, world: int, port: int, payload: dict, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    os.environ.update(LOCAL_RANK=str(rank), OMP_NUM_THREADS=str(payload["threads"]))
-    try:
-        out = measure_rank(payload)
-        buffer = io.BytesIO()
-        torch.save(out, buffer)
-        results.put((rank, "ok", buffer.getvalue()))
-    except BaseException:
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        from sapo_megatron.megatron.parallel import shutdown_parallel
-
-        shutdown_parallel()
-
-
 def run(cp: int, payload: dict) -> list[dict]:
-    from sapo_megatron.cli import free_port
+    """Every rank's numbers at context-parallel size ``cp`` (fresh processes; tests/distributed.py hosts the store)."""
+    from tests.distributed import run_distributed
 
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, cp, port, {**payload, "cp": cp}, results)) for r in range(cp)
-    ]
-    for proc in procs:
-        proc.start()
-    out: dict[int, dict] = {}
-    while len(out) < cp:
-        rank, status, value = results.get(timeout=1800)
-        if status == "error":
-            raise RuntimeError(f"cp {cp}, rank {rank}:\n{value}")
-        out[rank] = torch.load(io.BytesIO(value))
-    for proc in procs:
-        proc.join()
-    return [out[r] for r in range(cp)]
+    return run_distributed(
+        "bench.bench_context_parallel:measure_rank", cp, {**payload, "cp": cp}, timeout=1800
+    )
 
 
 def main() -> None:

@@ -19,15 +19,11 @@ gloo ranks. Goal: |ratio - 1| ≤ 0.05 for kept, ≤ 0.25 for peak.
 from __future__ import annotations
 
 import argparse
-import io
-import os
 import sys
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -130,44 +126,13 @@ def megatron_formula(cfg, batch: int, seq: int) -> float:
     return total / tp
 
 
-def _worker(rank: int, world: int, port: int, payload: dict, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    os.environ.update(LOCAL_RANK=str(rank), OMP_NUM_THREADS=str(payload["threads"]))
-    try:
-        out = measure_rank(payload)
-        buffer = io.BytesIO()
-        torch.save(out, buffer)
-        results.put((rank, "ok", buffer.getvalue()))
-    except BaseException:  # the parent prints the rank's traceback
-        results.put((rank, "error", traceback.format_exc()))
-    finally:
-        from sapo_megatron.megatron.parallel import shutdown_parallel
-
-        shutdown_parallel()
-
-
 def run_case(case: Case, payload: dict) -> list[dict]:
     """Every rank's numbers for ``case`` (fresh processes, so that the allocator starts clean)."""
-    from sapo_megatron.cli import free_port
+    from tests.distributed import run_distributed
 
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    payload = {**payload, "case": case}
-    procs = [
-        ctx.Process(target=_worker, args=(r, case.world, port, payload, results)) for r in range(case.world)
-    ]
-    for proc in procs:
-        proc.start()
-    out: dict[int, dict] = {}
-    for _ in procs:
-        rank, status, value = results.get(timeout=600)
-        if status != "ok":
-            raise RuntimeError(f"{case.name}: rank {rank} failed:\n{value}")
-        out[rank] = torch.load(io.BytesIO(value))
-    for proc in procs:
-        proc.join()
-    return [out[r] for r in sorted(out)]
+    return run_distributed(
+        "bench.bench_planner:measure_rank", case.world, {**payload, "case": case}, timeout=600
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
