@@ -23,11 +23,12 @@ measured in the same run as the others.
 
 The trainer is simulated: a step sleeps ``trained tokens / --train-tokens-per-s`` seconds (by default calibrated so
 that training takes ``--train-ratio`` times as long as generating, where asynchrony matters most; equal trained
-tokens in every arm; a sleep leaves the CPU to the server, as a trainer on its own GPUs would), and a weight update sleeps
+samples in every arm – and tokens, with one chunk in flight: chunks finishing out of order change which samples a
+step trains; a sleep leaves the CPU to the server, as a trainer on its own GPUs would), and a weight update sleeps
 ``--sync-s``. The arms run the project's own pipelines (:class:`~sapo_megatron.loop.pipeline.RolloutPipeline`,
 :class:`~sapo_megatron.loop.fully_async.FullyAsyncPipeline` with its producer thread and ``--chunk`` groups per
 generation call), so what is measured is the schedule of each mode against real generation. Printed per arm:
-samples/s over the steps (after the first), the trainer's idle share (time not in the simulated step / wall
+trained tokens and tokens/s, samples/s over the steps (after the first), the trainer's idle share (time not in the simulated step / wall
 time), the share of wall time the server was generating for the arm, the mean token staleness, and the ratios to
 sync and to one_step_off; each the mean of ``--rounds`` runs, the arms' order reversed every other round.
 """
