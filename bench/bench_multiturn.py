@@ -45,20 +45,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
-import os
 import statistics
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from bench.real_sglang import save_sglang_model, sglang_server  # noqa: E402
 
 
 def save_model(path: Path, hidden: int) -> Path:
@@ -82,51 +81,6 @@ def save_model(path: Path, hidden: int) -> Path:
     )
     transformers.Qwen3MoeForCausalLM(config).save_pretrained(path)
     return path
-
-
-def save_sglang_model(path: Path, hidden: int) -> Path:
-    """The demo's architecture widened to ``hidden``, with the character tokenizer SGLang loads; no EOS in the
-    config, generation config or tokenizer files, so SGLang (which stops at the tokenizer's EOS too) never stops
-    a response early."""
-    import torch
-    import transformers
-
-    from sapo_megatron.defaults import DEMO_MODEL, TOKENIZER
-
-    torch.manual_seed(0)
-    sizes = {"hidden_size": hidden, "intermediate_size": 2 * hidden, "moe_intermediate_size": hidden}
-    sizes |= {"head_dim": hidden // 4, "max_position_embeddings": 1024, "eos_token_id": None}
-    config = transformers.Qwen3MoeConfig(**{**DEMO_MODEL, **sizes})
-    transformers.Qwen3MoeForCausalLM(config).save_pretrained(path)
-    TOKENIZER.save(path)
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        data = json.loads((path / name).read_text())
-        data.pop("eos_token", None)
-        (path / name).write_text(json.dumps(data))
-    return path
-
-
-@contextlib.contextmanager
-def sglang_server(model: Path, log: Path) -> Iterator[str]:
-    """A real SGLang server on CPU, stopped (process group) on exit; tests/sglang_real's flags."""
-    from sapo_megatron.cli import free_port
-    from tests.servers import process
-
-    venv = Path(os.environ.get("SAPO_SGLANG_VENV", "/opt/sapo-sglang-venv"))
-    if not (venv / ".sapo-sglang-installed").is_file():
-        raise SystemExit(f"no real SGLang at {venv}; run tools/sglang_cpu/install.sh {venv}")
-    port = free_port()
-    flags = ["--dtype", "float32", "--random-seed", "0", "--log-level", "warning"]
-    command = [
-        str(REPO / "tools/sglang_cpu/serve.sh"),
-        "--model-path",
-        str(model),
-        "--port",
-        str(port),
-        *flags,
-    ]
-    with process(command, log, f"http://127.0.0.1:{port}", timeout=600) as url:
-        yield url
 
 
 def episode_fn(turns: int, tokens_per_turn: int, observation: list[int]):

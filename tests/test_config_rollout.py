@@ -107,6 +107,23 @@ def test_fully_async_settings_are_checked_with_their_fix():
         config_from_dict({"model": tiny, "rollout": remote, "trainer": {**base, "stale_groups": "correct"}})
     with pytest.raises(ConfigError, match="raise it to at least 8"):
         config_from_dict({"model": tiny, "rollout": remote, "trainer": {**base, "async_buffer_groups": 4}})
+    deterministic = {**base, "fully_async_deterministic": True}
+    with pytest.raises(
+        ConfigError, match=r"set trainer.async_inflight_chunks: 1 or trainer.fully_async_determ"
+    ):
+        config_from_dict(
+            {"model": tiny, "rollout": remote, "trainer": {**deterministic, "async_inflight_chunks": 2}}
+        )
+    with pytest.raises(
+        ConfigError, match=r"trainer.async_inflight_chunks: Input should be greater than or equal"
+    ):
+        config_from_dict({"model": tiny, "rollout": remote, "trainer": {**base, "async_inflight_chunks": 0}})
+    assert (
+        config_from_dict(
+            {"model": tiny, "rollout": remote, "trainer": deterministic}
+        ).trainer.async_inflight_chunks
+        == 1
+    )
     with pytest.raises(ConfigError, match="R2 needs"):
         config_from_dict(
             {

@@ -111,6 +111,12 @@ class RunConfig(Section):
                 f"trainer.async_buffer_groups={buffer} cannot hold one step's trainer.prompts_per_step="
                 f"{trainer.prompts_per_step} groups: raise it to at least {trainer.prompts_per_step} (or null)"
             )
+        if mode == "fully_async" and trainer.fully_async_deterministic and trainer.async_inflight_chunks > 1:
+            raise ValueError(
+                f"trainer.async_inflight_chunks={trainer.async_inflight_chunks} needs the producer threads, and "
+                "trainer.fully_async_deterministic: true generates one chunk at a time at fixed points: set "
+                "trainer.async_inflight_chunks: 1 or trainer.fully_async_deterministic: false"
+            )
         if (
             mode == "fully_async"
             and trainer.stale_groups == "correct"
