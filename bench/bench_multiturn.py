@@ -28,17 +28,17 @@ per turn) and starts the next the moment it ends; the client still sends at most
 (its ``max_concurrency``, as in the other arms), so m > episodes keeps more episodes alive – some in their tools –
 without a larger running batch than the single-turn arm's. Slot i starts i/m of D after the first, D the wall
 time of the same round's lockstep arm (one episode's duration with everything in flight), so the tool waits of
-the slots are spread over an episode from the start. The engine is wrapped to record when each turn's call returns and how many tokens it sampled; the rate is
-the tokens of the turns that returned inside a window [D, D + ``--stream-window`` × D] after the first start,
+the slots are spread over an episode from the start. The engine is wrapped to record when each turn's call
+returns and how many tokens it sampled; the rate is the tokens of the turns that returned inside a window [D, D + ``--stream-window`` × D] after the first start,
 divided by the window's length: warm-up (the staggered ramp) and the drain (no new episode starts after the
 window) are outside it. The ratio stream / single compares it with the single-turn arm's batch of the same number
 of samples (``turns × tokens-per-turn`` each) in one call, as the lockstep ratio does.
 
 What the stream arm stands for: generation that never waits for the slowest episode of a batch, i.e. a producer
 that starts new episodes while others still run their tools. The fully-async pipeline (``loop/fully_async.py``)
-keeps generating while the trainer trains, but its producer still runs one chunk (one ``collect`` call) at a time,
-so the episodes of a chunk start together; the stream arm is what overlapping chunks (or per-episode admission)
-would give, measured on the same engine, not a run of the pipeline.
+keeps generating while the trainer trains and, with ``trainer.async_inflight_chunks: K``, overlaps K chunks (one
+``collect`` call each); the episodes of one chunk still start together, so the stream arm is the limit of many
+small overlapping chunks (per-episode admission), measured on the same engine, not a run of the pipeline.
 """
 
 from __future__ import annotations
