@@ -3,6 +3,7 @@
 
     python bench/bench_fully_async.py [--steps 16] [--prompts 4] [--median 6] [--sigma 1.264] [--cap 96]
                                       [--train-ratio 1.0 | --train-tokens-per-s T] [--chunk 4] [--rounds 2]
+                                      [--inflight 1 [4 8x1 ...]] [--engine cpu-server|sglang] [--static-batches]
 
 Generation is real: the CPU rollout server (``sapo-megatron serve``, the stand-in for an SGLang worker, its own
 process, one torch thread) behind :class:`~sapo_megatron.rollout.sglang.client.SGLangClient`, a tiny random
@@ -12,15 +13,24 @@ the lengths are one fixed sequence, so every arm generates the same samples' len
 batches continuously, as SGLang does: a request joins the running batch between decode steps and is answered as
 soon as it ends, so a chunk's short samples come back while its long ones still run (``--static-batches``: the
 server's static batches instead, where every request waits for its batch's longest sample). A synchronous step
-still waits for its longest sample.
+still waits for its longest sample. ``--engine sglang``: a real SGLang 0.5.23 server on CPU instead (bench/real_sglang.py,
+as tests/sglang_real starts it: float32, one thread, continuous batching; the demo's architecture widened to
+``--hidden``, no EOS); its start (1-3 minutes) is not timed.
+
+``--inflight K[xC] ...``: the fully_async arms' producer keeps up to K chunks (of C groups, default ``--chunk``) in
+flight (``trainer.async_inflight_chunks``, ``trainer.async_chunk_groups``), each entering the buffer when it
+finishes – with continuous batching, short samples reach the trainer while long ones keep generating. Each value
+gets its own fully_async arms (named ``fully_async_<max_staleness>_k<K>[c<C>]``, plain for K = 1 with ``--chunk``),
+measured in the same run as the others.
 
 The trainer is simulated: a step sleeps ``trained tokens / --train-tokens-per-s`` seconds (by default calibrated so
 that training takes ``--train-ratio`` times as long as generating, where asynchrony matters most; equal trained
-tokens in every arm; a sleep leaves the CPU to the server, as a trainer on its own GPUs would), and a weight update sleeps
+samples in every arm – and tokens, with one chunk in flight: chunks finishing out of order change which samples a
+step trains; a sleep leaves the CPU to the server, as a trainer on its own GPUs would), and a weight update sleeps
 ``--sync-s``. The arms run the project's own pipelines (:class:`~sapo_megatron.loop.pipeline.RolloutPipeline`,
 :class:`~sapo_megatron.loop.fully_async.FullyAsyncPipeline` with its producer thread and ``--chunk`` groups per
 generation call), so what is measured is the schedule of each mode against real generation. Printed per arm:
-samples/s over the steps (after the first), the trainer's idle share (time not in the simulated step / wall
+trained tokens and tokens/s, samples/s over the steps (after the first), the trainer's idle share (time not in the simulated step / wall
 time), the share of wall time the server was generating for the arm, the mean token staleness, and the ratios to
 sync and to one_step_off; each the mean of ``--rounds`` runs, the arms' order reversed every other round.
 """
@@ -28,16 +38,21 @@ sync and to one_step_off; each the mean of ``--rounds`` runs, the arms' order re
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import random
+import re
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
 
 def lengths(count: int, *, median: float, sigma: float, cap: int, seed: int) -> list[int]:
@@ -60,11 +75,26 @@ def make_generate(client, draws: list[int], args):
     from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
 
     position = [0]
-    busy = [0.0]  # seconds inside the server's generate calls
+    busy = [0.0]  # seconds in which at least one generate call was in the server (chunks run concurrently)
+    calls = [0, 0.0]  # generate calls in flight, when the first of them began
+    lock = threading.Lock()
+
+    def timed(begin: bool) -> None:
+        with lock:
+            now = time.perf_counter()
+            if begin:
+                calls[0] += 1
+                if calls[0] == 1:
+                    calls[1] = now
+            else:
+                calls[0] -= 1
+                if calls[0] == 0:
+                    busy[0] += now - calls[1]
 
     def generate(index: int, groups: int):
-        take = draws[position[0] : position[0] + groups]
-        position[0] += groups
+        with lock:  # concurrent chunks take the next lengths in turn
+            take = draws[position[0] : position[0] + groups]
+            position[0] += groups
         requests = [
             GenerationRequest(
                 prompt_ids=[5, 6, 7, 8],
@@ -74,9 +104,11 @@ def make_generate(client, draws: list[int], args):
             )
             for i, length in enumerate(take)
         ]
-        began = time.perf_counter()
-        samples = [s for group in client.generate(requests) for s in group]
-        busy[0] += time.perf_counter() - began
+        timed(True)
+        try:
+            samples = [s for group in client.generate(requests) for s in group]
+        finally:
+            timed(False)
         sequences = [
             TrainSequence(s.prompt_ids, s.response_ids, 0.0, s.rollout_logp, versions=s.token_versions)
             for s in samples
@@ -112,17 +144,22 @@ def run_arm(name: str, client, draws: list[int], args) -> dict[str, float]:
     )
     generate = make_generate(client, draws, args)
     if name.startswith("fully_async"):
-        staleness = int(name.split("_")[2])
+        parts = name.split("_")
+        staleness = int(parts[2])
+        inflight, chunk = inflight_of(
+            parts[3] if len(parts) > 3 and parts[3].startswith("k") else "", args.chunk
+        )
         settings = AsyncSettings(
             groups_per_step=args.prompts,
             n_samples=1,
             max_staleness=staleness,
             stale_groups="drop",
-            chunk_groups=args.chunk,
+            chunk_groups=chunk,
             capacity=(staleness + 1) * args.prompts,
             total_steps=args.steps,
             deterministic=False,
             pause_mode=args.pause_mode if name.endswith("_pause") else "none",
+            inflight_chunks=inflight,
         )
         pipeline: Any = FullyAsyncPipeline(session, None, generate, settings, start_step=0)
     else:
@@ -161,6 +198,47 @@ def run_arm(name: str, client, draws: list[int], args) -> dict[str, float]:
     }
 
 
+def inflight_of(tag: str, chunk: int) -> tuple[int, int]:
+    """``(chunks in flight, groups per chunk)`` of an arm's ``k<K>[c<C>]`` tag ("": one chunk of ``chunk``)."""
+    match = re.fullmatch(r"k(\d+)(?:c(\d+))?", tag)
+    if match is None:
+        return 1, chunk
+    return int(match[1]), int(match[2] or chunk)
+
+
+ENGINES = {"cpu-server": "the CPU server", "sglang": "real SGLang 0.5.23 (CPU)"}
+
+
+@contextlib.contextmanager
+def server_url(tmp: Path, arch: dict, args) -> Any:
+    """The URL of the arms' server: the CPU server (its own process, one torch thread) or real SGLang on CPU."""
+    if args.engine == "sglang":
+        from bench.real_sglang import save_sglang_model, sglang_server
+
+        if args.layers != 2:
+            raise SystemExit("--engine sglang serves the demo's architecture (2 layers); leave --layers at 2")
+        model = save_sglang_model(tmp / "model", args.hidden)
+        with sglang_server(model, tmp / "sglang.log") as url:
+            yield url
+        return
+    import torch
+    import transformers
+
+    from sapo_megatron.data.tokenizer import CharTokenizer
+    from sapo_megatron.rollout.cpu.process import ServerProcess
+
+    model_dir = tmp / "model"
+    torch.manual_seed(0)
+    transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**arch)).save_pretrained(model_dir)
+    CharTokenizer().save(model_dir)
+    flags = ["--static-batches"] if args.static_batches else []
+    server = ServerProcess("--model-path", str(model_dir), "--port", "0", "--threads", "1", *flags)
+    try:
+        yield server.url
+    finally:
+        server.stop(timeout_s=60)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -183,6 +261,20 @@ def main() -> None:
     parser.add_argument("--sync-s", type=float, default=0.05, help="the simulated weight update")
     parser.add_argument("--chunk", type=int, default=4, help="fully_async: groups per generation call")
     parser.add_argument(
+        "--inflight",
+        nargs="+",
+        default=["1"],
+        help="fully_async: K[xC]: K chunks (of C groups, default --chunk) in flight at once "
+        "(trainer.async_inflight_chunks); several values: arms for each",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=("cpu-server", "sglang"),
+        default="cpu-server",
+        help="the project's CPU server (continuous batching; --static-batches) or a real SGLang 0.5.23 server on CPU "
+        "($SAPO_SGLANG_VENV, default /opt/sapo-sglang-venv)",
+    )
+    parser.add_argument(
         "--pause-mode",
         default="in_place",
         choices=["in_place", "retract", "abort", "none"],
@@ -195,16 +287,14 @@ def main() -> None:
     parser.add_argument(
         "--static-batches",
         action="store_true",
-        help="the server runs static batches, not continuous batching",
+        help="the CPU server runs static batches, not continuous batching",
     )
     args = parser.parse_args()
+    for value in args.inflight:
+        if not re.fullmatch(r"[1-9][0-9]*(x[1-9][0-9]*)?", value):
+            parser.error(f"--inflight takes K or KxC (K chunks of C groups, both >= 1), got {value!r}")
 
-    import torch
-    import transformers
-
-    from sapo_megatron.data.tokenizer import CharTokenizer
     from sapo_megatron.defaults import DEMO_MODEL
-    from sapo_megatron.rollout.cpu.process import ServerProcess
     from sapo_megatron.rollout.sglang.client import SGLangClient
     from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
 
@@ -215,46 +305,46 @@ def main() -> None:
     draws = lengths(needed, median=args.median, sigma=args.sigma, cap=args.cap, seed=args.seed)
     ranked = sorted(draws)
     tail = sum(d >= 8 * args.median for d in draws) / len(draws)
-    arms = ["sync", "one_step_off", "fully_async_1", "fully_async_2", "fully_async_4"]
-    if args.pause_mode != "none":
-        arms += ["fully_async_1_pause", "fully_async_2_pause"]
+    arms = ["sync", "one_step_off"]
+    for value in dict.fromkeys(args.inflight):
+        k, _, c = value.partition("x")
+        tag = "" if value == "1" else f"_k{k}" + (f"c{c}" if c else "")
+        arms += [f"fully_async_{bound}{tag}" for bound in (1, 2, 4)]
+        if args.pause_mode != "none":
+            arms += [f"fully_async_{bound}{tag}_pause" for bound in (1, 2)]
     results: dict[str, dict[str, float]] = {}
-    with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
-        model_dir = Path(tmp) / "model"
-        torch.manual_seed(0)
-        transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**arch)).save_pretrained(model_dir)
-        CharTokenizer().save(model_dir)
-        flags = ["--static-batches"] if args.static_batches else []
-        server = ServerProcess("--model-path", str(model_dir), "--port", "0", "--threads", "1", *flags)
-        try:
-            with SGLangClient([server.url], timeout_s=600.0, max_retries=0) as client:
-                warm_up = SamplingParams(max_new_tokens=4)
-                client.generate([GenerationRequest(prompt_ids=[5, 6], n=1, group_id=0, sampling=warm_up)])
-                if args.train_tokens_per_s is None:
-                    args.train_tokens_per_s = calibrate(client, draws, args) / args.train_ratio
-                for round_ in range(args.rounds):  # forwards, then backwards: load drift reaches every arm
-                    for name in arms if round_ % 2 == 0 else arms[::-1]:
-                        result = run_arm(name, client, draws, args)
-                        for key, value in result.items():
-                            results.setdefault(name, {}).setdefault(key, 0.0)
-                            results[name][key] += value / args.rounds
-        finally:
-            server.stop(timeout_s=60)
+    with (
+        tempfile.TemporaryDirectory(dir="/tmp") as tmp,
+        server_url(Path(tmp), arch, args) as url,
+        SGLangClient([url], timeout_s=600.0, max_retries=0) as client,
+    ):
+        warm_up = SamplingParams(max_new_tokens=4)
+        client.generate([GenerationRequest(prompt_ids=[5, 6], n=1, group_id=0, sampling=warm_up)])
+        if args.train_tokens_per_s is None:
+            args.train_tokens_per_s = calibrate(client, draws, args) / args.train_ratio
+        for round_ in range(args.rounds):  # forwards, then backwards: load drift reaches every arm
+            for name in arms if round_ % 2 == 0 else arms[::-1]:
+                result = run_arm(name, client, draws, args)
+                for key, value in result.items():
+                    results.setdefault(name, {}).setdefault(key, 0.0)
+                    results[name][key] += value / args.rounds
     print(
-        f"tiny Qwen3-MoE (hidden {args.hidden}, {args.layers} layers) on the CPU server; {args.prompts} samples per "
+        f"tiny Qwen3-MoE (hidden {args.hidden}, {args.layers} layers) on {ENGINES[args.engine]}; {args.prompts} "
+        f"samples per "
         f"step, steps 2-{args.steps}; lengths lognormal median {args.median:g} sigma {args.sigma:g} cap {args.cap}: "
         f"median {ranked[len(ranked) // 2]}, max {ranked[-1]}, {tail:.1%} >= 8x median; simulated trainer "
-        f"{args.train_tokens_per_s:.1f} tokens/s, sync {args.sync_s:g} s; fully_async chunk {args.chunk}; "
-        f"{'static' if args.static_batches else 'continuous'} batching; load "
+        f"{args.train_tokens_per_s:.1f} tokens/s, sync {args.sync_s:g} s; fully_async chunk {args.chunk}, "
+        f"{' / '.join(args.inflight)} in flight; {'static' if args.static_batches else 'continuous'} batching; load "
         f"average {os.getloadavg()[0]:.1f}"
     )
     sync, off = results["sync"]["samples_per_s"], results["one_step_off"]["samples_per_s"]
-    header = f"{'arm':19s} {'tokens':>7s} {'samples/s':>10s} {'trainer idle':>13s} {'generating':>11s} {'staleness':>10s}"
+    header = f"{'arm':22s} {'tokens':>7s} {'tokens/s':>9s} {'samples/s':>10s} {'trainer idle':>13s} {'generating':>11s}"
+    header += f" {'staleness':>10s}"
     print(f"{header} {'vs sync':>8s} {'vs 1-off':>9s}")
     for name in arms:
         r = results[name]
         print(
-            f"{name:19s} {r['tokens']:7.0f} {r['samples_per_s']:10.2f} {r['trainer_idle']:13.1%} {r['generating']:11.1%} "
+            f"{name:22s} {r['tokens']:7.0f} {r['tokens'] / r['wall_s']:9.1f} {r['samples_per_s']:10.2f} {r['trainer_idle']:13.1%} {r['generating']:11.1%} "
             f"{r['staleness']:10.2f} {r['samples_per_s'] / sync:7.2f}x {r['samples_per_s'] / off:8.2f}x"
         )
 

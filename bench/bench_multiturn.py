@@ -2,7 +2,7 @@
 
     python bench/bench_multiturn.py [--episodes 64] [--turns 3] [--tokens-per-turn 16] [--tool-latency-s 0.2 ...]
                                     [--observation-tokens 8] [--engine http|cpu|both|sglang] [--hidden 128]
-                                    [--rounds 2]
+                                    [--rounds 2] [--stream-window 2] [--stream-in-flight 64 128]
 
 Multi-turn arm: ``--episodes`` episodes at once through :class:`~sapo_megatron.rollout.episodes.EpisodeEngine`,
 each ``--turns`` engine turns of ``--tokens-per-turn`` tokens with a tool call between turns (an async tool that
@@ -21,24 +21,44 @@ runs to its limit. ``sglang`` is a real SGLang server on CPU (``tools/sglang_cpu
 continuous batching and its prefix cache, on the embedded demo's architecture and character tokenizer with the
 end-of-sequence token removed from model and tokenizer (so responses run to their limit there too); the server's
 start (1-3 minutes) is not timed. The arms alternate for ``--rounds`` rounds; medians are printed.
+
+Streaming arm (``stream_<m>``, server engines only: ``http`` and ``sglang``): episodes that do not move in
+lockstep. A pool keeps m episodes in flight (``--stream-in-flight``, default ``--episodes``), each slot a thread
+that runs one episode (its own ``generate`` call of one sample through the same ``EpisodeEngine``, one engine call
+per turn) and starts the next the moment it ends; the client still sends at most ``--episodes`` requests at once
+(its ``max_concurrency``, as in the other arms), so m > episodes keeps more episodes alive – some in their tools –
+without a larger running batch than the single-turn arm's. Slot i starts i/m of D after the first, D the wall
+time of the same round's lockstep arm (one episode's duration with everything in flight), so the tool waits of
+the slots are spread over an episode from the start. The engine is wrapped to record when each turn's call
+returns and how many tokens it sampled; the rate is the tokens of the turns that returned inside a window [D, D + ``--stream-window`` × D] after the first start,
+divided by the window's length: warm-up (the staggered ramp) and the drain (no new episode starts after the
+window) are outside it. The ratio stream / single compares it with the single-turn arm's batch of the same number
+of samples (``turns × tokens-per-turn`` each) in one call, as the lockstep ratio does.
+
+What the stream arm stands for: generation that never waits for the slowest episode of a batch, i.e. a producer
+that starts new episodes while others still run their tools. The fully-async pipeline (``loop/fully_async.py``)
+keeps generating while the trainer trains and, with ``trainer.async_inflight_chunks: K``, overlaps K chunks (one
+``collect`` call each); the episodes of one chunk still start together, so the stream arm is the limit of many
+small overlapping chunks (per-episode admission), measured on the same engine, not a run of the pipeline.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
+import dataclasses
 import json
-import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from bench.real_sglang import save_sglang_model, sglang_server  # noqa: E402
 
 
 def save_model(path: Path, hidden: int) -> Path:
@@ -62,51 +82,6 @@ def save_model(path: Path, hidden: int) -> Path:
     )
     transformers.Qwen3MoeForCausalLM(config).save_pretrained(path)
     return path
-
-
-def save_sglang_model(path: Path, hidden: int) -> Path:
-    """The demo's architecture widened to ``hidden``, with the character tokenizer SGLang loads; no EOS in the
-    config, generation config or tokenizer files, so SGLang (which stops at the tokenizer's EOS too) never stops
-    a response early."""
-    import torch
-    import transformers
-
-    from sapo_megatron.defaults import DEMO_MODEL, TOKENIZER
-
-    torch.manual_seed(0)
-    sizes = {"hidden_size": hidden, "intermediate_size": 2 * hidden, "moe_intermediate_size": hidden}
-    sizes |= {"head_dim": hidden // 4, "max_position_embeddings": 1024, "eos_token_id": None}
-    config = transformers.Qwen3MoeConfig(**{**DEMO_MODEL, **sizes})
-    transformers.Qwen3MoeForCausalLM(config).save_pretrained(path)
-    TOKENIZER.save(path)
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
-        data = json.loads((path / name).read_text())
-        data.pop("eos_token", None)
-        (path / name).write_text(json.dumps(data))
-    return path
-
-
-@contextlib.contextmanager
-def sglang_server(model: Path, log: Path) -> Iterator[str]:
-    """A real SGLang server on CPU, stopped (process group) on exit; tests/sglang_real's flags."""
-    from sapo_megatron.cli import free_port
-    from tests.servers import process
-
-    venv = Path(os.environ.get("SAPO_SGLANG_VENV", "/opt/sapo-sglang-venv"))
-    if not (venv / ".sapo-sglang-installed").is_file():
-        raise SystemExit(f"no real SGLang at {venv}; run tools/sglang_cpu/install.sh {venv}")
-    port = free_port()
-    flags = ["--dtype", "float32", "--random-seed", "0", "--log-level", "warning"]
-    command = [
-        str(REPO / "tools/sglang_cpu/serve.sh"),
-        "--model-path",
-        str(model),
-        "--port",
-        str(port),
-        *flags,
-    ]
-    with process(command, log, f"http://127.0.0.1:{port}", timeout=600) as url:
-        yield url
 
 
 def episode_fn(turns: int, tokens_per_turn: int, observation: list[int]):
@@ -178,6 +153,59 @@ def timed(engine, reqs) -> tuple[float, int]:
     return elapsed, sum(s.generated_tokens for g in groups for s in g)
 
 
+class TurnClock:
+    """The engine, recording when each call returns and the tokens it sampled (everything else passes through)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.turns: list[tuple[float, int]] = []
+        self._lock = threading.Lock()
+
+    def generate(self, reqs):
+        groups = self.engine.generate(reqs)
+        tokens = sum(s.generated_tokens for g in groups for s in g)
+        with self._lock:
+            self.turns.append((time.perf_counter(), tokens))
+        return groups
+
+    def __getattr__(self, name: str):
+        return getattr(self.engine, name)
+
+
+def streamed(
+    engine, args, parallel_calls: int, episode_s: float, seed: int, in_flight: int
+) -> tuple[float, int]:
+    """Tokens/s of a pool of ``in_flight`` episodes (see the module's docstring) and the tokens counted in its
+    window."""
+    clock = TurnClock(engine)
+    episodes = build_episodes(clock, args, max(parallel_calls, in_flight))
+    start = time.perf_counter()
+    window = (start + episode_s, start + episode_s * (1 + args.stream_window))
+    errors: list[BaseException] = []
+
+    def slot(i: int) -> None:
+        time.sleep(i * episode_s / in_flight)
+        k = 0
+        while time.perf_counter() < window[1] and not errors:
+            prompt = requests(args, args.tokens_per_turn, seed)[i % args.episodes // 4]  # the lockstep arm's
+            req = dataclasses.replace(prompt, n=1, group_id=i * 10_000 + k)
+            try:
+                episodes.generate([req])
+            except BaseException as error:  # re-raised below
+                errors.append(error)
+            k += 1
+
+    threads = [threading.Thread(target=slot, args=(i,), daemon=True) for i in range(in_flight)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    tokens = sum(n for at, n in clock.turns if window[0] <= at <= window[1])
+    return tokens / (window[1] - window[0]), tokens
+
+
 def bench_engine(name: str, engine, args, parallel_calls: int) -> list[dict]:
     """One result per tool latency of ``args.tool_latency_s``."""
     return [
@@ -196,12 +224,18 @@ def bench_latency(name: str, engine, args, parallel_calls: int) -> dict:
     total = args.turns * args.tokens_per_turn
     timed(engine, requests(args, 4, seed=0))  # warm-up
     single, multi = [], []
+    stream: dict[int, list[float]] = {m: [] for m in args.stream_in_flight}
     for round_ in range(args.rounds):
         seconds, tokens = timed(engine, requests(args, total, seed=round_))
         single.append(tokens / seconds)
         seconds, tokens = timed(episodes, requests(args, args.tokens_per_turn, seed=round_))
         multi.append(tokens / seconds)
         assert tokens == args.episodes * total, tokens
+        if parallel_calls > 1:  # a pool of one-sample calls needs an engine that takes calls in parallel
+            for m in args.stream_in_flight:
+                rate, tokens = streamed(engine, args, parallel_calls, seconds, round_, in_flight=m)
+                assert tokens > 0, "no turn returned inside the stream window"
+                stream[m].append(rate)
     result = {
         "engine": name,
         "single_turn_tokens_per_s": round(statistics.median(single), 1),
@@ -209,6 +243,22 @@ def bench_latency(name: str, engine, args, parallel_calls: int) -> dict:
         "engine_calls_per_round": episodes.metrics()["episode/engine_calls"] / args.rounds,
     }
     result["ratio"] = round(result["multi_turn_tokens_per_s"] / result["single_turn_tokens_per_s"], 3)
+    result["per_round"] = {
+        "single": [round(x, 1) for x in single],
+        "lockstep": [round(x, 1) for x in multi],
+    }
+    # the median of each round's own ratio too: the arms of a round run back to back, so a change of the machine's
+    # load between rounds moves both sides of that round's ratio
+    result["ratio_of_rounds"] = round(statistics.median(m / s for m, s in zip(multi, single)), 3)
+    for m, rates in stream.items():
+        if rates:
+            rate = round(statistics.median(rates), 1)
+            result[f"stream_{m}_tokens_per_s"] = rate
+            result[f"stream_{m}_ratio"] = round(rate / result["single_turn_tokens_per_s"], 3)
+            result[f"stream_{m}_ratio_of_rounds"] = round(
+                statistics.median(r / s for r, s in zip(rates, single)), 3
+            )
+            result["per_round"][f"stream_{m}"] = [round(x, 1) for x in rates]
     return result
 
 
@@ -224,6 +274,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine", choices=("http", "cpu", "both", "sglang"), default="both")
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument(
+        "--stream-window",
+        type=float,
+        default=2.0,
+        help="the stream arm's measuring window, in lockstep-episode durations after one of warm-up",
+    )
+    parser.add_argument(
+        "--stream-in-flight",
+        type=int,
+        nargs="+",
+        default=None,
+        help="episodes the stream arm keeps in flight, one arm per value (default: --episodes); the client "
+        "still sends at most --episodes requests at once, as in the other arms",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the engine")
     parser.add_argument(
         "--batch-window-s",
@@ -240,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.episodes % 4:
         parser.error("--episodes must be a multiple of 4 (groups of 4 samples)")
+    args.stream_in_flight = args.stream_in_flight or [args.episodes]
 
     from sapo_megatron.rollout.cpu.engine import CPUEngine
     from sapo_megatron.rollout.cpu.server import CPUServer
@@ -279,6 +344,8 @@ def settings(args: argparse.Namespace) -> dict:
         "hidden",
         "batch_window_s",
         "static_batches",
+        "stream_window",
+        "stream_in_flight",
     )
     return {k: getattr(args, k) for k in names}
 

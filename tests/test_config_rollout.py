@@ -107,6 +107,23 @@ def test_fully_async_settings_are_checked_with_their_fix():
         config_from_dict({"model": tiny, "rollout": remote, "trainer": {**base, "stale_groups": "correct"}})
     with pytest.raises(ConfigError, match="raise it to at least 8"):
         config_from_dict({"model": tiny, "rollout": remote, "trainer": {**base, "async_buffer_groups": 4}})
+    deterministic = {**base, "fully_async_deterministic": True}
+    with pytest.raises(
+        ConfigError, match=r"set trainer.async_inflight_chunks: 1 or trainer.fully_async_determ"
+    ):
+        config_from_dict(
+            {"model": tiny, "rollout": remote, "trainer": {**deterministic, "async_inflight_chunks": 2}}
+        )
+    with pytest.raises(
+        ConfigError, match=r"trainer.async_inflight_chunks: Input should be greater than or equal"
+    ):
+        config_from_dict({"model": tiny, "rollout": remote, "trainer": {**base, "async_inflight_chunks": 0}})
+    assert (
+        config_from_dict(
+            {"model": tiny, "rollout": remote, "trainer": deterministic}
+        ).trainer.async_inflight_chunks
+        == 1
+    )
     with pytest.raises(ConfigError, match="R2 needs"):
         config_from_dict(
             {
@@ -128,6 +145,35 @@ def test_fully_async_settings_are_checked_with_their_fix():
                 },
             }
         )
+
+
+def test_retract_with_r3_is_refused_on_sglang_servers_and_allowed_in_process():
+    """miles #3277 on SGLang 0.5.23 (measured in tests/sglang_real/test_pause.py): a retract pause returns the
+    re-prefill's routes for the prefix, whose log-probs are the old version's; the client cannot tell a CPU server
+    from SGLang, so both server engines are refused; the in-process engine keeps routes per forward."""
+    tiny = {"hf_config": tiny_hf_config("moe")}
+    trainer = {"rollout_mode": "fully_async", "prompts_per_step": 8, "pause_mode": "retract"}
+    r3 = {"routing_replay": "r3"}
+    servers = {
+        "sglang": {"engine": "sglang", "urls": ["http://w:30000"], "routed_experts": True},
+        "cpu_http": {"engine": "cpu_http", "routed_experts": True},
+    }
+    for engine, rollout in servers.items():
+        with pytest.raises(ConfigError) as info:
+            config_from_dict({"model": tiny, "rollout": rollout, "trainer": trainer, "algorithm": r3})
+        message = str(info.value)
+        assert (
+            f"trainer.pause_mode: retract with algorithm.routing_replay: r3 on rollout.engine: {engine}"
+            in message
+        )
+        assert "set trainer.pause_mode: in_place or abort" in message
+        for mode in ("in_place", "abort"):  # the fix named is accepted
+            fixed = {**trainer, "pause_mode": mode}
+            config_from_dict({"model": tiny, "rollout": rollout, "trainer": fixed, "algorithm": r3})
+        config_from_dict({"model": tiny, "rollout": rollout, "trainer": trainer})  # retract without R3
+    in_process = {"engine": "cpu", "routed_experts": True}
+    run = config_from_dict({"model": tiny, "rollout": in_process, "trainer": trainer, "algorithm": r3})
+    assert run.trainer.pause_mode == "retract"
 
 
 def test_time_sharing_needs_an_engine_it_can_release_and_names_the_fix():

@@ -95,5 +95,11 @@ def test_the_fully_async_recipe_is_the_sapo_recipe_run_asynchronously():
     assert (trainer.rollout_mode, trainer.max_staleness, trainer.stale_groups) == ("fully_async", 2, "drop")
     assert (cfg.algorithm.correction.name, cfg.algorithm.proximal_logp) == ("tis", "recompute")
     assert dumped["algorithm"]["loss"] == sapo["algorithm"]["loss"]
-    asynchronous = {"rollout_mode", "max_staleness", "async_chunk_groups"}  # stale_groups: drop, the default
+    asynchronous = {
+        "rollout_mode",
+        "max_staleness",
+        "async_chunk_groups",
+        "async_inflight_chunks",
+    }  # drop: default
+    assert (trainer.async_chunk_groups, trainer.async_inflight_chunks) == (64, 4)
     assert {k for k in sapo["trainer"] if sapo["trainer"][k] != dumped["trainer"][k]} == asynchronous

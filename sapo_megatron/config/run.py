@@ -111,6 +111,12 @@ class RunConfig(Section):
                 f"trainer.async_buffer_groups={buffer} cannot hold one step's trainer.prompts_per_step="
                 f"{trainer.prompts_per_step} groups: raise it to at least {trainer.prompts_per_step} (or null)"
             )
+        if mode == "fully_async" and trainer.fully_async_deterministic and trainer.async_inflight_chunks > 1:
+            raise ValueError(
+                f"trainer.async_inflight_chunks={trainer.async_inflight_chunks} needs the producer threads, and "
+                "trainer.fully_async_deterministic: true generates one chunk at a time at fixed points: set "
+                "trainer.async_inflight_chunks: 1 or trainer.fully_async_deterministic: false"
+            )
         if (
             mode == "fully_async"
             and trainer.stale_groups == "correct"
@@ -120,6 +126,18 @@ class RunConfig(Section):
                 "trainer.stale_groups: correct trains groups past trainer.max_staleness with the decoupled "
                 "objective's proximal / behaviour weight, and algorithm.correction is none: set "
                 "algorithm.correction (tis or icepop) or trainer.stale_groups: drop"
+            )
+        if (
+            mode == "fully_async"
+            and trainer.pause_mode == "retract"
+            and self.algorithm.routing_replay == "r3"
+            and self.rollout.engine in ("sglang", "cpu_http")
+        ):
+            raise ValueError(
+                f"trainer.pause_mode: retract with algorithm.routing_replay: r3 on rollout.engine: "
+                f"{self.rollout.engine}: after a retract SGLang (0.5.23) returns the re-prefill's new-version routes "
+                "for the prefix whose log-probs are the old version's (miles #3277), and the client cannot tell a "
+                "CPU server from SGLang; set trainer.pause_mode: in_place or abort (or rollout.engine: cpu)"
             )
         if self.algorithm.proximal_logp == "loglinear" and self.algorithm.routing_replay == "r2":
             raise ValueError(

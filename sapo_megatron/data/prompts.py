@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,9 @@ class PromptIterator:
     ``state_dict()`` records where the next row is; an iterator given that state with ``load_state_dict``
     yields exactly the rows the original would have.
     ``num_epochs=None`` iterates forever.
+
+    Thread-safe: the fully-async producer's chunks in flight draw their prompts and refills concurrently; each
+    ``take`` is one atomic draw, and ``state_dict`` / ``load_state_dict`` see no draw half done.
     """
 
     def __init__(
@@ -112,6 +116,7 @@ class PromptIterator:
         self._fingerprint = _fingerprint(self.rows)
         self._order_epoch = -1
         self._order: np.ndarray = np.arange(len(self.rows))
+        self._lock = threading.Lock()
 
     def order(self, epoch: int) -> np.ndarray:
         """Row indices of ``epoch`` in iteration order."""
@@ -133,6 +138,10 @@ class PromptIterator:
         out. ``state_dict()`` afterwards points just past them, so a resumed iterator continues exactly."""
         if n < 0:
             raise ValueError(f"PromptIterator.take: n must be >= 0, got {n}")
+        with self._lock:
+            return self._take(n)
+
+    def _take(self, n: int) -> list[PromptRow]:
         rows: list[PromptRow] = []
         while len(rows) < n:
             if self.position >= len(self.rows):
@@ -148,6 +157,10 @@ class PromptIterator:
         return rows
 
     def state_dict(self) -> dict[str, Any]:
+        with self._lock:
+            return self._state()
+
+    def _state(self) -> dict[str, Any]:
         return {
             "epoch": self.epoch,
             "position": self.position,
@@ -176,8 +189,9 @@ class PromptIterator:
                 )
         if not 0 <= int(state["position"]) <= len(self.rows):
             raise ValueError(f"PromptIterator.load_state_dict: position {state['position']} out of range")
-        self.epoch = int(state["epoch"])
-        self.position = int(state["position"])
+        with self._lock:
+            self.epoch = int(state["epoch"])
+            self.position = int(state["position"])
 
 
 def fill_template(template: str, prompt: str) -> str:

@@ -15,6 +15,7 @@ TensorBoard as text (tag ``samples``). A resumed run drops the rows after its ch
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,7 @@ class SampleLog:
         self.tracker = tracker
         self.enabled = enabled and every > 0
         self.path = Path(run_dir) / SAMPLES_FILE
+        self._lock = threading.Lock()  # the fully-async producer's chunks in flight record concurrently
         if enabled and resume_at is not None:
             truncate_metrics(self.path, resume_at)
 
@@ -75,12 +77,13 @@ class SampleLog:
             for g, group in enumerate(batch.groups[:SAMPLES_PER_STEP])
             if group
         ]
-        with self.path.open("a") as handle:
-            handle.writelines(jsonio.dumps(row, default=str) + "\n" for row in rows)
-        if self.tracker is not None:
-            for row in rows[:TENSORBOARD_SAMPLES]:
-                self.tracker.text("rl", "samples", _as_markdown(row), step)
-            self.tracker.samples(step, rows)
+        with self._lock:
+            with self.path.open("a") as handle:
+                handle.writelines(jsonio.dumps(row, default=str) + "\n" for row in rows)
+            if self.tracker is not None:
+                for row in rows[:TENSORBOARD_SAMPLES]:
+                    self.tracker.text("rl", "samples", _as_markdown(row), step)
+                self.tracker.samples(step, rows)
         return rows
 
     def _row(self, step: int, batch: Any, group_index: int, sample: Any) -> dict[str, Any]:

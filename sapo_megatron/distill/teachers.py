@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -118,12 +119,14 @@ def scorable_tokens(sample: Sample, images: ImageInputs | None) -> int:
 
 
 class Teachers:
-    """The run's teachers and the domain → teacher routing."""
+    """The run's teachers and the domain → teacher routing. ``scoring`` is held while a rollout's samples are
+    scored: the fully-async producer's chunks in flight score one after the other, each counting its own errors."""
 
     def __init__(self, teachers: Sequence[Teacher]) -> None:
         if not teachers:
             raise ValueError("Teachers needs at least one teacher")
         self.teachers = {t.name: t for t in teachers}
+        self.scoring = threading.Lock()
         configs = [t.cfg for t in teachers]
         self._by_domain = domain_teachers(configs)
         fallback = default_teacher(configs)
@@ -302,7 +305,7 @@ class TeacherScoring:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="teacher") if teachers is not None else None
         self._busy_s = 0.0
         self._unscored = 0
-        self._counters_before = teachers.counters() if teachers is not None else {}
+        self._errors: dict[str, float] = {}  # the client's error counters, grown by this step's scoring
 
     def submit(self, prompts: Sequence[PromptRow], groups: Sequence[Sequence[Sample]]) -> None:
         """Start scoring the samples of the groups that nothing aborted (aborted groups are never trained)."""
@@ -323,11 +326,17 @@ class TeacherScoring:
     ) -> dict[int, tuple[Sample, str, list[float]]]:
         started = time.perf_counter()
         scored: dict[int, tuple[Sample, str, list[float]]] = {}
-        for name, pairs in by_teacher.items():
-            samples, images = [s for s, _ in pairs], [i for _, i in pairs]
-            for sample, logp in zip(samples, teachers.teachers[name].score(samples, images)):
-                scored[id(sample)] = (sample, name, logp)  # holding the sample keeps its id unique
-            self._unscored += sum(len(s.response_ids) - scorable_tokens(s, i) for s, i in pairs)
+        with teachers.scoring:
+            before = teachers.counters()
+            try:
+                for name, pairs in by_teacher.items():
+                    samples, images = [s for s, _ in pairs], [i for _, i in pairs]
+                    for sample, logp in zip(samples, teachers.teachers[name].score(samples, images)):
+                        scored[id(sample)] = (sample, name, logp)  # holding the sample keeps its id unique
+                    self._unscored += sum(len(s.response_ids) - scorable_tokens(s, i) for s, i in pairs)
+            finally:
+                for key, value in teachers.counters().items():
+                    self._errors[key] = self._errors.get(key, 0.0) + value - before.get(key, 0.0)
         self._busy_s += time.perf_counter() - started
         return scored
 
@@ -359,8 +368,7 @@ class TeacherScoring:
         return out
 
     def _metrics(self, teachers: Teachers, per_teacher: dict[str, int], waited: float) -> dict[str, float]:
-        after = teachers.counters()
-        errors = {key: after[key] - self._counters_before.get(key, 0.0) for key in after}
+        errors = {key: self._errors.get(key, 0.0) for key in teachers.counters()}
         metrics = {
             "time/teacher_s": self._busy_s,
             "time/teacher_wait_s": waited,

@@ -65,6 +65,14 @@ class TrainerConfig(Section):
         description="fully_async: prompt groups per generation call of the producer (null: prompts_per_step); "
         "smaller chunks keep a weight update's wait for the chunk in flight short",
     )
+    async_inflight_chunks: int = Field(
+        default=1,
+        ge=1,
+        le=1024,
+        description="fully_async: chunks the producer generates at once, each entering the buffer when it "
+        "finishes (short samples flow in while long ones keep generating on an engine that batches "
+        "continuously, e.g. SGLang); 1: one chunk at a time. Not with fully_async_deterministic",
+    )
     async_buffer_groups: int | None = Field(
         default=None,
         ge=1,
@@ -80,7 +88,8 @@ class TrainerConfig(Section):
         default="in_place",
         description="fully_async: a weight update that would wait for the chunk in flight pauses the engine in this "
         "mode (SGLang's /pause_generation), syncs and continues; samples spanning it carry per-token versions. "
-        "none: wait for the chunk in flight (whole samples)",
+        "none: wait for the chunk in flight (whole samples). retract is refused with algorithm.routing_replay: r3 "
+        "on server engines (SGLang returns the re-prefill's routes for the prefix: miles #3277)",
     )
     export_hf: bool = Field(default=True, description="write an HF checkpoint at the end")
     log_ref_kl: bool = Field(

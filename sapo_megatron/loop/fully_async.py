@@ -44,6 +44,7 @@ import torch
 from sapo_megatron.algo.decoupled import partial_sample_metrics
 from sapo_megatron.data.prompts import PromptIterator
 from sapo_megatron.errors import UserError
+from sapo_megatron.loop.engine_gate import EngineGate
 from sapo_megatron.loop.pipeline import RolloutPipeline, _pack, _unpack, sequence_staleness, with_versions
 from sapo_megatron.loop.session import Session
 from sapo_megatron.model.batching import TrainSequence
@@ -91,6 +92,7 @@ class AsyncSettings:
     total_steps: int
     deterministic: bool
     pause_mode: str = "none"  # in_place | retract | abort | none
+    inflight_chunks: int = 1  # chunks the producer generates at once (threaded mode)
 
 
 class FullyAsyncPipeline:
@@ -112,16 +114,17 @@ class FullyAsyncPipeline:
         self.trainer_version = start_step
         self._buffer: deque[Group] = deque()
         self._cond = threading.Condition()
-        self._engine = threading.Lock()  # held by a chunk's generation and by a weight update
+        self._engine = EngineGate()  # shared by the chunks' generations, exclusive for a weight update
         self._next_chunk = 0
         self._running = 0  # groups being generated
+        self._flight: dict[int, int] = {}  # chunk in flight -> the engine version when it was admitted
         self._taken = start_step * settings.groups_per_step  # groups handed to the trainer
         self._pause = False
         self._push_pending = False
         self._stopping = False
         self._error: BaseException | None = None
-        self._thread: threading.Thread | None = None
-        self._gen_idle = 0.0
+        self._failed = False  # a worker failed: no chunk starts any more
+        self._threads: list[threading.Thread] = []
         self._trainer_idle = 0.0
         self._labels: dict[int, int] = {}  # engine weight version -> the policy version it served
         if session.info.is_main:
@@ -168,10 +171,11 @@ class FullyAsyncPipeline:
                     self._label()
         finally:
             if self.session.info.is_main:
-                if paused:
-                    self._rollout().continue_generation()
-                else:
-                    self._engine.release()
+                try:
+                    if paused:
+                        self._rollout().continue_generation()
+                finally:
+                    self._engine.end_update()
             with self._cond:
                 self._push_pending = False
                 self._cond.notify_all()
@@ -227,24 +231,26 @@ class FullyAsyncPipeline:
 
     def _lock_engine(self, *, wait: bool) -> str:
         """Main rank: take the engine for a weight update – ``locked`` (no chunk in flight, or after waiting for
-        it), ``paused`` (the chunk in flight paused in ``pause_mode``) or ``deferred`` (``wait`` false); while it
-        waits or pauses, the producer starts no further chunk (the lock is not fair)."""
-        if self._engine.acquire(blocking=False):
+        all of them), ``paused`` (the chunks in flight paused in ``pause_mode``, once for all) or ``deferred``
+        (``wait`` false); while it waits or pauses, the producer starts no further chunk."""
+        if self._engine.try_update():
             return "locked"
         if not wait:
             return "deferred"
         with self._cond:
             self._push_pending = True
         if self.settings.pause_mode != "none" and self._served() is not None:
+            self._engine.begin_update(wait_for_chunks=False)  # no chunk enters; those inside are paused
             try:
                 self._rollout().pause_generation(self.settings.pause_mode)
             except BaseException:
+                self._engine.end_update()
                 with self._cond:  # the run fails with the engine's error; the producer may start chunks again
                     self._push_pending = False
                     self._cond.notify_all()
                 raise
             return "paused"
-        self._engine.acquire()
+        self._engine.begin_update(wait_for_chunks=True)
         return "locked"
 
     # -- the trainer's side (main rank) -----------------------------------------------------------------
@@ -253,9 +259,8 @@ class FullyAsyncPipeline:
         cfg = self.settings
         if cfg.deterministic:
             self._fill()
-        elif self._thread is None:
-            self._thread = threading.Thread(target=self._produce, name="rollout-producer", daemon=True)
-            self._thread.start()
+        elif not self._threads:
+            self._start_workers()
         taken: list[Group] = []
         dropped = kept_stale = 0
         start = time.perf_counter()
@@ -297,7 +302,7 @@ class FullyAsyncPipeline:
         metrics["async/stale_kept_groups"] = float(kept_stale)
         metrics["async/buffer_groups"] = float(fill)
         metrics["async/buffer_fill"] = fill / self.settings.capacity
-        metrics["time/generation_idle_s"], self._gen_idle = self._gen_idle, 0.0
+        metrics["time/generation_idle_s"] = self._engine.take_idle_s()  # no chunk generating (threaded mode)
         metrics["time/trainer_idle_s"], self._trainer_idle = self._trainer_idle, 0.0
         return metrics
 
@@ -305,52 +310,72 @@ class FullyAsyncPipeline:
 
     def _room(self) -> int:
         """Groups the producer may start now: the buffer's free space, no more than the run still needs, and under
-        ``stale_groups: drop`` none that the bound would drop – a chunk started at version v is trained by step
-        v + max_staleness (AReaL's admission rule, counted in groups)."""
+        ``stale_groups: drop`` none that the bound would drop – a chunk admitted at version v is trained by step
+        v + max_staleness (AReaL's admission rule, counted in groups). Chunks finish in any order, so a new chunk
+        may end up ahead of every chunk in flight: the rule counts from the oldest version among them."""
         cfg = self.settings
-        if self._pause or self._stopping or self._push_pending:
+        if self._pause or self._stopping or self._push_pending or self._failed:
             return 0
         ahead = len(self._buffer) + self._running
         room = min(cfg.capacity - ahead, cfg.total_steps * cfg.groups_per_step - self._taken - ahead)
         if cfg.stale_groups == "drop":
-            in_bound = (self.version + cfg.max_staleness + 1) * cfg.groups_per_step - self._taken - ahead
+            oldest = min(self._flight.values(), default=self.version)
+            in_bound = (oldest + cfg.max_staleness + 1) * cfg.groups_per_step - self._taken - ahead
             room = min(room, in_bound)
         return room
 
+    def _admit(self, groups: int) -> int:
+        """Under ``_cond``: the next chunk's index, counted in flight."""
+        index, self._next_chunk = self._next_chunk, self._next_chunk + 1
+        self._running += groups
+        self._flight[index] = self.version
+        return index
+
     def _fill(self) -> None:
-        """Deterministic mode: chunks at the current version until the buffer is full."""
+        """Deterministic mode: chunks at the current version until the buffer is full, one at a time."""
         while self._room() > 0:
-            self._chunk(min(self.settings.chunk_groups, self._room()))
+            with self._cond:
+                groups = min(self.settings.chunk_groups, self._room())
+                index = self._admit(groups)
+            self._chunk(index, groups)
+
+    def _start_workers(self) -> None:
+        """``inflight_chunks`` producer threads, each generating one chunk at a time."""
+        self._engine.start_idle_clock()
+        for _ in range(self.settings.inflight_chunks):
+            thread = threading.Thread(target=self._produce, name="rollout-producer", daemon=True)
+            self._threads.append(thread)
+            thread.start()
 
     def _produce(self) -> None:
         try:
             while True:
-                start = time.perf_counter()
                 with self._cond:
-                    while self._room() <= 0 and not self._stopping:
+                    while self._room() <= 0 and not (self._stopping or self._failed):
                         self._cond.wait()
-                    if self._stopping:
+                    if self._stopping or self._failed:
                         return
                     groups = min(self.settings.chunk_groups, self._room())
-                self._gen_idle += time.perf_counter() - start
-                self._chunk(groups)
-        except BaseException as exc:  # kept for the trainer, which re-raises it at its next wait
+                    index = self._admit(groups)
+                self._chunk(index, groups)
+        # kept for the trainer, which re-raises the first worker's at its next wait
+        except BaseException as exc:
             with self._cond:
-                self._error = exc
+                if self._failed:
+                    logger.error("another rollout worker failed too: %s: %s", type(exc).__name__, exc)
+                else:
+                    self._error, self._failed = exc, True
                 self._cond.notify_all()
 
-    def _chunk(self, groups: int) -> None:
-        with self._cond:
-            index, self._next_chunk = self._next_chunk, self._next_chunk + 1
-            self._running += groups
-        waited = time.perf_counter()
+    def _chunk(self, index: int, groups: int) -> None:
+        """Generate admitted chunk ``index``; its groups enter the buffer when it finishes (in order of
+        completion)."""
         finished: list[Group] = []
         try:
-            with (
-                self._engine
-            ):  # a weight update waits for this chunk; this chunk waits for an update in progress
-                self._gen_idle += time.perf_counter() - waited
-                version = self.version
+            # waits for a weight update in progress; an update waits for (or pauses) the chunks inside
+            with self._engine.chunk():
+                with self._cond:
+                    version = self.version
                 sequences, metrics, _ = self._generate(index, groups)
             sequences = with_versions(self._policy_versions(sequences), version)
             n = self.settings.n_samples
@@ -358,13 +383,19 @@ class FullyAsyncPipeline:
         finally:  # a failed chunk is no longer in flight either: a checkpoint must not wait for it
             with self._cond:
                 self._running -= groups
+                self._flight.pop(index, None)
                 self._buffer.extend(finished)
                 self._cond.notify_all()
 
     def _raise_error(self) -> None:
+        """The first failed worker's error, once; later waits fail without repeating it (nothing generates)."""
         if self._error is not None:
             error, self._error = self._error, None
             raise error
+        if self._failed:
+            raise RuntimeError(
+                "the rollout producer stopped after an error (raised before); the run cannot go on"
+            )
 
     # -- checkpoints ------------------------------------------------------------------------------------
 
@@ -438,10 +469,11 @@ class FullyAsyncPipeline:
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout=min(self.session.cfg.rollout.timeout_s, 60.0))
-            if self._thread.is_alive():
-                logger.warning("the rollout producer is still generating a chunk; leaving it")
+        deadline = time.monotonic() + min(self.session.cfg.rollout.timeout_s, 60.0)
+        for thread in self._threads:
+            thread.join(timeout=max(deadline - time.monotonic(), 0.0))
+        if any(thread.is_alive() for thread in self._threads):
+            logger.warning("the rollout producer is still generating a chunk; leaving it")
         if self._error is not None and exc is not None:
             logger.error("the rollout producer failed too: %s: %s", type(self._error).__name__, self._error)
 
@@ -466,6 +498,7 @@ def async_settings(cfg: Any) -> AsyncSettings:
         total_steps=trainer.steps,
         deterministic=trainer.fully_async_deterministic,
         pause_mode=trainer.pause_mode,
+        inflight_chunks=trainer.async_inflight_chunks,
     )
 
 

@@ -195,7 +195,7 @@ class RolloutPipeline:
     def _rollout(self, step: int) -> Rollout:
         version = self.engine_version  # read when the generation starts: the weights it samples from
         sequences, metrics, prompt_state = self._generate(step)
-        return Rollout(step, with_versions(sequences, version), metrics, prompt_state, version)
+        return Rollout(step, at_version(sequences, version), metrics, prompt_state, version)
 
     def _take_background(self) -> Rollout:
         background, self._background = self._background, None
@@ -248,6 +248,12 @@ def with_versions(sequences: list[TrainSequence], version: int) -> list[TrainSeq
         s if s.versions is not None else dataclasses.replace(s, versions=[version] * len(s.response_ids))
         for s in sequences
     ]
+
+
+def at_version(sequences: list[TrainSequence], version: int) -> list[TrainSequence]:
+    """``sequences`` with every response token of policy version ``version``: sync and one_step_off never update
+    the weights during a generation, so the versions an engine reports in its own count are replaced."""
+    return [dataclasses.replace(s, versions=[version] * len(s.response_ids)) for s in sequences]
 
 
 def sequence_staleness(

@@ -8,6 +8,7 @@ for the cheap string rewards (``exact_match``, ``numeric_match``, ``dapo_math``)
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -170,16 +171,30 @@ def build_reward_runner(
     return RewardRunner(backend, name or spec, group=bound.group, after_thinking=after_thinking)
 
 
+@dataclasses.dataclass
+class _StepCounts:
+    """One thread's scoring since its last :meth:`RewardRunner.take_step_metrics`."""
+
+    calls: int = 0
+    errors: int = 0
+    first_error: str | None = None
+    seconds: float = 0.0
+    sums: dict[str, float] = dataclasses.field(default_factory=dict)  # RewardMix: per function
+    scored: int = 0  # RewardMix: inputs scored
+
+
 class RewardRunner:
-    """Scores batches (:meth:`score`) and counts calls / errors for the run and for the step."""
+    """Scores batches (:meth:`score`) and counts calls / errors for the run and for the step.
+
+    The step counters are per thread: a rollout (one ``collect`` call: its scoring, :meth:`check_error_budget`,
+    :meth:`take_step_metrics`) runs in one thread, and the fully-async producer runs several rollouts at once, each
+    in its own thread, whose step metrics and error budget stay its own."""
 
     def __init__(self, backend: _Backend, name: str, *, group: bool, after_thinking: bool = False) -> None:
         self.backend, self.name, self.group = backend, name, group
         self.after_thinking = after_thinking
         self.errors = self.calls = 0
-        self._step_errors = self._step_calls = 0
-        self._step_first_error: str | None = None
-        self._step_seconds = 0.0
+        self._local = threading.local()
         self._lock = threading.Lock()
         self._backend_lock = threading.Lock()  # the async rollout thread and the evaluation may both score
 
@@ -196,6 +211,13 @@ class RewardRunner:
         self._count(outputs, time.perf_counter() - start)
         return outputs
 
+    def _step(self) -> _StepCounts:
+        """This thread's step counters."""
+        counts = getattr(self._local, "counts", None)
+        if counts is None:
+            counts = self._local.counts = _StepCounts()
+        return counts
+
     def _units(self, inputs: list[RewardInput]) -> list[list[RewardInput]]:
         if not self.group:
             return [[item] for item in inputs]
@@ -209,15 +231,16 @@ class RewardRunner:
 
     def _count(self, outputs: list[RewardOutput], seconds: float) -> None:
         errors = [out.error for out in outputs if out.error is not None] if outputs else []
+        step = self._step()
+        step.calls += len(outputs)
+        step.errors += len(errors)
+        step.seconds += seconds
+        if errors and step.first_error is None:
+            step.first_error = errors[0]
         with self._lock:
             first_of_run = self.errors == 0 and bool(errors)
             self.calls += len(outputs)
-            self._step_calls += len(outputs)
             self.errors += len(errors)
-            self._step_errors += len(errors)
-            self._step_seconds += seconds
-            if errors and self._step_first_error is None:
-                self._step_first_error = errors[0]
         if first_of_run:
             logger.error(
                 "reward %s failed: %s; scoring 0.0 (later errors are only counted)", self.name, errors[0]
@@ -233,12 +256,9 @@ class RewardRunner:
         return out
 
     def take_step_metrics(self) -> dict[str, float]:
-        """``reward/error_frac``, ``reward/errors`` and ``time/reward_s`` since the previous call."""
-        with self._lock:
-            calls, errors, seconds = self._step_calls, self._step_errors, self._step_seconds
-            self._step_calls = self._step_errors = 0
-            self._step_seconds = 0.0
-            self._step_first_error = None
+        """``reward/error_frac``, ``reward/errors`` and ``time/reward_s`` of this thread since its previous call."""
+        step, self._local.counts = self._step(), _StepCounts()
+        calls, errors, seconds = step.calls, step.errors, step.seconds
         return {
             "reward/error_frac": errors / calls if calls else 0.0,
             "reward/errors": float(errors),
@@ -248,8 +268,8 @@ class RewardRunner:
     def check_error_budget(self, max_frac: float) -> None:
         """Raise :class:`RewardError` when more than ``max_frac`` of this step's samples failed (see
         :class:`~sapo_megatron.rewards.registry.SafeReward`, whose semantics this keeps)."""
-        with self._lock:
-            calls, errors, first = self._step_calls, self._step_errors, self._step_first_error
+        step = self._step()
+        calls, errors, first = step.calls, step.errors, step.first_error
         if not calls or errors / calls <= max_frac:
             return
         raise RewardError(
@@ -311,8 +331,6 @@ class RewardMix(RewardRunner):
     ) -> None:
         super().__init__(_MixBackend(parts), name, group=False, after_thinking=after_thinking)
         self.parts = parts
-        self._sums = {part_name: 0.0 for part_name, _, _ in parts}
-        self._count_scored = 0
 
     def score(self, inputs: list[RewardInput]) -> list[RewardOutput]:
         if not inputs:
@@ -321,10 +339,10 @@ class RewardMix(RewardRunner):
         per_part = [runner.score(inputs) for _, _, runner in self.parts]
         outputs = [self._combine([scored[i] for scored in per_part]) for i in range(len(inputs))]
         self._count(outputs, time.perf_counter() - start)
-        with self._lock:
-            for (part_name, _, _), scored in zip(self.parts, per_part):
-                self._sums[part_name] += sum(out.score for out in scored)
-            self._count_scored += len(inputs)
+        step = self._step()
+        for (part_name, _, _), scored in zip(self.parts, per_part):
+            step.sums[part_name] = step.sums.get(part_name, 0.0) + sum(out.score for out in scored)
+        step.scored += len(inputs)
         return outputs
 
     def _combine(self, outs: list[RewardOutput]) -> RewardOutput:
@@ -337,14 +355,12 @@ class RewardMix(RewardRunner):
         return RewardOutput(total, fields, error)
 
     def take_step_metrics(self) -> dict[str, float]:
+        step = self._step()
         out = super().take_step_metrics()
         for _, _, runner in self.parts:
             runner.take_step_metrics()  # their own step counters restart with the mix's
-        with self._lock:
-            count = max(self._count_scored, 1)
-            out.update({f"reward/{part_name}/mean": total / count for part_name, total in self._sums.items()})
-            self._sums = dict.fromkeys(self._sums, 0.0)
-            self._count_scored = 0
+        count = max(step.scored, 1)
+        out.update({f"reward/{name}/mean": step.sums.get(name, 0.0) / count for name, _, _ in self.parts})
         return out
 
 

@@ -124,8 +124,8 @@ class RolloutEngine(abc.ABC):
     def pause_generation(self, mode: str = "in_place") -> None:
         """Stop generating for a weight update, like SGLang's ``/pause_generation``: ``abort`` cuts running
         samples short (a client continues them after :meth:`continue_generation`), ``in_place`` keeps them with
-        their cache, ``retract`` keeps their tokens and recomputes the cache with the new weights. Samples that span
-        the update carry ``token_versions``."""
+        their cache, ``retract`` keeps their tokens and recomputes the cache with the new weights. Every sample
+        carries ``token_versions`` (more than one version when it spans the update)."""
         raise NotImplementedError(f"{type(self).__name__} cannot pause generation")
 
     def continue_generation(self) -> None:

@@ -150,7 +150,7 @@ class Sample:
     loss_mask: list[int] | None = None
     episode: EpisodeInfo | None = None
     routed_experts_start: int = 0  # routed_experts holds the rows from this position on (the request's)
-    # the policy version of the forward behind each response token (None: every token from one version)
+    # the engine's version of the forward behind each response token (None: the engine reports none)
     token_versions: list[int] | None = None
 
     def __post_init__(self) -> None:

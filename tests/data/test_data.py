@@ -296,3 +296,37 @@ def test_tokenizer_loading_errors(tmp_path):
     (tmp_path / "char_tokenizer.json").write_text('{"type": "bpe"}')
     with pytest.raises(TokenizerError, match="is not a char tokenizer file"):
         load_tokenizer(str(tmp_path))
+
+
+def test_prompt_iterator_draws_each_row_once_across_threads():
+    """The fully-async producer's chunks in flight draw prompts and refills at once: every ``take`` is atomic, so
+    4 threads drawing 1-3 rows at a time through 3 epochs get every row of every epoch exactly once, and the state
+    afterwards is where a single thread would be."""
+    import sys
+    import threading
+
+    from sapo_megatron.data.prompts import PromptIterator, PromptRow
+
+    rows = [PromptRow(prompt=f"p{i}", ground_truth=str(i)) for i in range(97)]
+    it = PromptIterator(rows, batch_size=4, seed=3, num_epochs=3)
+    drawn: list[list[int]] = [[] for _ in range(4)]
+    start = threading.Barrier(4)
+
+    def draw(worker: int) -> None:
+        start.wait(timeout=30)
+        while batch := it.take(1 + worker % 3):
+            drawn[worker].extend(int(row.ground_truth) for row in batch)
+
+    threads = [threading.Thread(target=draw, args=(w,)) for w in range(4)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often: without the lock this fails nearly every time
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+    finally:
+        sys.setswitchinterval(interval)
+    every = sorted(i for worker in drawn for i in worker)
+    assert every == sorted(list(range(97)) * 3)
+    assert it.state_dict()["epoch"] == 3 and it.state_dict()["position"] == 0

@@ -3,6 +3,8 @@ check, and a dead teacher server (failover, or a clear error)."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from sapo_megatron.data.prompts import PromptRow
@@ -282,3 +284,54 @@ def test_scoring_a_sampled_image_pad_over_http_is_refused_before_sending():
     with pytest.raises(RolloutError, match=r"sequence 0 holds 2 runs of the image-pad token 9 for 1 images"):
         client.score([[1, 9, 9, 2, 5, 9, 3]], 4, images=[images])
     client.close()
+
+
+class _CountingTeacher(_ConstantTeacher):
+    """Counts one retry per sequence it scores, and how many score calls ran at once."""
+
+    def __init__(self) -> None:
+        super().__init__(-1.0)
+        self.retries, self.active, self.most = 0, 0, 0
+        self.second = threading.Event()
+
+    def score(self, token_ids_list, response_start):
+        self.active += 1
+        self.most = max(self.most, self.active)
+        if self.active > 1:
+            self.second.set()
+        else:  # give a second chunk's scoring the chance to come in (it would count its retries into this one's)
+            self.second.wait(0.2)
+        self.retries += len(token_ids_list)
+        self.active -= 1
+        return super().score(token_ids_list, response_start)
+
+    def metrics(self):
+        return {"rollout/retries": float(self.retries)}
+
+
+def test_concurrent_chunks_score_one_at_a_time_and_count_their_own_teacher_errors():
+    """The fully-async producer's chunks in flight each build a TeacherScoring: their scoring takes turns on the
+    teachers, and each chunk's ``teacher/retries`` counts its own calls only."""
+    engine = _CountingTeacher()
+    teachers = Teachers([Teacher(TeacherConfig(name="t", model_path="-"), engine)])
+    metrics: dict[int, dict[str, float]] = {}
+
+    def chunk(index: int, groups: int) -> None:
+        rows = [PromptRow("p", "g")] * groups
+        batch_groups = [_group(g) for g in range(groups)]
+        scoring = TeacherScoring(teachers, [])
+        scoring.submit(rows, batch_groups)
+        batch = RolloutBatch(rows, batch_groups, rewards=None, advantages=None)
+        sequences = [TrainSequence(s.prompt_ids, s.response_ids) for group in batch_groups for s in group]
+        scoring.attach(sequences, batch)
+        metrics[index] = batch.metrics
+
+    threads = [threading.Thread(target=chunk, args=(i, groups)) for i, groups in enumerate((1, 3))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert engine.most == 1
+    assert (
+        metrics[0]["teacher/retries"] == 2.0 and metrics[1]["teacher/retries"] == 6.0
+    )  # 2 samples per group

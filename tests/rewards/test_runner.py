@@ -232,3 +232,47 @@ def _state(proc: Path) -> str:
         return next(line for line in (proc / "status").read_text().splitlines() if line.startswith("State"))
     except (OSError, StopIteration):
         return "zombie"
+
+
+@pytest.mark.parametrize("mix", [False, True], ids=["one reward", "a mix"])
+def test_step_metrics_and_error_budget_are_per_thread(reward_dir, mix):
+    """The fully-async producer scores several chunks at once, each in its own thread: a chunk's step metrics and
+    error budget count its own samples only, however the scoring calls interleave."""
+    import threading
+
+    spec = f"{reward_dir}/chaos.py:reward"
+    runner = build_reward_runner(
+        [spec, {"reward": spec, "weight": 2.0, "name": "twice"}] if mix else spec, workers=0
+    )
+    in_turn = threading.Barrier(2)
+    results: dict[str, dict[str, float]] = {}
+    budget: dict[str, str] = {}
+
+    def chunk(name: str, batches: list[list[str]]) -> None:
+        for responses in batches:
+            runner.score(inputs(*responses))
+            in_turn.wait(timeout=30)  # the other chunk scores between this chunk's calls
+        try:
+            runner.check_error_budget(0.3)
+            budget[name] = "ok"
+        except RewardError as exc:
+            budget[name] = str(exc)
+        results[name] = runner.take_step_metrics()
+
+    threads = [
+        threading.Thread(target=chunk, args=("clean", [["ok", "no"], ["ok", "ok"]])),
+        threading.Thread(target=chunk, args=("failing", [["raise", "ok"], ["raise", "raise"]])),
+    ]
+    with runner:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+        assert runner.metrics()["reward/calls"] == 8.0 and runner.metrics()["reward/errors"] == 3.0
+        assert runner.take_step_metrics()["reward/errors"] == 0.0  # the main thread scored nothing
+    assert results["clean"]["reward/error_frac"] == 0.0 and results["clean"]["reward/errors"] == 0.0
+    assert results["failing"]["reward/error_frac"] == 0.75 and results["failing"]["reward/errors"] == 3.0
+    assert budget["clean"] == "ok" and "on 3 of 4 samples" in budget["failing"]
+    if mix:  # the per-function means of each chunk's own samples: 3 of 4 right, 1 of 4
+        name = next(key for key in results["clean"] if key.endswith("/mean"))
+        assert results["clean"][name] == 0.75 and results["failing"][name] == 0.25

@@ -72,8 +72,12 @@ def test_stale_groups_are_dropped_or_trained_with_the_correction(tmp_path, data_
     assert rows[1]["mismatch/is_weight_mean"] != pytest.approx(1.0, abs=1e-4)
 
 
-def test_producer_thread_trains_within_the_bound(tmp_path, data_files):  # noqa: F811
-    rows = run(tmp_path, data_files, **{"trainer.steps": 2, "trainer.prompts_per_step": 4})
+@pytest.mark.parametrize("inflight", [1, 2])
+def test_producer_thread_trains_within_the_bound(tmp_path, data_files, inflight):  # noqa: F811
+    """``inflight`` 2: two chunks of 2 groups in flight at once on the in-process CPU engine, paused together by
+    the weight update."""
+    chunks = {"trainer.async_inflight_chunks": inflight, "trainer.async_chunk_groups": 4 // inflight}
+    rows = run(tmp_path, data_files, **{"trainer.steps": 2, "trainer.prompts_per_step": 4}, **chunks)
     assert len(rows) == 2
     assert all(row["staleness/token_max"] <= 1.0 for row in rows)  # max_staleness 1 by default
     assert rows[0]["staleness/token_max"] == 0.0
@@ -157,3 +161,40 @@ def test_dynamic_sampling_and_over_sampling_apply_to_every_chunk(tmp_path, data_
     assert column(rows, "rollout/over_sampled_prompts")[0] >= 2.0
     assert all(row["rollout/rounds"] >= 1.0 for row in rows)
     assert column(rows, "staleness/token_mean") == [0.0, 1.0]
+
+
+def drawn(prompt_state: dict) -> int:
+    """Prompts the iterator has handed out (every epoch is ``num_rows`` long)."""
+    return int(prompt_state["epoch"]) * int(prompt_state["num_rows"]) + int(prompt_state["position"])
+
+
+def test_sigint_then_resume_with_two_chunks_in_flight_trains_every_prompt_once(tmp_path, data_files):  # noqa: F811
+    """The threaded producer with 2 chunks of 2 groups in flight (they finish in any order): the checkpoint is
+    taken with no chunk in flight, so every prompt drawn before it was trained (2 steps × 4 groups) or is in the
+    saved buffer; the resumed run trains the buffer first and draws exactly the prompts the rest of the run
+    needs – 4 steps × 4 groups drawn in all, none dropped: no group trained twice, none lost."""
+    import torch
+
+    from sapo_megatron.checkpoint.atomic import read_marker
+
+    settings = {
+        **FAST,
+        "trainer.rollout_mode": "fully_async",
+        "trainer.steps": 4,
+        "trainer.prompts_per_step": 4,
+        "trainer.max_staleness": 2,
+        "trainer.async_inflight_chunks": 2,
+        "trainer.async_chunk_groups": 2,
+    }
+    config = write_config(tmp_path / "run.yaml", data_files, **settings)
+    interrupted(config, "rl:2")
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_000002"
+    saved = torch.load(checkpoint / BUFFER_FILE, weights_only=True)
+    assert drawn(saved["prompt_state"]) == 2 * 4 + len(saved["groups"])
+    train(config, "--resume")
+    rows = metrics(tmp_path / "run", "rl")
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+    assert all(row["staleness/token_max"] <= 2.0 for row in rows)
+    assert column(rows, "async/stale_dropped_groups") == [0.0] * 4
+    final = read_marker(tmp_path / "run" / "checkpoints" / "step_000004")
+    assert drawn(final["extra"]["prompts"]) == 4 * 4

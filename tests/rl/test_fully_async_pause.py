@@ -179,3 +179,47 @@ def test_a_pause_that_fails_is_the_updates_error():
         assert sess.sync.pushes == 0  # nothing was pushed into an engine that kept generating
         assert not rollouts._push_pending
         release.set()
+
+
+def test_a_refill_after_the_update_carries_the_version_that_made_it():
+    """A chunk's second generate call (a dynamic-sampling refill) starts after the paused update: its sample is
+    whole of policy version 1 and trained at staleness 0, while the chunk's first sample (version 0) is 1 behind –
+    the engine reports versions for every sample, not only for those that span the update."""
+    torch.manual_seed(0)
+    engine = CPUEngine(make_dense_model(0), num_threads=1)
+    sess = session(engine)
+    sess.sync.push(None)  # engine version 2 serves policy version 0
+    first_done = threading.Event()
+    sampling = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0, seed=5)
+
+    def one(group: int):
+        (sample,) = engine.generate(
+            [GenerationRequest(prompt_ids=[3, 17, 5, 42 + group], n=1, sampling=sampling, group_id=0)]
+        )[0]
+        return TrainSequence(
+            sample.prompt_ids, sample.response_ids, 1.0, sample.rollout_logp, versions=sample.token_versions
+        )
+
+    def generate(index: int, groups: int):
+        first = one(0)
+        if index == 1:  # the refill waits until the trainer's update is done and generation continued
+            first_done.set()
+            wait_for(lambda: engine.weight_version == 4 and not engine.pause_gate.paused, "the update")
+        return [first, one(1)], {}, {}
+
+    settings = AsyncSettings(1, 2, 1, "drop", 1, 2, 2, False, pause_mode="in_place")
+    batches, metrics = [], []
+    with FullyAsyncPipeline(sess, None, generate, settings, start_step=0) as rollouts:  # type: ignore[arg-type]
+        for step in range(2):
+            sequences, step_metrics = rollouts.next_batch(step)
+            if step == 0:
+                assert first_done.wait(60), "chunk 1 never started"
+            step_metrics.update(rollouts.push_weights(torch.nn.Linear(1, 1)))
+            batches.append(sequences)
+            metrics.append(step_metrics)
+    assert [list(s.versions) for s in batches[0]] == [[0] * NEW_TOKENS] * 2
+    assert [list(s.versions) for s in batches[1]] == [[0] * NEW_TOKENS, [1] * NEW_TOKENS]
+    assert metrics[0]["weight_sync/paused"] == 1.0
+    assert metrics[1]["staleness/token_mean"] == pytest.approx(0.5)  # was 1.0 with the chunk's start version
+    assert metrics[1]["staleness/sample_mean"] == pytest.approx(0.5)
+    assert metrics[1]["async/partial_samples_frac"] == 0.0  # whole samples, of two versions

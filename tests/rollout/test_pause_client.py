@@ -4,7 +4,6 @@ update with per-token versions, and one clear error (naming the server) when a s
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import threading
 import time
 
@@ -65,12 +64,8 @@ def test_client_continues_samples_across_a_paused_weight_update(mode, moe_dir, m
         worker.join(timeout=120)
         samples = out["groups"][0]
         assert len(samples) == 4
-        # A request still queued at the pause is made whole by version 1: under retract the server reports no
-        # versions for it (one version throughout), and its log-probs must then be version 1's.
-        samples = [
-            s if s.token_versions is not None else dataclasses.replace(s, token_versions=[1] * NEW)
-            for s in samples
-        ]
+        # A request still queued at the pause is made whole by version 1: the server reports [1] * NEW for it,
+        # and its log-probs must then be version 1's.
         for s in samples:
             assert len(s.response_ids) == NEW and s.finish_reason == "length"
             k = s.token_versions.count(0)
@@ -151,5 +146,71 @@ def test_the_default_pause_is_in_place_and_skips_the_flush_while_held(moe_dir, m
         client.continue_generation()
         assert server.engine.pause_gate.mode is None and not client.fleet.pause.paused
     finally:
+        client.close()
+        server.stop()
+
+
+def test_every_sample_carries_its_version_and_foreign_labels_none(moe_dir, moe_dir_b, refs):
+    """Whole samples report their version too (one span of ``meta_info.weight_versions``), so a sample generated
+    after an update is tagged with it; a label this client did not set (another client's update) gives no
+    versions and is counted."""
+    server = CPUServer(engine_from(moe_dir)).start()
+    client = SGLangClient([server.url], num_layers=NUM_LAYERS, top_k=TOP_K, max_retries=0)
+    other = SGLangClient([server.url], max_retries=0)
+    try:
+        (before,) = client.generate([_request(1, new=6)])[0]
+        assert before.token_versions == [0] * 6
+        client.update_weights_from_disk(str(moe_dir_b))
+        (after,) = client.generate([_request(1, new=6)])[0]
+        assert after.token_versions == [1] * 6
+        want_logp, want_routes = per_version_reference(refs, after)
+        np.testing.assert_allclose(after.rollout_logp, want_logp, atol=1e-4)
+        assert agreement(after, want_routes) == 1.0
+        (foreign,) = other.generate([_request(1, routed=False, new=6)])[0]  # label "1", this client counts 0
+        assert foreign.token_versions is None
+        assert other.metrics()["rollout/partial_unsplit"] == 1
+        assert client.metrics()["rollout/partial_unsplit"] == 0
+    finally:
+        client.close()
+        other.close()
+        server.stop()
+
+
+def test_an_abort_reply_that_arrives_after_continue_is_continued_not_restarted(moe_dir, moe_dir_b, refs):
+    """The abort pause's reply may reach the client only after ``continue_generation`` (a loaded machine): the
+    sample was cut by this client's pause (a newer pause epoch), so it is continued from its partial, not retried
+    from scratch on the new weights."""
+    server = slow_server(moe_dir)
+    client = SGLangClient([server.url], num_layers=NUM_LAYERS, top_k=TOP_K, max_retries=1, backoff_s=0.0)
+    send = client.fleet.request
+    late = threading.Event()
+
+    def request(method, srv, path, payload, **kwargs):
+        reply = send(method, srv, path, payload, **kwargs)
+        if path == "/generate" and reply["meta_info"]["finish_reason"]["type"] == "abort":
+            assert late.wait(60)  # held until continue_generation has returned
+        return reply
+
+    client.fleet.request = request  # type: ignore[method-assign]
+    try:
+        out: dict = {}
+        worker = threading.Thread(target=lambda: out.update(groups=client.generate([_request(1)])))
+        worker.start()
+        _wait_until_submitted([server], 1)
+        time.sleep(0.3)
+        client.pause_generation("abort")
+        client.update_weights_from_disk(str(moe_dir_b))
+        client.continue_generation()
+        late.set()
+        worker.join(timeout=120)
+        (s,) = out["groups"][0]
+        k = s.token_versions.count(0)
+        assert 0 < k < NEW and s.token_versions == [0] * k + [1] * (NEW - k)  # a restart would be all 1
+        want_logp, want_routes = per_version_reference(refs, s)
+        np.testing.assert_allclose(s.rollout_logp, want_logp, atol=1e-4)
+        assert agreement(s, want_routes) == 1.0
+        assert client.metrics()["rollout/partial_samples"] == 1
+    finally:
+        late.set()
         client.close()
         server.stop()

@@ -1,7 +1,7 @@
 """Pause, weight update, continue on the real SGLang 0.5.23 server on CPU (the miles #3277 case).
 
-A streamed request is paused mid-response (``retract`` or ``in_place``), the weights are updated to another
-checkpoint and generation continues; each token's log-prob and each position's route are compared with teacher-
+A streamed request is paused mid-response (``retract`` or ``in_place``; ``abort`` through ``SGLangClient``, which
+continues the cut samples), the weights are updated to another checkpoint and generation continues; each token's log-prob and each position's route are compared with teacher-
 forced forwards of each version in transformers. Numbers measured here (time to resume, tokens recomputed, route agreement
 per version) are printed and reported in docs/async.md.
 """
@@ -19,9 +19,11 @@ import torch
 import transformers
 
 from sapo_megatron.rollout.protocol import decode_routed_experts
+from sapo_megatron.rollout.sglang.client import SGLangClient
+from sapo_megatron.rollout.types import GenerationRequest, SamplingParams
 from tests.servers import save_demo_model
 from tests.sglang_real.conftest import API_KEY, NUM_LAYERS, TOP_K
-from tests.sglang_real.test_conformance import FP32_TOL, reference_logp
+from tests.sglang_real.test_conformance import EOS, FP32_TOL, reference_logp
 
 PROMPT = [1, 10, 11, 12, 13]
 NEW = 48  # the demo model's context is 64 tokens
@@ -103,13 +105,13 @@ def wait_tokens(out: dict, n: int, timeout_s: float = 120) -> None:
         time.sleep(0.001)
 
 
-@pytest.mark.parametrize("mode", ["retract", "in_place"])
-def test_pause_update_continue_per_version(mode, client, sglang_url, model_dir, other_dir, versions):
-    restore(
-        sglang_url, model_dir
-    )  # the tier's earlier tests leave their own weight_version label on the server
+def paused_stream(mode: str, url: str, model_dir, other_dir) -> tuple[dict, int, float]:
+    """A streamed request paused in ``mode`` after 4 tokens, the weights updated to ``other_dir``, continued;
+    the stream's chunks, the tokens seen at the pause and when generation continued."""
+    client = SGLangClient([url], api_key=API_KEY, num_layers=NUM_LAYERS, top_k=TOP_K, max_retries=0)
+    restore(url, model_dir)  # the tier's earlier tests leave their own weight_version label on the server
     out: dict = {}
-    worker = threading.Thread(target=stream, args=(sglang_url, out))
+    worker = threading.Thread(target=stream, args=(url, out))
     worker.start()
     try:
         wait_tokens(out, 4)
@@ -122,7 +124,17 @@ def test_pause_update_continue_per_version(mode, client, sglang_url, model_dir, 
             client.continue_generation(timeout_s=60)  # never leave the server paused (its watchdog ends it)
         worker.join(timeout=600)
     finally:
-        restore(sglang_url, model_dir)
+        client.close()
+        restore(url, model_dir)
+    return out, seen_at_pause, resumed_at
+
+
+@pytest.mark.parametrize("mode", ["retract", "in_place"])
+def test_pause_update_continue_per_version(mode, sglang_url, model_dir, other_dir, versions):
+    for _ in range(3):  # on a loaded machine the pause can land after the last of the 48 tokens: try again
+        out, seen_at_pause, resumed_at = paused_stream(mode, sglang_url, model_dir, other_dir)
+        if len(out["last"]["meta_info"]["weight_versions"]) > 1:
+            break
     final = out["last"]
     ids = PROMPT + final["output_ids"]
     meta = final["meta_info"]
@@ -168,3 +180,107 @@ def test_pause_update_continue_per_version(mode, client, sglang_url, model_dir, 
         assert before[0] == 1.0
     else:  # miles #3277 on SGLang: the re-prefill's routes replace those that produced the old log-probs
         assert before[1] == 1.0 and before[0] < 1.0
+
+
+def abort_round(client, url: str, other_dir) -> list:
+    """Four samples through ``client`` while a streamed probe runs beside them; paused in ``abort`` mode once the
+    probe shows that the batch has decoded 10 more tokens since they were sent, weights updated, continued."""
+    out: dict = {}
+    probe: dict = {}
+    prober = threading.Thread(target=stream, args=(url, probe))
+    prober.start()
+    wait_tokens(probe, 2)  # the server is decoding: the client's requests join the running batch
+    sent_at = probe["chunks"][-1][1]
+    sampling = SamplingParams(max_new_tokens=NEW - 8, temperature=1.0)
+    request = GenerationRequest(
+        prompt_ids=PROMPT, n=4, sampling=sampling, return_routed_experts=True, group_id=0
+    )
+    worker = threading.Thread(target=lambda: out.update(groups=client.generate([request])))
+    worker.start()
+    try:
+        wait_tokens(probe, sent_at + 10)
+        client.pause_generation("abort", timeout_s=60)
+        try:
+            client.update_weights_from_disk(str(other_dir))  # flushes the cache: continuations prefill on v1
+        finally:
+            client.continue_generation(timeout_s=60)  # never leave the server paused
+    finally:
+        worker.join(timeout=600)
+        prober.join(timeout=600)
+    return out["groups"][0]
+
+
+def test_abort_pause_continues_samples_through_the_client(sglang_url, model_dir, other_dir, versions):
+    """The ``abort`` path end to end on real SGLang: samples cut by the pause come back with their tokens so far
+    (``finish_reason`` abort), the client waits for ``continue_generation`` and continues each with prompt +
+    partial on the new weights (rollout/partial.py), never restarting it. Each spliced sample's tokens carry
+    version 0 then 1; log-probs equal each version's own forward (the continuation prefills the whole prefix on
+    version 1 after the cache flush) and its routes a reference forward per version (R3, agreement 1.0).
+    A sample may end early at the demo tokenizer's EOS (SGLang stops there whatever the request says: that was
+    the earlier "finish reason other than length"); it must then end with EOS."""
+    budget, attempts = NEW - 8, 0
+    while attempts < 3:  # the pause must land while a sample is mid-response (timing on a shared machine)
+        restore(sglang_url, model_dir)  # label "default": version 0 of a new client
+        attempts += 1
+        client = SGLangClient(
+            [sglang_url], api_key=API_KEY, num_layers=NUM_LAYERS, top_k=TOP_K, timeout_s=120.0, max_retries=0
+        )
+        try:
+            samples = abort_round(client, sglang_url, other_dir)
+            metrics = client.metrics()
+        finally:
+            client.close()
+            restore(sglang_url, model_dir)
+        if any(0 < s.token_versions.count(0) < len(s.response_ids) for s in samples):
+            break
+    else:
+        pytest.fail(f"the pause never landed mid-response in {attempts} attempts")
+    assert metrics["rollout/aborted_samples"] == 0
+    mid = 0
+    for s in samples:
+        n = len(s.response_ids)
+        assert s.finish_reason in ("length", "stop"), s.finish_reason
+        assert n == budget if s.finish_reason == "length" else (n < budget and s.response_ids[-1] == EOS)
+        k = s.token_versions.count(0)
+        assert s.token_versions == [0] * k + [1] * (n - k)
+        mid += 0 < k < n
+        ids = s.token_ids
+        p = len(PROMPT)
+        ref = {v: reference_logp(versions[v], ids)[p - 1 :].numpy() for v in (0, 1)}
+        logp = np.asarray(s.rollout_logp)
+        np.testing.assert_allclose(logp[:k], ref[0][:k], atol=FP32_TOL)
+        np.testing.assert_allclose(logp[k:], ref[1][k:], atol=FP32_TOL)
+        cut = p + k - 1 if k else 0  # route rows before it: version 0's forward; from it on: version 1's
+        want = np.concatenate(
+            [routes_of(versions[0], ids[:-1])[:cut], routes_of(versions[1], ids[:-1])[cut:]]
+        )
+        assert s.routed_experts.shape[0] == len(ids) - 1
+        agreement = float((np.sort(s.routed_experts, axis=-1) == want).mean())
+        assert agreement == 1.0, (k, agreement)
+        if 0 < k < n:  # the v0 routes of the prefix are not v1's: the splice did not take the re-prefill's
+            assert float((routes_of(versions[1], ids[:cut]) == want[:cut]).mean()) < 1.0
+    assert metrics["rollout/partial_samples"] >= mid >= 1
+    split = [(s.token_versions.count(0), len(s.response_ids), s.finish_reason) for s in samples]
+    print(f"\nSGLANG_ABORT attempts={attempts} (v0 tokens, length, finish)={split}")
+
+
+def test_whole_samples_report_their_version(sglang_url, model_dir, other_dir, versions):
+    """SGLang sends ``meta_info.weight_versions`` with every finished request (one span when one version made every
+    token): the client tags whole samples too, so a sample generated after an update says so."""
+    restore(sglang_url, model_dir)
+    client = SGLangClient([sglang_url], api_key=API_KEY, max_retries=0)
+    sampling = SamplingParams(max_new_tokens=8, temperature=1.0)
+    request = GenerationRequest(prompt_ids=PROMPT, n=2, sampling=sampling, group_id=0)
+    try:
+        before = client.generate([request])[0]
+        client.update_weights_from_disk(str(other_dir))
+        after = client.generate([request])[0]
+    finally:
+        client.close()
+        restore(sglang_url, model_dir)
+    assert [s.token_versions for s in before] == [[0] * len(s.response_ids) for s in before]
+    assert [s.token_versions for s in after] == [[1] * len(s.response_ids) for s in after]
+    for s in after:  # made by version 1 indeed
+        want = reference_logp(versions[1], s.token_ids)[len(PROMPT) - 1 :].numpy()
+        np.testing.assert_allclose(s.rollout_logp, want, atol=FP32_TOL)
+    assert client.metrics()["rollout/partial_unsplit"] == 0

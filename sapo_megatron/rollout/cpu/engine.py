@@ -232,7 +232,7 @@ class CPUEngine(PausableEngine, RolloutEngine):
         ]
         for req, row in zip((r for r in requests for _ in range(r.n)), rows):
             self._check_prompt(req, row)
-        start = self.weight_version  # a sample made (partly) with later weights reports its versions
+        start = self.weight_version  # the version an aborted sample's partial was made with
         epoch = self.pause_gate.abort_epoch
         results = iter(self.generate_rows(rows))
         samples: list[list[Sample]] = []
@@ -250,7 +250,7 @@ class CPUEngine(PausableEngine, RolloutEngine):
                         finish_reason=res.finish_reason,
                         routed_experts=res.routed_experts,
                         routed_experts_start=req.routed_experts_start,
-                        token_versions=res.token_versions if set(res.token_versions) - {start} else None,
+                        token_versions=res.token_versions,
                     )
                 )
             samples.append([self._continued(req, s, epoch, start) for s in group])

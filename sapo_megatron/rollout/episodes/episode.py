@@ -63,6 +63,9 @@ class EpisodeLedger:
         self.routes: np.ndarray | None = None
         self.turns = 0
         self._routes_missing = False
+        # each response token's engine version (None: an observation, or a turn whose engine reported none)
+        self.versions: list[int | None] = []
+        self._versions_missing = False
 
     def check_input(self, input_ids: Sequence[int]) -> None:
         """Raise :class:`EpisodeDriftError` unless ``input_ids`` equals the sequence so far."""
@@ -86,6 +89,8 @@ class EpisodeLedger:
         self.loss_mask += [1] * len(turn.response_ids)
         self.rollout_logp += list(turn.rollout_logp)
         self.turns += 1
+        self._versions_missing |= turn.token_versions is None
+        self.versions += turn.token_versions or [None] * len(turn.response_ids)
         if turn.routed_experts is None:
             self._routes_missing = True
             return
@@ -107,6 +112,20 @@ class EpisodeLedger:
         self.tokens += list(ids)
         self.loss_mask += [0] * len(ids)
         self.rollout_logp += [0.0] * len(ids)
+        self.versions += [None] * len(ids)
+
+    def token_versions(self) -> list[int] | None:
+        """Each response token's engine version – a turn's tokens their own (an episode spans weight updates), an
+        observation the version of the turn before it (the first turn's when it comes first; untrained either
+        way) – or None when a turn came without versions."""
+        known = [v for v in self.versions if v is not None]
+        if self._versions_missing or not known:
+            return None
+        out, last = [], known[0]
+        for v in self.versions:
+            last = last if v is None else v
+            out.append(last)
+        return out
 
     @property
     def response_ids(self) -> list[int]:
@@ -126,6 +145,7 @@ class EpisodeLedger:
             routed_experts=routes,
             loss_mask=self.loss_mask,
             episode=info,
+            token_versions=self.token_versions(),
         )
 
 

@@ -135,15 +135,20 @@ class GenerationClient:
                 routed_experts_start=req.routed_experts_start,
                 images=len(image_data or ()),
             )
-            versions[0] = token_versions(reply, len(parsed.response_ids))
+            versions[0] = token_versions(
+                reply, len(parsed.response_ids), low=version, high=self.fleet.weight_version
+            )
             spans[0] = len(reply.get("meta_info", {}).get("weight_versions") or ())
             return parsed
 
         def retry(parsed: ParsedGeneration) -> bool:  # an abort not of this client's pause: try again
-            return parsed.finish_reason == "abort" and not self.fleet.pause.paused
+            # a pause begun since the request was sent cut it: it is continued (never restarted), also when its
+            # reply comes back after continue_generation
+            pause = self.fleet.pause
+            return parsed.finish_reason == "abort" and not pause.paused and pause.epoch == epoch
 
         parsed = self.fleet.with_failover(rid_base, attempt, cancel, retry_if=retry)
-        if spans[0] > 1 and versions[0] is None:
+        if spans[0] and versions[0] is None:
             self.fleet.count("rollout/partial_unsplit", 1)  # spans of labels that are not this client's
         sample = Sample(
             group_id=req.group_id,
@@ -188,20 +193,26 @@ class GenerationClient:
         return [r for r in results if r is not None]
 
 
-def token_versions(reply: dict, n_tokens: int) -> list[int] | None:
-    """Per-token versions of a reply that spans a weight update, from SGLang 0.5.23's ``meta_info.weight_versions``
-    (spans ``{"version", "start", "end"}`` of the label each update set: this client labels its updates with the
-    fleet's version number, SGLang's initial label is "default", i.e. version 0). None when every token came from
-    one version, or when the labels are not this client's numbers."""
+def token_versions(reply: dict, n_tokens: int, *, low: int, high: int) -> list[int] | None:
+    """Per-token versions of a reply, from SGLang 0.5.23's ``meta_info.weight_versions`` (spans ``{"version",
+    "start", "end"}`` of the label each update set, one span when one version made every token; SGLang sends them
+    with every finished request: ``compute_weight_version_spans`` in ``srt/utils/weight_versions.py``). This client
+    labels its updates with the fleet's version number; SGLang's initial label is "default", i.e. version 0. None
+    when the reply has no spans, or when a label is not one of this client's numbers between ``low`` (the fleet's
+    version when the request was sent) and ``high`` (its version at the reply): a label another client or the
+    server's start set, or a token made during an update that generation was not paused for."""
     spans = reply.get("meta_info", {}).get("weight_versions")
-    if not isinstance(spans, list) or len(spans) < 2:
+    if not isinstance(spans, list) or not spans:
         return None
     versions: list[int] = []
     for span in spans:
         label = str(span.get("version"))
         if not (label == "default" or label.isdigit()):
             return None
-        versions += [0 if label == "default" else int(label)] * (int(span["end"]) - int(span["start"]))
+        version = 0 if label == "default" else int(label)
+        if not low <= version <= high:
+            return None
+        versions += [version] * (int(span["end"]) - int(span["start"]))
     return versions if len(versions) == n_tokens else None
 
 

@@ -4,9 +4,10 @@
 :class:`PauseState` is what the client knows: whether it paused the fleet, in which mode, and the weight version
 before the pause. A sample that a pause in ``abort`` mode cut short is continued after ``continue_generation``
 (:mod:`sapo_megatron.rollout.partial`), never restarted. ``in_place`` / ``retract`` keep requests on the server,
-which replies with each token's version label (SGLang 0.5.23 ``meta_info.weight_versions``, the CPU server alike;
-the client labels its updates with its version numbers); spans of labels that are not numbers are counted
-(``rollout/partial_unsplit``) and such a sample carries no versions.
+which replies with each token's version label (SGLang 0.5.23 ``meta_info.weight_versions``, the CPU server alike,
+for every finished request; the client labels its updates with its version numbers); a label that is not one of
+this client's numbers since the request was sent is counted (``rollout/partial_unsplit``) and such a sample
+carries no versions.
 """
 
 from __future__ import annotations

@@ -430,3 +430,39 @@ def echo_tools(*, max_concurrent: int, max_output_chars: int) -> ToolSet:
 
     tools = [Tool({"type": "function", "function": {"name": "echo"}}, echo)]
     return ToolSet(tools, timeout_s=1, max_concurrent=max_concurrent, max_output_chars=max_output_chars)
+
+
+def test_an_episode_carries_each_turns_versions_across_a_weight_update():
+    """Under fully_async an episode goes on across weight updates: each turn's tokens keep the engine versions
+    that made them (a turn paused mid-response has two), an observation takes the version of the turn before it;
+    a turn without versions leaves the episode without them (the pipeline then tags it whole)."""
+    from sapo_megatron.rollout.episodes.episode import EpisodeLedger
+    from sapo_megatron.rollout.types import Sample
+
+    def turn(prompt: list[int], response: list[int], versions: list[int] | None) -> Sample:
+        return Sample(
+            group_id=0,
+            sample_index=0,
+            prompt_ids=prompt,
+            response_ids=response,
+            rollout_logp=[-1.0] * len(response),
+            finish_reason="stop",
+            token_versions=versions,
+        )
+
+    info = EpisodeInfo(status="completed", turns=3, tool_calls=2)
+    ledger = EpisodeLedger([1, 2], "episode")
+    ledger.add_turn(turn([1, 2], [5, 6, 7], [3, 3, 3]))
+    ledger.add_observation([40, 41])
+    ledger.add_turn(turn(ledger.tokens, [8, 9], [3, 4]))  # paused mid-turn, continued on the new weights
+    ledger.add_observation([42])
+    ledger.add_turn(turn(ledger.tokens, [10], [4]))
+    sample = ledger.sample(0, 0, info)
+    assert sample.token_versions == [3, 3, 3, 3, 3, 3, 4, 4, 4]
+    assert sample.loss_mask == [1, 1, 1, 0, 0, 1, 1, 0, 1]
+
+    ledger = EpisodeLedger([1, 2], "episode")
+    ledger.add_turn(turn([1, 2], [5], [0]))
+    ledger.add_observation([40])
+    ledger.add_turn(turn(ledger.tokens, [8], None))
+    assert ledger.sample(0, 0, info).token_versions is None
