@@ -94,6 +94,8 @@ def make_generate(client, draws: list[int], args):
     def generate(index: int, groups: int):
         with lock:  # concurrent chunks take the next lengths in turn
             take = draws[position[0] : position[0] + groups]
+            if len(take) < groups:  # never loop on empty chunks: say what ran out
+                raise RuntimeError(f"the arm drew more than the {len(draws)} prepared response lengths")
             position[0] += groups
         requests = [
             GenerationRequest(
@@ -109,10 +111,10 @@ def make_generate(client, draws: list[int], args):
             samples = [s for group in client.generate(requests) for s in group]
         finally:
             timed(False)
-        sequences = [
-            TrainSequence(s.prompt_ids, s.response_ids, 0.0, s.rollout_logp, versions=s.token_versions)
-            for s in samples
-        ]
+        # The simulated sync changes no weights, so the engine's own versions stay at its first for the whole run
+        # (every group would look ever staler and be dropped): no per-token versions, the pipeline tags each group
+        # with the policy version its chunk started at.
+        sequences = [TrainSequence(s.prompt_ids, s.response_ids, 0.0, s.rollout_logp) for s in samples]
         return sequences, {}, {}
 
     generate.busy = busy  # type: ignore[attr-defined]
