@@ -21,6 +21,18 @@ PauseMode = Literal["abort", "retract", "in_place"]
 PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
 
 
+def already_ended(request: GenerationRequest, partial: Sample) -> Sample | None:
+    """``partial`` as a finished sample when the abort cut nothing: it already holds its whole token budget
+    (``length``) or ends with one of the request's stop tokens (``stop``) – an abort that reached the server after
+    the last token was sampled but before the request was reported finished. Continuing it would add tokens past
+    the budget or after the stop. None: it is to be continued."""
+    if partial.response_ids and len(partial.response_ids) >= request.sampling.max_new_tokens:
+        return dataclasses.replace(partial, finish_reason="length")
+    if partial.response_ids and partial.response_ids[-1] in request.sampling.stop_token_ids:
+        return dataclasses.replace(partial, finish_reason="stop")
+    return None
+
+
 def continuation_request(request: GenerationRequest, partial: Sample) -> GenerationRequest:
     """One more sample of ``request`` that carries ``partial`` on (its remaining token budget)."""
     if partial.finish_reason != "abort":

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from sapo_megatron.rollout.cpu.server import CPUServer
-from sapo_megatron.rollout.partial import continuation_request, splice
+from sapo_megatron.rollout.partial import already_ended, continuation_request, splice
 from sapo_megatron.rollout.types import GenerationRequest, Sample, SamplingParams
 from tests.rollout.conftest import engine_from, load, reference_logprobs, reference_routing
 
@@ -217,3 +217,38 @@ def test_server_pause_refuses_an_unknown_mode_and_requests_wait_while_paused(slo
     worker.join(timeout=30)
     assert len(out["reply"]["output_ids"]) == 3
     assert out["reply"]["meta_info"]["weight_versions"] == [{"version": "0", "start": 0, "end": 3}]
+
+
+# ---------------------------------------------------------------- an abort after the last token
+
+
+@pytest.mark.parametrize(
+    ("response", "stop", "finish"),
+    [([7, 8, 9, 10], (), "length"), ([7, 8, 3], (3,), "stop"), ([7, 8, 9], (), None), ([], (), None)],
+)
+def test_an_aborted_sample_that_already_ended_is_not_continued(response, stop, finish):
+    """An abort that reaches the server after a sample's last token (its whole budget, or a stop token) returns a
+    sample with nothing left to make: it is reported finished, never continued past its budget or its stop."""
+    request = GenerationRequest(
+        prompt_ids=[1, 2], n=1, group_id=0, sampling=SamplingParams(max_new_tokens=4, stop_token_ids=stop)
+    )
+    partial = Sample(
+        group_id=0,
+        sample_index=0,
+        prompt_ids=[1, 2],
+        response_ids=response,
+        rollout_logp=[-0.5] * len(response),
+        finish_reason="abort",
+        token_versions=[0] * len(response),
+    )
+    ended = already_ended(request, partial)
+    if finish is None:
+        assert ended is None
+        assert continuation_request(request, partial).sampling.max_new_tokens == 4 - len(response)
+    else:
+        assert ended is not None
+        assert (ended.finish_reason, ended.response_ids, ended.token_versions) == (
+            finish,
+            response,
+            [0] * len(response),
+        )

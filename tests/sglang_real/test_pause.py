@@ -240,7 +240,8 @@ def test_abort_pause_continues_samples_through_the_client(sglang_url, model_dir,
     for s in samples:
         n = len(s.response_ids)
         assert s.finish_reason in ("length", "stop"), s.finish_reason
-        assert n == budget if s.finish_reason == "length" else (n < budget and s.response_ids[-1] == EOS)
+        ends = (n, budget, s.finish_reason, s.response_ids[-3:], s.token_versions.count(0))
+        assert n == budget if s.finish_reason == "length" else (n < budget and s.response_ids[-1] == EOS), ends
         k = s.token_versions.count(0)
         assert s.token_versions == [0] * k + [1] * (n - k)
         mid += 0 < k < n

@@ -55,7 +55,7 @@ from sapo_megatron.rollout.base import (  # ContextLengthError: also importable 
 from sapo_megatron.rollout.cpu.decode import BatchDecode, RowResult, RowSpec  # re-exported
 from sapo_megatron.rollout.cpu.pause import PausableEngine, PauseGate
 from sapo_megatron.rollout.cpu.vision import EngineVision, is_vision_model
-from sapo_megatron.rollout.partial import continuation_request, splice
+from sapo_megatron.rollout.partial import already_ended, continuation_request, splice
 from sapo_megatron.rollout.precision import EngineNumerics
 from sapo_megatron.rollout.types import (
     GenerationRequest,
@@ -262,6 +262,9 @@ class CPUEngine(PausableEngine, RolloutEngine):
         scripted abort (``pause_after``) cut comes back as it is."""
         if sample.finish_reason != "abort" or self.pause_gate.abort_epoch == epoch:
             return sample
+        ended = already_ended(req, sample)
+        if ended is not None:  # the abort came after its last token: nothing to continue
+            return ended
         self.pause_gate.wait_running(None)
         with self._lock:
             self._counters["rollout/partial_samples"] += 1

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from sapo_megatron.data.vision import collapse_image_pads
 from sapo_megatron.rollout.base import RolloutError, normalize_response_starts
-from sapo_megatron.rollout.partial import continuation_request, splice
+from sapo_megatron.rollout.partial import already_ended, continuation_request, splice
 from sapo_megatron.rollout.protocol import (
     ParsedGeneration,
     generate_payload,
@@ -82,6 +82,10 @@ class GenerationClient:
         while sample.finish_reason == "abort" and (
             self.fleet.pause.paused or self.fleet.pause.epoch != epoch
         ):
+            ended = already_ended(req, sample)
+            if ended is not None:  # the abort came after its last token: nothing to continue
+                sample = ended
+                break
             self.fleet.pause.wait_continued(cancel, self.fleet.timeout_s)
             part += 1
             self.fleet.count("rollout/partial_samples", 1)
