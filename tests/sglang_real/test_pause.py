@@ -191,7 +191,9 @@ def abort_round(client, url: str, other_dir) -> list:
     prober.start()
     wait_tokens(probe, 2)  # the server is decoding: the client's requests join the running batch
     sent_at = probe["chunks"][-1][1]
-    sampling = SamplingParams(max_new_tokens=NEW - 8, temperature=1.0)
+    # as the trainer sends them (loop/trainer._sampling): the tokenizer's EOS among the stop tokens, so that an abort
+    # landing after a sample's final EOS is seen as finished (rollout/partial.already_ended), not continued
+    sampling = SamplingParams(max_new_tokens=NEW - 8, temperature=1.0, stop_token_ids=(EOS,))
     request = GenerationRequest(
         prompt_ids=PROMPT, n=4, sampling=sampling, return_routed_experts=True, group_id=0
     )
@@ -241,7 +243,9 @@ def test_abort_pause_continues_samples_through_the_client(sglang_url, model_dir,
         n = len(s.response_ids)
         assert s.finish_reason in ("length", "stop"), s.finish_reason
         ends = (n, budget, s.finish_reason, s.response_ids[-3:], s.token_versions.count(0))
-        assert n == budget if s.finish_reason == "length" else (n < budget and s.response_ids[-1] == EOS), ends
+        assert n == budget if s.finish_reason == "length" else (n < budget and s.response_ids[-1] == EOS), (
+            ends
+        )
         k = s.token_versions.count(0)
         assert s.token_versions == [0] * k + [1] * (n - k)
         mid += 0 < k < n
