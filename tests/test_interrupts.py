@@ -272,11 +272,13 @@ NOTE
 done.touch(); sys.exit(1)
 """
     with_notes = cause_ends_last.replace("NOTE", "note_failure()")
-    assert launch_local([sys.executable, "-c", with_notes], 2, port=0) == 7  # port 0: no process group here
+    # port 0: no process group here; settle_s far above rank 1's 3 s, so that a loaded machine cannot make the
+    # launcher stop rank 1 (status 143) before it ends by itself (seen once in a full local run)
+    assert launch_local([sys.executable, "-c", with_notes], 2, port=0, settle_s=30.0) == 7
     for marker in tmp_path.iterdir():
         marker.unlink()
     without_notes = cause_ends_last.replace("NOTE", "pass")
-    assert launch_local([sys.executable, "-c", without_notes], 2, port=0) == 1
+    assert launch_local([sys.executable, "-c", without_notes], 2, port=0, settle_s=30.0) == 1
 
 
 def test_print_line_writes_its_line_and_newline_in_one_write(monkeypatch):
