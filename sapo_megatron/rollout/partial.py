@@ -26,10 +26,10 @@ def already_ended(request: GenerationRequest, partial: Sample) -> Sample | None:
     (``length``) or ends with one of the request's stop tokens (``stop``) – an abort that reached the server after
     the last token was sampled but before the request was reported finished. Continuing it would add tokens past
     the budget or after the stop. None: it is to be continued."""
+    if partial.response_ids and partial.response_ids[-1] in request.sampling.stop_token_ids:
+        return dataclasses.replace(partial, finish_reason="stop")  # first, as SGLang 0.5.23 decides
     if partial.response_ids and len(partial.response_ids) >= request.sampling.max_new_tokens:
         return dataclasses.replace(partial, finish_reason="length")
-    if partial.response_ids and partial.response_ids[-1] in request.sampling.stop_token_ids:
-        return dataclasses.replace(partial, finish_reason="stop")
     return None
 
 

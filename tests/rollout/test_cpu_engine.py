@@ -84,6 +84,17 @@ def test_stop_tokens_and_length(engine):
     assert zero[0][0].response_ids == [] and zero[0][0].routed_experts.shape[0] == len(PROMPTS[0]) - 1
 
 
+def test_a_stop_token_on_the_last_allowed_token_is_a_stop(engine):
+    """SGLang 0.5.23 (``Req.update_finish_state``) checks stop tokens before the length cap: a stop sampled as the
+    last allowed token finishes "stop", not "length" (tests/sglang_real/test_conformance.py checks the real server)."""
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+    [[free]] = engine.generate(requests(greedy, n=1)[:1])
+    k = next(i for i, t in enumerate(free.response_ids) if i and t not in free.response_ids[:i])
+    capped = SamplingParams(temperature=0.0, max_new_tokens=k + 1, stop_token_ids=(free.response_ids[k],))
+    [[at_cap]] = engine.generate(requests(capped, n=1)[:1])
+    assert (at_cap.response_ids, at_cap.finish_reason) == (free.response_ids[: k + 1], "stop")
+
+
 def test_greedy_top_k_and_top_p_follow_the_distribution(engine, reference):
     greedy = engine.generate(requests(SamplingParams(temperature=0.0, max_new_tokens=5), n=2))
     for group in greedy:

@@ -88,6 +88,11 @@ def test_greedy_logprobs_stop_ids_and_top_logprobs(client, reference, sglang_url
     )
     assert stopped.response_ids == sample.response_ids[: first + 1]
     assert stopped.finish_reason == "stop"
+    # the same stop as the last allowed token: still stop (SGLang 0.5.23 checks stop tokens before the length cap;
+    # our CPU engine must decide alike – tests/rollout/test_cpu_engine.py)
+    last = SamplingParams(temperature=0.0, max_new_tokens=first + 1, stop_token_ids=(stop,))
+    [[at_cap]] = client.generate([GenerationRequest(prompt_ids=PROMPTS[0], n=1, sampling=last, group_id=0)])
+    assert (at_cap.response_ids, at_cap.finish_reason) == (sample.response_ids[: first + 1], "stop")
 
     # top log-probs (SGLang field names): sorted, the first is the greedy token, values from the reference
     body = {

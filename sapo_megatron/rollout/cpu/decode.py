@@ -163,10 +163,11 @@ class Decoder:
             r.outputs.append(token)
             r.logprobs.append(float(token_logprobs[i]))
             r.versions.append(r.next_version)
-            if len(r.outputs) >= r.spec.sampling.max_new_tokens:
-                r.done, r.finish = True, "length"
-            elif token in r.stop_set:
+            # SGLang 0.5.23 Req.update_finish_state: a stop token beats the length cap
+            if token in r.stop_set:
                 r.done, r.finish, r.matched = True, "stop", token
+            elif len(r.outputs) >= r.spec.sampling.max_new_tokens:
+                r.done, r.finish = True, "length"
         return tokens
 
     def checkpoint(self, run: Running) -> Action:

@@ -11,8 +11,9 @@ It reproduces what the trainer relies on from SGLang, so that swapping engines c
   ``log_softmax(logits)`` whatever the temperature. At ``T = 1`` both are the trainer's log-probability.
 - **Input logprobs** (teacher scoring, ``logprob_start_len >= 0``): ``log_softmax(logits)`` at temperature 1, the
   first token's entry None.
-- **Stopping** (SGLang ``Req.check_finished``): ``max_new_tokens`` is checked first ("length"), then the stop token
-  ids and the model's EOS ids ("stop"; the stop token is part of the output).
+- **Stopping** (SGLang 0.5.23 ``Req.update_finish_state``): the stop token ids and the model's EOS ids are checked
+  first ("stop"; the stop token is part of the output), then ``max_new_tokens`` ("length") – a stop token sampled
+  as the last allowed token is a "stop", not a truncation.
 - **Precision** (:mod:`sapo_megatron.rollout.precision`): ``fp32`` (default; equals the trainer), ``bf16``
   (``--dtype bfloat16``) or ``fp8`` (SGLang's block-wise W8A8 fp8 on the decoder's linear layers), applied at
   load and re-applied to every weight update; logits are upcast to fp32 before any softmax.
