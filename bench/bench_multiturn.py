@@ -48,6 +48,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import shlex
 import statistics
 import sys
 import tempfile
@@ -301,6 +302,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="the CPU server runs static batches (default: continuous)",
     )
+    parser.add_argument(
+        "--sglang-flags",
+        default="",
+        help="with --engine sglang, more sglang.launch_server flags in one string, e.g. "
+        "'--enable-mixed-chunk --chunked-prefill-size 4096' (prefill batches ride along with a decode step)",
+    )
     args = parser.parse_args(argv)
     if args.episodes % 4:
         parser.error("--episodes must be a multiple of 4 (groups of 4 samples)")
@@ -314,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         if args.engine == "sglang":
             model = save_sglang_model(Path(tmp) / "model", args.hidden)
-            with sglang_server(model, Path(tmp) / "sglang.log") as url:
+            flags = shlex.split(args.sglang_flags)
+            with sglang_server(model, Path(tmp) / "sglang.log", extra_flags=flags) as url:
                 client = SGLangClient([url], max_concurrency=args.episodes, timeout_s=300.0, max_retries=0)
                 results.extend(bench_engine("sglang (real, CPU)", client, args, args.episodes))
                 client.close()
@@ -346,6 +354,7 @@ def settings(args: argparse.Namespace) -> dict:
         "static_batches",
         "stream_window",
         "stream_in_flight",
+        "sglang_flags",
     )
     return {k: getattr(args, k) for k in names}
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,9 +43,12 @@ def save_sglang_model(path: Path, hidden: int) -> Path:
 
 
 @contextlib.contextmanager
-def sglang_server(model: Path, log: Path, *, timeout_s: float = 600.0) -> Iterator[str]:
+def sglang_server(
+    model: Path, log: Path, *, timeout_s: float = 600.0, extra_flags: Sequence[str] = ()
+) -> Iterator[str]:
     """A real SGLang server on CPU serving ``model``, its output in ``log``; yields its URL once healthy and stops
-    its process group on exit. Exits with one line when ``$SAPO_SGLANG_VENV`` holds no installed SGLang."""
+    its process group on exit. ``extra_flags``: more ``sglang.launch_server`` flags (scheduler settings such as
+    ``--enable-mixed-chunk``). Exits with one line when ``$SAPO_SGLANG_VENV`` holds no installed SGLang."""
     from sapo_megatron.cli import free_port
     from tests.servers import process
 
@@ -61,6 +64,7 @@ def sglang_server(model: Path, log: Path, *, timeout_s: float = 600.0) -> Iterat
         "--port",
         str(port),
         *flags,
+        *extra_flags,
     ]
     with process(command, log, f"http://127.0.0.1:{port}", timeout=timeout_s) as url:
         yield url
