@@ -9,7 +9,9 @@ each ``--turns`` engine turns of ``--tokens-per-turn`` tokens with a tool call b
 sleeps ``--tool-latency-s``; one run per value given, through the ToolSet's timeout and concurrency cap) whose observation appends
 ``--observation-tokens`` ids. Single-turn arm: the same number of samples, each one response of
 ``turns × tokens-per-turn`` tokens, in one ``generate`` call. Both count the tokens the engine sampled (observations
-excluded) over the wall time of the call; the ratio multi / single is the headline (goal ≥ 0.8).
+excluded) over the wall time of the call; the ratio multi / single is the headline (goal ≥ 0.8). Each round also
+times ``--episodes`` one-token requests, which with the single-turn round gives the engine's cost model
+``T(n) = c + n·d`` and the ratio's bound with instant tools (:func:`request_cost`).
 
 Engines: ``http`` is the CPU server (SGLang's API and, as an SGLang worker, continuous batching: a turn's request
 joins the running batch between decode steps; ``--static-batches``: static batches gathered over
@@ -224,11 +226,13 @@ def bench_latency(name: str, engine, args, parallel_calls: int) -> dict:
     episodes = build_episodes(engine, args, parallel_calls)
     total = args.turns * args.tokens_per_turn
     timed(engine, requests(args, 4, seed=0))  # warm-up
-    single, multi = [], []
+    single, multi, one_token, full = [], [], [], []
     stream: dict[int, list[float]] = {m: [] for m in args.stream_in_flight}
     for round_ in range(args.rounds):
+        one_token.append(timed(engine, requests(args, 1, seed=round_))[0])
         seconds, tokens = timed(engine, requests(args, total, seed=round_))
         single.append(tokens / seconds)
+        full.append(seconds)
         seconds, tokens = timed(episodes, requests(args, args.tokens_per_turn, seed=round_))
         multi.append(tokens / seconds)
         assert tokens == args.episodes * total, tokens
@@ -244,6 +248,7 @@ def bench_latency(name: str, engine, args, parallel_calls: int) -> dict:
         "engine_calls_per_round": episodes.metrics()["episode/engine_calls"] / args.rounds,
     }
     result["ratio"] = round(result["multi_turn_tokens_per_s"] / result["single_turn_tokens_per_s"], 3)
+    result |= request_cost(statistics.median(one_token), statistics.median(full), args.turns, total)
     result["per_round"] = {
         "single": [round(x, 1) for x in single],
         "lockstep": [round(x, 1) for x in multi],
@@ -261,6 +266,21 @@ def bench_latency(name: str, engine, args, parallel_calls: int) -> dict:
             )
             result["per_round"][f"stream_{m}"] = [round(x, 1) for x in rates]
     return result
+
+
+def request_cost(one_token_s: float, full_s: float, turns: int, total: int) -> dict[str, float]:
+    """The engine's cost model from two timed rounds of ``--episodes`` requests, ``T(n) = c + n·d``: one token
+    each (``one_token_s``) and the single-turn arm's ``total`` tokens each (``full_s``). ``d`` is a decode step of
+    the whole batch, ``c`` what a round of requests costs besides its decode steps (sending, prefill, scheduling,
+    replies). ``ratio_bound_no_tool_wait``: the multi / single ratio if every tool answered at once and the turns
+    overlapped perfectly, ``T(total) / (turns·c + total·d)`` – each turn is a request and pays ``c`` again."""
+    step = max(full_s - one_token_s, 0.0) / max(total - 1, 1)
+    fixed = max(one_token_s - step, 0.0)
+    return {
+        "round_of_requests_s": round(fixed, 4),
+        "decode_step_s": round(step, 5),
+        "ratio_bound_no_tool_wait": round(full_s / (turns * fixed + total * step), 3),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
