@@ -3,6 +3,7 @@
     python bench/bench_multiturn.py [--episodes 64] [--turns 3] [--tokens-per-turn 16] [--tool-latency-s 0.2 ...]
                                     [--observation-tokens 8] [--engine http|cpu|both|sglang] [--hidden 128]
                                     [--rounds 2] [--stream-window 2] [--stream-in-flight 64 128]
+                                    [--sglang-flags '--enable-mixed-chunk --chunked-prefill-size 4096']
 
 Multi-turn arm: ``--episodes`` episodes at once through :class:`~sapo_megatron.rollout.episodes.EpisodeEngine`,
 each ``--turns`` engine turns of ``--tokens-per-turn`` tokens with a tool call between turns (an async tool that
