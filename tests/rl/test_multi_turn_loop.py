@@ -6,6 +6,7 @@ the run's config evaluates with the same episodes."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import yaml
 
@@ -19,7 +20,8 @@ from tests.rl.test_trainer import train
 MAX_NEW_TOKENS = 5
 
 
-def test_rl_steps_on_two_turn_episodes_with_r3_and_packing(tmp_path):
+def two_turn_config(tmp_path: Path, **trainer) -> tuple[Path, Path, list[PromptRow]]:
+    """The run's config (written), the tiny chat model and the prompts: two-turn episodes, R3, packing."""
     model = make_tiny_hf_checkpoint(tmp_path / "model", "moe", vocab_size=384, max_position_embeddings=512)
     make_chat_tokenizer(model)
     rows = [PromptRow(prompt=f"What is {i} plus 30?", ground_truth=str(i + 30)) for i in range(8)]
@@ -37,6 +39,7 @@ def test_rl_steps_on_two_turn_episodes_with_r3_and_packing(tmp_path):
     )
     cfg["sft"]["steps"] = 0
     cfg["trainer"].update(steps=2, prompts_per_step=4, mini_batches=2, save_every=0, log_samples_every=1)
+    cfg["trainer"].update(trainer)
     cfg["parallel"] = {"max_tokens_per_micro_batch": 512}
     cfg["rollout"].update(
         n_samples=2,
@@ -51,10 +54,19 @@ def test_rl_steps_on_two_turn_episodes_with_r3_and_packing(tmp_path):
     cfg["algorithm"]["routing_replay"] = "r3"
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(cfg))
+    return config, model, rows
+
+
+def rl_rows(run: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [row for row in rows if row["phase"] == "rl"]
+
+
+def test_rl_steps_on_two_turn_episodes_with_r3_and_packing(tmp_path):
+    config, model, rows = two_turn_config(tmp_path)
     train(config)
 
-    rl = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    rl = [row for row in rl if row["phase"] == "rl"]
+    rl = rl_rows(tmp_path / "run")
     assert len(rl) == 2
     for row in rl:
         assert row["episode/turns_mean"] == 2.0 and row["episode/tool_calls_mean"] == 1.0
@@ -91,3 +103,30 @@ def test_rl_steps_on_two_turn_episodes_with_r3_and_packing(tmp_path):
     assert 2 <= metrics["response_length_mean"] <= 2 * MAX_NEW_TOKENS
     rows_out = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert len(rows_out) == 4 and all(r["turns"] == 2 and r["status"] == "completed" for r in rows_out)
+
+
+def test_two_turn_episodes_under_fully_async_with_two_chunks_in_flight(tmp_path):
+    """``rollout_mode: fully_async``: the producer runs episodes (two chunks in flight) while the trainer trains,
+    weight updates pause them in place and they carry on; every step trains within ``max_staleness``, episodes stay
+    whole (two turns, one tool call), and the first step – version-0 tokens only – matches the engine's log-probs
+    on the mask-1 tokens as the synchronous run does (R3 replaying routes spliced across turns)."""
+    config, _, _ = two_turn_config(
+        tmp_path,
+        steps=3,
+        rollout_mode="fully_async",
+        max_staleness=1,
+        async_inflight_chunks=2,
+        async_chunk_groups=2,
+    )
+    train(config)
+    rl = rl_rows(tmp_path / "run")
+    assert len(rl) == 3
+    for row in rl:
+        assert row["episode/turns_mean"] == 2.0 and row["episode/tool_calls_mean"] == 1.0
+        assert row["staleness/token_max"] <= 1.0
+        assert row["routing/agreement_used"] == 1.0
+    assert rl[0]["staleness/token_max"] == 0.0
+    assert rl[0]["mismatch/abs_delta_mean"] < 1e-4, rl[0]["mismatch/abs_delta_mean"]
+    samples = [json.loads(line) for line in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
+    assert samples and all(s["turns"] == 2 and s["status"] == "completed" for s in samples)
+    print("fully_async episodes: staleness/token_mean", [row["staleness/token_mean"] for row in rl])

@@ -235,6 +235,17 @@ class EpisodeEngine(RolloutEngine):
     def flush_cache(self) -> None:
         self.engine.flush_cache()
 
+    # a weight update under fully_async pauses the wrapped engine: a turn in flight spans it (its tokens carry
+    # the engine's versions), turns asked for while paused wait for the new weights, tools run on meanwhile
+    def pause_generation(self, mode: str = "in_place") -> None:
+        self.engine.pause_generation(mode)
+
+    def continue_generation(self) -> None:
+        self.engine.continue_generation()
+
+    def served_weight_version(self) -> int | None:
+        return self.engine.served_weight_version()
+
     def health(self) -> bool:
         return self.engine.health()
 
