@@ -302,8 +302,14 @@ def test_concurrent_episodes_share_engine_calls_and_tools_overlap(hf):
     """16 episodes of 3 turns with a 0.3 s tool each: turns that are ready together go in one engine call, and
     the tools of all episodes wait at once (sequentially they would take 16 × 2 × 0.3 s)."""
 
+    waiting, most = 0, 0
+
     async def slow_echo(**_: object) -> str:
+        nonlocal waiting, most
+        waiting += 1
+        most = max(most, waiting)
         await asyncio.sleep(0.3)
+        waiting -= 1
         return "ok"
 
     tools = ToolSet(
@@ -314,12 +320,11 @@ def test_concurrent_episodes_share_engine_calls_and_tools_overlap(hf):
     )
     engine = ScriptedEngine(hf, {"go": [call("echo"), call("echo"), "done"]}, delay_s=0.02)
     episodes = episode_engine(engine, hf, tools=tools)
-    started = time.perf_counter()
     groups = episodes.generate([request(prompt_ids(hf, f"go {i}"), n=4) for i in range(4)])
-    elapsed = time.perf_counter() - started
     assert all(s.episode.turns == 3 for g in groups for s in g)
     assert len(engine.calls) <= 6 and sum(engine.calls) == 48  # 48 turns in a few calls
-    assert elapsed < 2.0, elapsed
+    # counted, not timed (a wall-clock bound failed once on a loaded machine): tools of many episodes wait at once
+    assert most >= 8, most  # six calls at most for 48 turns: one of them readies 8 tools or more
 
 
 def test_turn_seeds_differ_per_turn_and_sample(hf):
