@@ -184,7 +184,7 @@ def test_pause_update_continue_per_version(mode, sglang_url, model_dir, other_di
 
 def abort_round(client, url: str, other_dir) -> list:
     """Four samples through ``client`` while a streamed probe runs beside them; paused in ``abort`` mode once the
-    probe shows that the batch has decoded 10 more tokens since they were sent, weights updated, continued."""
+    probe shows that the batch has decoded 5 more tokens since they were sent, weights updated, continued."""
     out: dict = {}
     probe: dict = {}
     prober = threading.Thread(target=stream, args=(url, probe))
@@ -200,7 +200,7 @@ def abort_round(client, url: str, other_dir) -> list:
     worker = threading.Thread(target=lambda: out.update(groups=client.generate([request])))
     worker.start()
     try:
-        wait_tokens(probe, sent_at + 10)
+        wait_tokens(probe, sent_at + 5)  # early: this random model often samples EOS within 10 tokens
         client.pause_generation("abort", timeout_s=60)
         try:
             client.update_weights_from_disk(str(other_dir))  # flushes the cache: continuations prefill on v1
@@ -221,7 +221,9 @@ def test_abort_pause_continues_samples_through_the_client(sglang_url, model_dir,
     A sample may end early at the demo tokenizer's EOS (SGLang stops there whatever the request says: that was
     the earlier "finish reason other than length"); it must then end with EOS."""
     budget, attempts = NEW - 8, 0
-    while attempts < 3:  # the pause must land while a sample is mid-response (timing on a shared machine)
+    # the pause must land while a sample is mid-response: timing on a shared machine, and samples of this random
+    # model that end at EOS before it (CI once saw 3 attempts without one)
+    while attempts < 6:
         restore(sglang_url, model_dir)  # label "default": version 0 of a new client
         attempts += 1
         client = SGLangClient(
