@@ -108,16 +108,13 @@ class Fleet:
         self.busy = 0  # generate / score calls in flight (a memory release must wait for them)
         self._round_robin = itertools.count()
         self._counters = dict.fromkeys(COUNTERS, 0.0)
-        # beyond the generation requests: connections for the control calls (pause, weight update, continue), one
-        # per worker and the router, which must never wait for a connection a paused request holds
-        control = len(self.servers) + 1
         self.http = httpx.Client(
             headers=auth_headers(api_key),
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
             # SGLang (uvicorn) and the CPU server close idle connections after 5 s: close ours first, never race
             limits=httpx.Limits(
-                max_connections=max_concurrency + control,
-                max_keepalive_connections=max_concurrency + control,
+                max_connections=max_concurrency,
+                max_keepalive_connections=max_concurrency,
                 keepalive_expiry=4.0,
             ),
         )
@@ -313,11 +310,7 @@ class Fleet:
     def for_each(
         self, servers: Sequence[Server], fn: Callable[[Server], T], *, interruptible: bool = False
     ) -> list[T | Exception]:
-        """Run ``fn`` on every server in parallel; results or the exceptions raised, in server order.
-
-        Each call runs on a thread of its own, never on the generation pool: under fully_async the pool can be
-        full of requests a pause holds, and a control call queued behind them (``end_weight_update``, then the
-        ``continue_generation`` they wait for) would never run."""
+        """Run ``fn`` on every server in parallel; results or the exceptions raised, in server order."""
 
         def guarded(server: Server) -> T | Exception:
             try:
@@ -325,10 +318,11 @@ class Fleet:
             except Exception as exc:
                 return exc
 
-        futures = [self.background(functools.partial(guarded, server)) for server in servers]
         if interruptible:
+            futures = [self.background(functools.partial(guarded, server)) for server in servers]
             wait_for(futures, "waiting for the rollout servers")
-        return [future.result() for future in futures]
+            return [future.result() for future in futures]
+        return list(self._pool.map(guarded, servers))
 
     def background(self, fn: Callable[[], T]) -> Future[T]:
         """``fn`` on its own daemon thread: a stop signal can end the wait for it, and neither the exit nor
@@ -343,7 +337,7 @@ class Fleet:
             else:
                 future.set_result(result)
 
-        threading.Thread(target=runner, name="sglang-client-control", daemon=True).start()
+        threading.Thread(target=runner, name="sglang-client-weight-sync", daemon=True).start()
         return future
 
     # ------------------------------------------------------------------ weights, memory, health
