@@ -214,4 +214,3 @@ def test_an_abort_reply_that_arrives_after_continue_is_continued_not_restarted(m
         late.set()
         client.close()
         server.stop()
-
