@@ -124,16 +124,12 @@ def client(sglang_url):
     engine.close()
 
 
-def restore_weights(
-    url: str, model_dir: Path, headers: dict[str, str] | None = None, *, label: str | None = None
-) -> None:
+def restore_weights(url: str, model_dir: Path, headers: dict[str, str] | None = None) -> None:
     """Load ``model_dir`` back into the server at ``url`` (``update_weights_from_disk``), so that the tests after a
-    training run see the weights they expect; ``label``: the weight version label to set too (SGLang keeps a label
-    across updates that set none; its initial one is "default")."""
-    body = {"model_path": str(model_dir)} | ({"weight_version": label} if label is not None else {})
+    training run see the weights they expect."""
     reply = httpx.post(
         url + "/update_weights_from_disk",
-        json=body,
+        json={"model_path": str(model_dir)},
         headers=headers or {"Authorization": f"Bearer {API_KEY}"},
         timeout=300,
     )
